@@ -1,0 +1,1 @@
+"""Prefect flows: train (the iteration loop), and the CLI entry points."""

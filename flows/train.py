@@ -1,0 +1,53 @@
+"""The ``train`` flow: LOOP's iteration (ALGORITHMS.md 1.8) written out, one task per stage.
+
+    for each iteration:  collect -> advantages -> update (writes the checkpoint) -> evaluate (every N)
+
+Running it again with the same ``run_name`` resumes after the last completed iteration.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from typing import Any
+
+from prefect import flow
+
+from horizonrl.config import TrainConfig, load_config
+from tasks.advantage import advantages
+from tasks.collect import collect_rollouts
+from tasks.evaluate import evaluate
+from tasks.run import finish_run, start_run
+from tasks.tracking import log_stage
+from tasks.update import update
+
+
+@flow(name="train", log_prints=True)
+def train(config_path: str | None = None, overrides: list[str] | None = None, config: dict[str, Any] | None = None) -> dict[str, float]:
+    """Train one method on one environment; returns the summary figures (held-out success before/after)."""
+    cfg = TrainConfig.model_validate(config) if config is not None else load_config(config_path, overrides)
+    run = start_run(cfg)
+    ctx, policy, elapsed = run.ctx, run.policy, run.elapsed_s
+    if policy.iteration == 0 or _eval_missing(ctx, policy.iteration):
+        evaluate(ctx, policy, policy.iteration)
+    for it in range(policy.iteration + 1, cfg.iterations + 1):
+        if cfg.time_budget_s is not None and elapsed >= cfg.time_budget_s:
+            break
+        t0 = time.perf_counter()
+        rollouts = collect_rollouts(ctx, it, policy)                    # 1. rollouts of the current policy
+        adv = advantages(ctx, it, rollouts, policy)                     # 2. the method's advantages
+        policy = update(ctx, it, rollouts, adv, policy, elapsed + time.perf_counter() - t0)  # 3. PPO -> checkpoint
+        elapsed += time.perf_counter() - t0
+        log_stage(ctx, "time", {"iteration_s": time.perf_counter() - t0, "train_s": elapsed}, it)
+        log_stage(ctx, "system", {"max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, it)
+        last = it == cfg.iterations or (cfg.time_budget_s is not None and elapsed >= cfg.time_budget_s)
+        if it % cfg.eval.every == 0 or last:
+            evaluate(ctx, policy, it)                                   # 4. held-out evaluation
+    if _eval_missing(ctx, policy.iteration):
+        evaluate(ctx, policy, policy.iteration)
+    return finish_run(ctx, policy)
+
+
+def _eval_missing(ctx, iteration: int) -> bool:
+    history = ctx.mlflow().get_metric_history(ctx.mlflow_run_id, "eval/success_rate")
+    return all(m.step != iteration for m in history)

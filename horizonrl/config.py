@@ -1,0 +1,253 @@
+"""One typed configuration for a training run, validated before any work starts.
+
+Defaults live only here. Loading names any bad field (pydantic's error path, e.g. ``update.lr``).
+A *method* (``loop``, ``grpo``, ...) is a preset: an advantage estimator, a policy loss and the loss
+settings that the method's paper or code uses (ALGORITHMS.md 1.7, 2.10, 3.8, 4). ``advantage_params``
+and ``loss_params`` override single fields of those presets and are checked against the estimator's and
+loss's params dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+import methods
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodPreset:
+    advantage: str  # name in methods.ADVANTAGES
+    loss: str  # name in methods.LOSSES
+    loss_params: dict[str, Any]
+    min_group_size: int  # rollouts per task the estimator needs
+    epochs: int
+    uses_fixed_row_divisor: bool  # LOOP divides by the fixed minibatch size (ALGORITHMS.md 1.5)
+
+
+METHODS: dict[str, MethodPreset] = {
+    "loop": MethodPreset("loo", "ppo_clip", {"clip_mode": "loop", "eps": 0.1, "aggregation": "seq-mean-token-mean"}, 2, 2, True),
+    "rloo": MethodPreset("rloo", "ppo_clip", {"clip_mode": "asymmetric", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0, "aggregation": "token-mean"}, 2, 1, False),
+    "grpo": MethodPreset("grpo", "ppo_clip", {"clip_mode": "asymmetric", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0, "aggregation": "token-mean"}, 2, 1, False),
+    "drgrpo": MethodPreset("drgrpo", "ppo_clip", {"clip_mode": "asymmetric", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0, "aggregation": "seq-mean-token-sum-norm"}, 2, 1, False),
+    "gigpo": MethodPreset("gigpo", "ppo_clip", {"clip_mode": "asymmetric", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0, "aggregation": "token-mean"}, 2, 1, False),
+    "blpo": MethodPreset("blpo", "ppo_clip", {"clip_mode": "asymmetric", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0, "aggregation": "token-mean"}, 1, 1, False),
+    "appo": MethodPreset("appo", "appo_future_kl", {}, 2, 1, False),
+}
+
+
+class EnvConfig(Strict):
+    name: str = "household"
+    """Environment suite (see ``horizonrl.envs.SUITES``)."""
+    tier: str = "easy"
+    """Difficulty tier of the suite."""
+    suite_seed: int = 0
+    """Seed of the suite's task generator; fixes the train/test splits."""
+    train_pool: int = Field(10_000, ge=1)
+    """Number of training tasks sampled from."""
+    max_turns: int | None = Field(None, ge=1)
+    """Horizon; None takes the tier's."""
+
+
+class TinyModelConfig(Strict):
+    hidden_size: int = Field(128, ge=8)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(512, ge=8)
+    max_positions: int = Field(4096, ge=64)
+
+
+class ModelConfig(Strict):
+    path: str | None = None
+    """Local directory or hub id of a causal LM; None builds the tiny Qwen2 model from ``tiny``."""
+    tiny: TinyModelConfig = TinyModelConfig()
+    init_seed: int = 0
+    """Seed of the tiny model's initial weights."""
+
+    @field_validator("path")
+    @classmethod
+    def _path_exists(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        looks_local = v.startswith((".", "/", "~")) or Path(v).expanduser().exists() or v.count("/") != 1
+        if looks_local and not Path(v).expanduser().is_dir():
+            raise ValueError(f"model path {v!r} does not exist (give a local model directory or a hub id 'org/name')")
+        return v
+
+
+class RolloutConfig(Strict):
+    tasks_per_iteration: int = Field(16, ge=1)
+    """N tasks sampled per iteration."""
+    group_size: int = Field(8, ge=1)
+    """K rollouts per task."""
+    temperature: float = Field(1.0, gt=0)
+    action_mode: Literal["admissible", "free"] = "admissible"
+    """admissible: decoding constrained to the admissible commands by a token trie; free: parse text."""
+    context: Literal["window", "full"] = "window"
+    """window: goal + last ``history_turns`` turns + observation; full: one growing token sequence."""
+    history_turns: int = Field(2, ge=0)
+    max_action_tokens: int = Field(24, ge=1)
+
+
+class UpdateConfig(Strict):
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    epochs: int | None = Field(None, ge=1)
+    """Passes over the iteration's rows; None takes the method's default (LOOP 2, others 1)."""
+    minibatch_size: int = Field(32, ge=1)
+    """Rows per optimizer step (trajectories in layout T, steps in layout S)."""
+    grad_clip: float = Field(1.0, gt=0)
+    high_kl_threshold: float = Field(20.0, gt=0)
+    """Abandon the iteration's remaining steps when |trajectory KL| exceeds this (ALGORITHMS.md 1.6)."""
+    max_nan_skips: int = Field(20, ge=0)
+    """Abort the run after more non-finite steps than this."""
+    micro_batch_tokens: int = Field(16_384, ge=64)
+    """Padded tokens per forward pass; bounds memory."""
+
+
+class EvalConfig(Strict):
+    every: int = Field(5, ge=1)
+    """Evaluate every N iterations (and before the first and after the last)."""
+    n_tasks: int = Field(200, ge=1)
+    split: str = "test"
+    samples: int = Field(1, ge=1)
+    """Sampled attempts per task; pass@k is reported for k = samples."""
+    greedy: bool = True
+    """Also evaluate greedy decoding."""
+
+
+class TrainConfig(Strict):
+    run_name: str = "loop-household-easy"
+    experiment: str = "horizonrl"
+    seed: int = 0
+    """One seed fixes task sampling, environment seeds, sampling and initial weights."""
+    method: str = "loop"
+    iterations: int = Field(60, ge=1)
+    time_budget_s: float | None = Field(None, gt=0)
+    """Stop after the iteration that crosses this much training wall time."""
+    advantage_params: dict[str, Any] = {}
+    loss_params: dict[str, Any] = {}
+    env: EnvConfig = EnvConfig()
+    model: ModelConfig = ModelConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    update: UpdateConfig = UpdateConfig()
+    eval: EvalConfig = EvalConfig()
+    data_dir: str = "data"
+    tracking_uri: str | None = None
+    """MLflow tracking URI; None takes $MLFLOW_TRACKING_URI, else sqlite:///mlflow/mlflow.db."""
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, v: str) -> str:
+        if v not in METHODS:
+            raise ValueError(f"unknown method {v!r}; known: {', '.join(sorted(METHODS))}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_method_fit(self) -> "TrainConfig":
+        preset = METHODS[self.method]
+        if self.rollout.group_size < preset.min_group_size:
+            raise ValueError(
+                f"rollout.group_size = {self.rollout.group_size}: method {self.method!r} needs at least "
+                f"{preset.min_group_size} rollouts per task"
+            )
+        adv_cls = methods.ADVANTAGES.get(preset.advantage).params_cls
+        loss_cls = methods.LOSSES.get(preset.loss).params_cls
+        _check_fields("advantage_params", adv_cls, self.advantage_params)
+        _check_fields("loss_params", loss_cls, {**preset.loss_params, **self.loss_params})
+        from horizonrl.envs import SUITES  # local import: envs import heavy optional packages lazily
+
+        if self.env.name not in SUITES:
+            raise ValueError(f"env.name = {self.env.name!r} is unknown; known: {', '.join(sorted(SUITES))}")
+        return self
+
+    # derived values -------------------------------------------------------------------------------
+    @property
+    def preset(self) -> MethodPreset:
+        return METHODS[self.method]
+
+    def advantage_spec(self) -> tuple[str, Any]:
+        entry = methods.ADVANTAGES.get(self.preset.advantage)
+        return entry.name, entry.params_cls(**self.advantage_params)
+
+    def loss_spec(self) -> tuple[str, Any]:
+        entry = methods.LOSSES.get(self.preset.loss)
+        return entry.name, entry.params_cls(**{**self.preset.loss_params, **self.loss_params})
+
+    @property
+    def epochs(self) -> int:
+        return self.update.epochs or self.preset.epochs
+
+    def flat(self) -> dict[str, str]:
+        """Flattened ``a.b.c -> value`` view for MLflow params."""
+        return {k: str(v) for k, v in _flatten(self.model_dump()).items()}
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _check_fields(where: str, params_cls: type, values: dict[str, Any]) -> None:
+    names = {f.name for f in dataclasses.fields(params_cls)}
+    for key in values:
+        if key not in names:
+            raise ValueError(f"{where}.{key} is not a field of {params_cls.__name__}; fields: {', '.join(sorted(names))}")
+    try:
+        params_cls(**values)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from err
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _set_path(d: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = d
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"--set {dotted}: {p!r} is not a section")
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a YAML file (``yaml.safe_load``), apply ``key.sub=value`` overrides, validate.
+
+    Raises ``ValueError`` naming the file or the field on any problem.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file {str(p)!r} does not exist")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(f"config file {str(p)!r} is not valid YAML: {err}") from err
+        if not isinstance(raw, dict):
+            raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
+    for item in overrides or []:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r}: expected key=value")
+        key, text = item.split("=", 1)
+        _set_path(raw, key.strip(), yaml.safe_load(text))
+    return TrainConfig.model_validate(raw)

@@ -1,0 +1,49 @@
+"""The engine contract: token ids in, token ids out, with what the learner needs per token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class TokenTrie:
+    """Prefix tree over token-id sequences; constrains decoding to a set of commands.
+
+    Each sequence ends with the end-of-turn id, so reaching a leaf means the command is complete.
+    """
+
+    def __init__(self, sequences: list[list[int]], texts: list[str] | None = None) -> None:
+        self.root: dict[int, dict] = {}
+        self.texts: dict[tuple[int, ...], str] = {}  # full id sequence -> command text
+        for k, seq in enumerate(sequences):
+            node = self.root
+            for t in seq:
+                node = node.setdefault(t, {})
+            if texts is not None:
+                self.texts[tuple(seq)] = texts[k]
+
+
+@dataclass
+class Generation:
+    """One sampled action. Lists have one entry per generated token."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # log-prob of the token under the distribution it was sampled from
+    entropy: list[float]  # entropy of that distribution (full vocabulary, or the allowed set)
+    policy_mask: list[bool]  # False where the token was forced (a single allowed continuation)
+    allowed: list[list[int]] = field(default_factory=list)  # candidate ids per token ([] = full vocab)
+    finished: bool = True  # ended with the end-of-turn token (False: cut at the token budget)
+
+
+class Engine(Protocol):
+    def generate(
+        self,
+        prompts: list[list[int]],
+        tries: list[TokenTrie | None],
+        max_new_tokens: int,
+        temperature: float,
+        greedy: bool,
+        seed: int,
+    ) -> list[Generation]:
+        """Sample one action per prompt, all prompts in one batch."""
+        ...

@@ -1,0 +1,32 @@
+"""The trained policy as an MLflow pyfunc model: safetensors weights plus tokenizer as artifacts.
+
+``predict`` takes rows with ``goal`` and ``observation`` (and optionally ``admissible``, a list of
+commands) and returns the greedy action of each, in window context with no history.
+"""
+
+from __future__ import annotations
+
+import mlflow.pyfunc
+import pandas as pd
+
+
+class PolicyModel(mlflow.pyfunc.PythonModel):
+    def load_context(self, context) -> None:
+        from horizonrl.engines.hf import TransformersEngine
+        from horizonrl.models import load_policy
+        from horizonrl.prompting import ChatFormat
+
+        self.model, tokenizer = load_policy(context.artifacts["policy"])
+        self.fmt = ChatFormat.for_tokenizer(tokenizer)
+        self.engine = TransformersEngine(self.model, tokenizer.pad_token_id, [self.fmt.end_id])
+
+    def predict(self, context, model_input: pd.DataFrame, params=None) -> list[str]:
+        from horizonrl.engines.base import TokenTrie
+
+        prompts, tries = [], []
+        for _, row in model_input.iterrows():
+            prompts.append(self.fmt.system(row["goal"]) + self.fmt.user(row["observation"]))
+            cmds = row.get("admissible")
+            tries.append(TokenTrie([self.fmt.command(c) for c in cmds]) if cmds is not None and len(cmds) else None)
+        gens = self.engine.generate(prompts, tries, 32, 1.0, True, 0)
+        return [self.fmt.tokenizer.decode([t for t in g.token_ids if t != self.fmt.end_id], skip_special_tokens=True).strip() for g in gens]

@@ -1,0 +1,87 @@
+"""The per-process holder of heavy objects: policy model, tokenizer, optimizer, engine, env suite.
+
+Tasks pass checkpoint references; the holder loads a checkpoint only when the model in memory is not
+already that checkpoint (after an update it is), so weights move trainer -> engine in memory and to disk
+once per iteration.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from horizonrl.checkpoint import CheckpointRef, load_optimizer_state
+from horizonrl.config import TrainConfig
+from horizonrl.engines.hf import TransformersEngine
+from horizonrl.envs import EnvSuite, make_suite
+from horizonrl.models import load_policy, tiny_model_dir
+from horizonrl.prompting import ChatFormat
+from horizonrl.seeding import derive_seed
+
+
+@dataclass
+class Loaded:
+    ref: CheckpointRef
+    model: torch.nn.Module
+    tokenizer: object
+    fmt: ChatFormat
+    engine: TransformersEngine
+    optimizer: torch.optim.Optimizer
+
+
+class PolicyRuntime:
+    """Holds at most one loaded policy (and its optimizer) per process."""
+
+    def __init__(self) -> None:
+        self.current: Loaded | None = None
+        self._suites: dict[tuple[str, int], EnvSuite] = {}
+        self._pools: dict[tuple, list] = {}
+
+    def suite(self, cfg: TrainConfig) -> EnvSuite:
+        key = (cfg.env.name, cfg.env.suite_seed)
+        if key not in self._suites:
+            self._suites[key] = make_suite(*key)
+        return self._suites[key]
+
+    def task_pool(self, cfg: TrainConfig, split: str, n: int) -> list:
+        """The first ``n`` tasks of ``split`` at the configured tier (generated once per process)."""
+        key = (cfg.env.name, cfg.env.suite_seed, split, cfg.env.tier, n)
+        if key not in self._pools:
+            self._pools[key] = self.suite(cfg).tasks(split, cfg.env.tier, n)
+        return self._pools[key]
+
+    def initial_model_dir(self, cfg: TrainConfig) -> Path:
+        """The starting weights: ``model.path`` or the tiny model built for this environment."""
+        if cfg.model.path is not None:
+            return Path(cfg.model.path)
+        suite = self.suite(cfg)
+        return tiny_model_dir(cfg.data_dir, cfg.env.name, cfg.model, suite.corpus())
+
+    def get(self, cfg: TrainConfig, ref: CheckpointRef) -> Loaded:
+        if self.current is not None and self.current.ref == ref:
+            return self.current
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        model, tokenizer = load_policy(ref.path)
+        fmt = ChatFormat.for_tokenizer(tokenizer)
+        engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay)
+        load_optimizer_state(ref, optimizer)
+        self.current = Loaded(ref, model, tokenizer, fmt, engine, optimizer)
+        return self.current
+
+    def advance(self, ref: CheckpointRef) -> None:
+        """The in-memory model now is checkpoint ``ref`` (just saved by the update)."""
+        if self.current is not None:
+            self.current.ref = ref
+
+    def drop(self) -> None:
+        self.current = None
+
+
+def sample_tasks(pool: list, n: int, seed: int, iteration: int) -> list:
+    """The iteration's tasks: ``n`` distinct tasks of ``pool``, fixed by (seed, iteration)."""
+    rng = random.Random(derive_seed(seed, "tasks", iteration))
+    return rng.sample(pool, min(n, len(pool)))

@@ -1,0 +1,137 @@
+"""The trajectory store: Parquet tables per iteration, written atomically, schema-versioned.
+
+Layout: ``<data_dir>/<experiment>/<run_name>/iter=<n>/{episodes,turns,advantages-<method>}.parquet``.
+The Arrow schemas below are the only place a stored column's type is defined. Rollout tables are
+immutable once written; advantages are a separate table keyed by (rollout_id, turn), so several methods
+can be computed over the same rollouts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from horizonrl.rollout import EpisodeRecord
+
+SCHEMA_VERSION = "1"
+_META_VERSION = b"horizonrl.schema_version"
+_META_TABLE = b"horizonrl.table"
+
+EPISODES = pa.schema([
+    ("run_name", pa.string()), ("iteration", pa.int32()), ("policy_version", pa.int32()),
+    ("rollout_id", pa.int64()), ("group_id", pa.int64()), ("task_id", pa.string()), ("env", pa.string()),
+    ("split", pa.string()), ("tier", pa.string()), ("family", pa.string()), ("task_seed", pa.int64()),
+    ("kind", pa.string()), ("parent_rollout", pa.int64()), ("branch_token", pa.int64()),
+    ("context", pa.string()), ("sample_seed", pa.int64()), ("n_turns", pa.int32()),
+    ("episode_return", pa.float64()), ("won", pa.bool_()), ("score", pa.float64()),
+    ("n_invalid", pa.int32()), ("gen_tokens", pa.int64()), ("status", pa.string()), ("error", pa.string()),
+])
+
+TURNS = pa.schema([
+    ("rollout_id", pa.int64()), ("group_id", pa.int64()), ("turn", pa.int32()),
+    ("observation", pa.string()), ("action", pa.string()),
+    ("prompt_ids", pa.list_(pa.int32())), ("action_ids", pa.list_(pa.int32())),
+    ("logprobs", pa.list_(pa.float32())), ("entropy", pa.list_(pa.float32())),
+    ("policy_mask", pa.list_(pa.bool_())), ("allowed", pa.list_(pa.list_(pa.int32()))),
+    ("finished", pa.bool_()), ("reward", pa.float64()), ("done", pa.bool_()), ("won", pa.bool_()),
+    ("valid", pa.bool_()), ("format_valid", pa.bool_()), ("score", pa.float64()),
+    ("progress_key", pa.string()), ("abstract_action", pa.string()), ("n_admissible", pa.int32()),
+    ("gen_s", pa.float32()), ("env_s", pa.float32()),
+])
+
+ADVANTAGES = pa.schema([
+    ("rollout_id", pa.int64()), ("turn", pa.int32()), ("adv", pa.float64()), ("keep", pa.bool_()),
+    ("adv_tokens", pa.list_(pa.float64())),
+])
+
+_SCHEMAS = {"episodes": EPISODES, "turns": TURNS, "advantages": ADVANTAGES}
+
+
+class StoreError(RuntimeError):
+    """A stored file is missing, truncated or of another schema version; the message names the file."""
+
+
+def iteration_dir(data_dir: str | Path, experiment: str, run_name: str, iteration: int) -> Path:
+    return Path(data_dir) / experiment / run_name / f"iter={iteration:05d}"
+
+
+def episodes_table(records: list[EpisodeRecord], run_name: str, iteration: int, policy_version: int) -> pa.Table:
+    rows = {name: [] for name in EPISODES.names}
+    for r in records:
+        values = dict(
+            run_name=run_name, iteration=iteration, policy_version=policy_version, rollout_id=r.rollout_id,
+            group_id=r.group_id, task_id=r.task.task_id, env=r.task.env, split=r.task.split, tier=r.task.tier,
+            family=r.task.family, task_seed=r.task.seed, kind=r.kind, parent_rollout=r.parent_rollout,
+            branch_token=r.branch_token, context=r.context, sample_seed=r.sample_seed, n_turns=len(r.turns),
+            episode_return=r.episode_return, won=r.won, score=r.turns[-1].score if r.turns else 0.0,
+            n_invalid=sum(not t.valid for t in r.turns), gen_tokens=sum(len(t.gen.token_ids) for t in r.turns),
+            status=r.status, error=r.error,
+        )
+        for k, v in values.items():
+            rows[k].append(v)
+    return pa.table(rows, schema=EPISODES)
+
+
+def turns_table(records: list[EpisodeRecord]) -> pa.Table:
+    rows = {name: [] for name in TURNS.names}
+    for r in records:
+        for t in r.turns:
+            g = t.gen
+            values = dict(
+                rollout_id=r.rollout_id, group_id=r.group_id, turn=t.turn, observation=t.observation,
+                action=t.action, prompt_ids=t.prompt_ids, action_ids=g.token_ids, logprobs=g.logprobs,
+                entropy=g.entropy, policy_mask=g.policy_mask, allowed=g.allowed, finished=g.finished,
+                reward=t.reward, done=t.done, won=t.won, valid=t.valid, format_valid=t.format_valid,
+                score=t.score, progress_key=t.progress_key, abstract_action=t.abstract_action,
+                n_admissible=t.n_admissible, gen_s=t.gen_s, env_s=t.env_s,
+            )
+            for k, v in values.items():
+                rows[k].append(v)
+    return pa.table(rows, schema=TURNS)
+
+
+def write_table(table: pa.Table, path: str | Path, kind: str) -> str:
+    """Write ``table`` to ``path`` atomically (temporary file, fsync, rename); return its sha256 digest."""
+    schema = _SCHEMAS[kind]
+    if not table.schema.equals(schema):
+        raise StoreError(f"{path}: table does not match the {kind!r} schema")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = table.replace_schema_metadata({_META_VERSION: SCHEMA_VERSION.encode(), _META_TABLE: kind.encode()})
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return file_digest(path)
+
+
+def read_table(path: str | Path, kind: str, columns: list[str] | None = None) -> pa.Table:
+    """Read a stored table, checking it is complete and of this schema version."""
+    path = Path(path)
+    if not path.is_file():
+        raise StoreError(f"{path}: no such file")
+    try:
+        meta = pq.read_schema(path).metadata or {}
+        table = pq.read_table(path, columns=columns)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise StoreError(f"{path}: not a readable Parquet file (truncated or corrupt): {err}") from err
+    version = meta.get(_META_VERSION, b"?").decode()
+    if version != SCHEMA_VERSION or meta.get(_META_TABLE, b"").decode() != kind:
+        raise StoreError(f"{path}: schema version {version!r} of table {meta.get(_META_TABLE, b'?').decode()!r}; this code reads version {SCHEMA_VERSION!r} of {kind!r}")
+    return table
+
+
+def file_digest(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,60 @@
+"""Loss aggregation modes (ALGORITHMS.md 0.3) and the record every policy loss returns.
+
+Tensors are padded (B, T): B rows of a minibatch (or micro-batch), T token positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+@dataclass
+class LossTerms:
+    """A policy loss and its detached diagnostics (plain values; the task names the metrics)."""
+
+    loss: torch.Tensor  # () with grad
+    clip_frac: float  # share of policy tokens whose ratio was clipped
+    approx_kl: float  # mean over policy tokens of (log pi_old - log pi_theta) (k1 estimator)
+    ratio_mean: float  # mean ratio over policy tokens
+    extra: dict[str, float] | None = None  # method-specific figures (e.g. APPO scaling factor)
+
+
+def aggregate(
+    loss_tok: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    n_rows_div: float | None = None,
+    n_tokens_div: float | None = None,
+    max_len_norm: int | None = None,
+) -> torch.Tensor:
+    """Reduce per-token losses ``loss_tok`` (B, T) over ``mask`` (B, T) to a scalar.
+
+    * ``token-mean``: sum(m*l) / n_tokens_div, where n_tokens_div defaults to sum(m) of this call;
+      pass the minibatch's token count when the minibatch is split into micro-batches.
+    * ``seq-mean-token-mean``: sum_i (sum_t m*l / sum_t m) / n_rows_div. LOOP passes its fixed
+      minibatch size (32) as n_rows_div, so a short last minibatch is down-weighted (ALGORITHMS.md 1.5).
+      Rows with no policy token contribute 0 and are not counted in the default divisor.
+    * ``seq-mean-token-sum``: sum_i sum_t m*l / n_rows_div.
+    * ``seq-mean-token-sum-norm`` (Dr.GRPO): sum(m*l) / (n_rows_div * max_len_norm).
+    """
+    m = mask.to(loss_tok.dtype)
+    masked = torch.where(mask, loss_tok, torch.zeros_like(loss_tok))  # inf/NaN at masked positions never leak
+    if mode == "token-mean":
+        denom = float(n_tokens_div) if n_tokens_div is not None else m.sum().clamp_min(1.0)
+        return masked.sum() / denom
+    row_tokens = m.sum(dim=1)  # (B,)
+    has_tokens = row_tokens > 0
+    rows = float(n_rows_div) if n_rows_div is not None else float(has_tokens.sum().clamp_min(1).item())
+    if mode == "seq-mean-token-mean":
+        per_row = masked.sum(dim=1) / row_tokens.clamp_min(1.0)
+        return per_row.sum() / rows
+    if mode == "seq-mean-token-sum":
+        return masked.sum() / rows
+    if mode == "seq-mean-token-sum-norm":
+        norm = float(max_len_norm) if max_len_norm is not None else float(loss_tok.shape[1])
+        return masked.sum() / (rows * norm)
+    raise ValueError(f"unknown loss aggregation {mode!r}; known: {', '.join(AGGREGATIONS)}")

@@ -1,0 +1,222 @@
+"""APPO procedure-level advantage scaling in the loss: the "future_kl" (FIPO) policy loss (ALGORITHMS.md §3.7).
+
+Tensors are padded (B, T): B rows of a minibatch, T token positions; ``mask`` is the policy (loss) mask.
+Every advantage is reweighted by a factor built from the discounted KL of the *future* tokens of its row:
+
+    Δ_t = clamp(log π_θ − log π_old, −20, 20),  ρ_t = e^{Δ_t},  p_t = 1[Δ_t ≤ log c]
+    FutureKL_t = Σ_{k≥t} γ_f^{k−t} p_k m_k Δ_k,  γ_f = 2^{−1/decay_rate}
+    f_t = clip(exp(FutureKL_t), lower, 1 + clip_high)   (detached; safety clamp for A<0, ρ>thresh)
+    Ã_t = A_t (1 + b f_t),  then asymmetric clip + dual clip with Ã; rows with >1 dual-clipped
+    negative token leave the mask.
+
+Distances k − t count every position of the padded row (tool tokens included, as in the released code);
+masked positions add nothing to the sum.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from methods.aggregation import AGGREGATIONS, LossTerms, aggregate
+from methods.registry import LOSSES
+
+KL_KINDS = ("low_var_kl", "k1", "mse")  # the names methods/losses.py uses
+
+
+@dataclass(frozen=True)
+class FutureKLParams:
+    """Defaults of the APPO scripts (§3.7, §3.8)."""
+
+    decay_rate: float = 64.0  # half-life in tokens: γ_f = 2^(−1/decay_rate) (scripts 64, yaml 128)
+    weight_b: float = 1.0  # b in Ã = A (1 + b f)
+    clip_high: float = 0.2  # f ≤ 1 + clip_high; clip_high ≤ 0 means f = min(exp(FutureKL), 10) (code)
+    clip_high_only: bool = True  # lower bound of f: 1.0 if True, else 1 − clip_high
+    safety_thresh: float = 6.0  # A < 0 and ρ > safety_thresh: f clamped to [0.8, 1.0]
+    clip_ratio_c: float = 3.0  # dual-clip constant c (> 1); also the participation threshold log c
+    eps_low: float = 0.2  # ρ clipped to [1 − eps_low, 1 + eps_high]
+    eps_high: float = 0.28
+    aggregation: str = "token-mean"  # one of methods.aggregation.AGGREGATIONS
+    kl_coef: float = 0.0  # KL-loss coefficient to a reference policy (APPO scripts: 0.001)
+    kl_kind: str = "low_var_kl"  # one of KL_KINDS
+    chunk: int = 128  # block length of the blocked suffix scan
+
+    def __post_init__(self) -> None:
+        if self.clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1 for dual clip, got {self.clip_ratio_c}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"unknown aggregation {self.aggregation!r}; known: {', '.join(AGGREGATIONS)}")
+        if self.kl_kind not in KL_KINDS:
+            raise ValueError(f"unknown kl_kind {self.kl_kind!r}; known: {', '.join(KL_KINDS)}")
+        if self.decay_rate <= 0 or self.chunk < 1 or self.weight_b < 0 or self.kl_coef < 0:
+            raise ValueError("decay_rate must be > 0, chunk >= 1, weight_b >= 0 and kl_coef >= 0")
+
+    @property
+    def gamma_f(self) -> float:
+        """γ_f = 2^(−1/decay_rate) (≈ 0.98923 for 64)."""
+        return 2.0 ** (-1.0 / self.decay_rate)
+
+
+def discounted_suffix_sum(x: torch.Tensor, gamma: float, chunk: int = 128) -> torch.Tensor:
+    """S_t = Σ_{k≥t} γ^{k−t} x_k along the last axis of ``x`` (B, T) → (B, T).
+
+    Blocked scan: inside a block of C positions one (C, C) matmul with D[i, j] = γ^{j−i} (j ≥ i); then a
+    loop over the T/C blocks, last to first, adds γ^{C−i} · (S at the next block's first position) to
+    position i of each block. Only powers γ^0..γ^C appear, so nothing overflows or underflows badly.
+    """
+    batch, length = x.shape
+    if length == 0:
+        return x.clone()
+    size = min(chunk, length)
+    n_blocks = -(-length // size)
+    padded = torch.nn.functional.pad(x, (0, n_blocks * size - length))  # (B, nC*C)
+    pos = torch.arange(size, device=x.device, dtype=x.dtype)
+    distance = pos.unsqueeze(0) - pos.unsqueeze(1)  # (C, C): j − i
+    decay = gamma ** distance.clamp(min=0) * (distance >= 0).to(x.dtype)  # D[i, j]
+    local = padded.reshape(batch, n_blocks, size) @ decay.t()  # (B, nC, C): sums inside each block
+    carry_weight = gamma ** (size - pos)  # (C,): γ^{C−i}
+    blocks = [local[:, -1]]
+    for block in range(n_blocks - 2, -1, -1):  # a loop over T/C blocks, not over T
+        blocks.append(local[:, block] + carry_weight * blocks[-1][:, :1])
+    return torch.stack(blocks[::-1], dim=1).reshape(batch, n_blocks * size)[:, :length]
+
+
+def future_kl(delta: torch.Tensor, mask: torch.Tensor, params: FutureKLParams) -> torch.Tensor:
+    """FutureKL_t = Σ_{k≥t} γ_f^{k−t} p_k m_k Δ_k with p_k = 1[Δ_k ≤ log c] (§3.7 steps 2–3).
+
+    Args:
+        delta: (B, T) clamped log-ratio Δ (0 where the mask is 0).
+        mask: (B, T) bool policy mask m.
+        params: loss parameters (γ_f, c, block length).
+
+    Returns:
+        (B, T) FutureKL, detached, in at least float32.
+    """
+    participation = delta <= math.log(params.clip_ratio_c)  # p_t: ratios above c do not accumulate
+    kl_tok = torch.where(participation & mask, delta, torch.zeros_like(delta)).detach()  # f is detached
+    work = kl_tok.to(torch.promote_types(kl_tok.dtype, torch.float32))  # bf16 powers of γ_f are too coarse
+    return discounted_suffix_sum(work, params.gamma_f, params.chunk)
+
+
+def influence_factor(
+    fkl: torch.Tensor, adv: torch.Tensor, ratio: torch.Tensor, params: FutureKLParams
+) -> torch.Tensor:
+    """f_t = clip(exp(FutureKL_t), lower, 1 + clip_high), detached, with the safety clamp (§3.7 steps 4–5).
+
+    Where A_t < 0 and ρ_t > safety_thresh, f_t is clamped to [0.8, 1.0] (so f = 1 with high-only clipping).
+    All arguments and the result are (B, T).
+    """
+    raw = torch.exp(fkl.detach())
+    if params.clip_high > 0:
+        lower = 1.0 if params.clip_high_only else 1.0 - params.clip_high
+        f = raw.clamp(min=lower, max=1.0 + params.clip_high)
+    else:
+        f = raw.clamp(max=10.0)  # the released code's branch for future_kl_clip_ratio = 0
+    unsafe = (adv < 0) & (ratio.detach() > params.safety_thresh)
+    return torch.where(unsafe, f.clamp(min=0.8, max=1.0), f)
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL estimate to the reference policy, (B, T) → (B, T) (verl ``kl_penalty``).
+
+    ``low_var_kl`` (k3): r = ref − logp, clamp(e^r − r − 1, −10, 10); ``k1``: logp − ref;
+    ``mse`` (k2): ½ (logp − ref)².
+    """
+    if kind == "k1":
+        return logp - ref_logp
+    if kind == "mse":
+        return 0.5 * (logp - ref_logp).square()
+    log_ratio = (ref_logp - logp).clamp(min=-20.0, max=20.0)
+    return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(min=-10.0, max=10.0)
+
+
+def dual_clip_surrogate(
+    adv_tilde: torch.Tensor, ratio: torch.Tensor, params: FutureKLParams
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric clip plus dual clip with Ã (§0.2, §3.7 step 7); all (B, T).
+
+    ℓ1 = −Ã ρ, ℓ2 = −Ã clip(ρ, 1 − ε_low, 1 + ε_high), ℓ = max(ℓ1, ℓ2); where Ã < 0, ℓ = min(ℓ, −c Ã).
+
+    Returns:
+        loss_tok ℓ, clipped (ℓ2 > ℓ1: the clip binds) and dual_clipped (Ã < 0 and max(ℓ1, ℓ2) > −c Ã).
+        With b ≥ 0, sign(Ã) = sign(A), so these match the code's tests on A.
+    """
+    pg_loss1 = -adv_tilde * ratio
+    pg_loss2 = -adv_tilde * ratio.clamp(1.0 - params.eps_low, 1.0 + params.eps_high)
+    clip_loss1 = torch.maximum(pg_loss1, pg_loss2)
+    pg_loss3 = -adv_tilde * params.clip_ratio_c
+    negative = adv_tilde < 0
+    loss_tok = torch.where(negative, torch.minimum(pg_loss3, clip_loss1), clip_loss1)
+    return loss_tok, pg_loss2 > pg_loss1, negative & (clip_loss1 > pg_loss3)
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    m = mask.to(x.dtype)
+    return float((x * m).sum() / m.sum().clamp_min(1.0))
+
+
+@LOSSES.register("appo_future_kl", FutureKLParams)
+def appo_future_kl_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    turn_id: torch.Tensor | None,
+    params: FutureKLParams,
+    *,
+    ref_logp: torch.Tensor | None = None,
+    n_rows_div: float | None = None,
+    n_tokens_div: float | None = None,
+) -> LossTerms:
+    """APPO future-KL policy loss (ALGORITHMS.md §3.7; ``core_algos.py::compute_policy_loss_future_kl``).
+
+    Args:
+        logp: (B, T) log π_θ of the sampled tokens (with grad).
+        old_logp: (B, T) log π_old.
+        adv: (B, T) token advantages A (already zero off the mask).
+        mask: (B, T) policy mask; its False positions may hold any finite or NaN log-prob.
+        turn_id: (B, T) unused (kept for the common loss signature).
+        params: FutureKLParams.
+        ref_logp: (B, T) reference log-probs, required when ``params.kl_coef > 0``.
+        n_rows_div, n_tokens_div: minibatch divisors passed to ``aggregate``.
+
+    Returns:
+        LossTerms; ``extra`` holds mean_scale (mean of 1 + b f over policy tokens), dual_clip_frac and
+        rows_dropped (rows with more than one dual-clipped negative token, removed from the mask).
+    """
+    mask = mask.bool()
+    # Off-mask values (NaN log-probs, padding) are zeroed before any arithmetic, so neither the loss nor
+    # its gradient (0 · NaN) can see them.
+    logp, old_logp, adv = (torch.where(mask, x, 0.0) for x in (logp, old_logp, adv))
+    delta = (logp - old_logp).clamp(min=-20.0, max=20.0)  # Δ, (B, T); 0 off the mask
+    ratio = torch.exp(delta)  # ρ
+    f = influence_factor(future_kl(delta, mask, params), adv, ratio, params)
+    scale = 1.0 + params.weight_b * f
+    loss_tok, clipped, dual_clipped = dual_clip_surrogate(adv * scale, ratio, params)  # with Ã = A (1 + b f)
+    dual_clipped = dual_clipped & mask
+    row_ok = dual_clipped.sum(dim=1) <= 1  # (B,): >1 dual-clipped token removes the row
+    loss = aggregate(loss_tok, mask & row_ok.unsqueeze(1), params.aggregation, n_rows_div, n_tokens_div)
+    kl_value = 0.0
+    if params.kl_coef > 0:
+        if ref_logp is None:
+            raise ValueError("appo_future_kl: kl_coef > 0 needs ref_logp")
+        kl_tok = kl_penalty(logp, torch.where(mask, ref_logp, 0.0), params.kl_kind)
+        kl_loss = aggregate(kl_tok, mask, params.aggregation, n_rows_div, n_tokens_div)
+        loss = loss + params.kl_coef * kl_loss
+        kl_value = float(kl_loss.detach())
+    with torch.no_grad():
+        extra = {
+            "mean_scale": _masked_mean(scale, mask),
+            "dual_clip_frac": _masked_mean(dual_clipped.to(logp.dtype), mask),
+            "rows_dropped": float(((~row_ok) & mask.any(dim=1)).sum()),
+            "kl_loss": kl_value,
+        }
+        return LossTerms(
+            loss=loss,
+            clip_frac=_masked_mean(clipped.to(logp.dtype), mask),
+            approx_kl=_masked_mean(-delta, mask),
+            ratio_mean=_masked_mean(ratio, mask),
+            extra=extra,
+        )

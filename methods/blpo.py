@@ -1,0 +1,293 @@
+"""BLPO: Beyond-Local Policy Optimization (arXiv 2611.03005, ``Tdadada/BLPO``; ALGORITHMS.md 2, 7.3).
+
+Per step row n (one scalar; the caller broadcasts it over the row's action tokens):
+
+    A_n = A^E_n + w_step * micro_n,   micro_n = sum over active layers l of p_l / (sum p) * A^l_n
+
+with the episode term A^E (2.5), the action-balanced Exact term A^X (2.6) and the memory-based
+Progress (Role) term A^P (2.7, state: ``BLPOMemory``). Defaults are the ALFWorld column of 2.10.
+
+Invalid-action penalty (verl-agent, 2.10): ``invalid_penalty`` p is subtracted from the score and
+from the step reward of every row whose action is not ``valid``:
+score_n = R_n - p (1 - valid_n), and G is built from r'_n = r_n - p (1 - valid_n).
+
+Not implemented (optional, non-default, 2.9): the raw role estimator, the stage layer and the
+first-visit fallbacks (``all_fail_first_visit``, ``progress_first_visit_backoff``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from methods.blpo_memory import BLPOMemory, RoleRead, batch_effects, role_progress_advantage
+from methods.registry import ADVANTAGES
+from methods.stepwise import (
+    MODES,
+    canonical_action_codes,
+    center_active,
+    combine_codes,
+    discounted_returns,
+    factorize,
+    group_first,
+    group_moments,
+    group_standardize,
+    penalized_score_and_reward,
+    require_finite,
+    trajectory_starts,
+)
+from methods.types import AdvantageResult, StepBatch
+
+ROLE_APPLICATIONS = ("parallel", "local_residual")
+
+
+@dataclass(frozen=True)
+class BLPOParams:
+    """BLPO settings; defaults are ALFWorld's (ALGORITHMS.md 2.10; WebShop sets role_current_batch_center)."""
+
+    gamma: float = 0.95  # discount of the step returns G_n (2.2)
+    mode: str = "mean_std_norm"  # or "mean_norm" (no std division anywhere; A^P = c_a)
+    layers: tuple[str, ...] = ("exact", "role")  # ("exact",) switches the progress layer and memory off
+    exact_prior: float = 1.0  # p_exact (2.8)
+    role_prior: float = 0.5  # p_role (2.8)
+    half_life: float = 8.0  # h, memory half-life in policy updates (2.7 (d))
+    exact_action_balance: bool = True  # A^X per canonical action (2.6); False: GiGPO's per-row step term
+    role_residual_center: bool = True  # effects are delta = G - mean_E G (True) or G (2.7 (a))
+    role_child_balance: bool = True  # one effect per (role, action, E, context) bucket (2.7 (c))
+    role_read_before_write: bool = False  # False: write this batch, then read (2.7 (e))
+    role_confidence: bool = True  # reliability-weighted A^P (2.7 (g))
+    tau: float = 0.05  # tau, floor inside the A^P denominator
+    support_scale: float = 4.0  # c in kappa = n_cmp / (n_cmp + c)
+    std_floor: float = 0.0  # A^P = c_a / max(s, std_floor, eps) when role_confidence is off
+    role_current_batch_center: bool = False  # centre active A^P within each role (2.7 (h))
+    role_application: str = "parallel"  # "parallel" fusion (2.8) or "local_residual"
+    beta: float = 0.5  # weight of the role scores in "local_residual"
+    step_advantage_w: float = 1.0  # w_step
+    eps: float = 1e-6
+    invalid_penalty: float = 0.1  # p, subtracted from score and step reward of invalid actions
+
+    def __post_init__(self) -> None:
+        checks = {
+            f"mode {self.mode!r} not in {MODES}": self.mode in MODES,
+            f"role_application {self.role_application!r} not in {ROLE_APPLICATIONS}": (
+                self.role_application in ROLE_APPLICATIONS
+            ),
+            "layers must be ('exact',) or ('exact', 'role')": tuple(self.layers) in (("exact",), ("exact", "role")),
+            "local_residual needs the role layer and no current-batch centering": self.role_application == "parallel"
+            or (self.use_role and not self.role_current_batch_center),
+            "role_confidence replaces std_floor; do not set both": not (self.role_confidence and self.std_floor > 0),
+            "half_life, tau, support_scale and eps must be positive": min(
+                self.half_life, self.tau, self.support_scale, self.eps
+            ) > 0,
+            "gamma must lie in [0, 1]; std_floor, beta, priors must be >= 0": 0 <= self.gamma <= 1
+            and min(self.std_floor, self.beta, self.exact_prior, self.role_prior) >= 0,
+        }
+        for message, ok in checks.items():
+            if not ok:
+                raise ValueError(f"BLPOParams: {message}")
+
+    @property
+    def use_role(self) -> bool:
+        return "role" in self.layers
+
+
+@dataclass(frozen=True)
+class BatchKeys:
+    """Integer codes of the batch's keys (2.3, 2.4); ``*_values`` hold the distinct originals."""
+
+    uid: np.ndarray  # (N,) task group
+    n_uid: int
+    exact: np.ndarray  # (N,) Exact group E = (uid, anchor_obs)
+    n_exact: int
+    action: np.ndarray  # (N,) canonical exact action (validity, normalised text)
+    n_action: int
+    key: np.ndarray  # (N,) progress key (role, abstract action)
+    key_role: np.ndarray  # (K,) role code of each key
+    key_abstract: np.ndarray  # (K,) abstract-action code of each key
+    role_values: list[str]
+    abstract_values: list[str]
+    context: np.ndarray  # (N,) exact child (context id)
+    context_values: list[str]
+    shareable: np.ndarray  # (N,) bool
+
+
+def batch_keys(batch: StepBatch) -> BatchKeys:
+    """Factorize every key column once; no Python loop runs per row except the dict pass (2.3)."""
+    uid, uid_values = factorize(batch.group_id)
+    obs, obs_values = factorize(batch.anchor_obs)
+    exact, n_exact = combine_codes(uid, obs, len(obs_values))
+    action, n_action = canonical_action_codes(batch.action, batch.valid, batch.format_valid)
+    role, role_values = factorize(batch.progress_key)
+    abstract, abstract_values = factorize(batch.abstract_action)
+    key, n_key = combine_codes(role, abstract, len(abstract_values))
+    first = group_first(key, n_key)
+    context, context_values = factorize(batch.context_id)
+    return BatchKeys(
+        uid, len(uid_values), exact, n_exact, action, n_action, key, role[first], abstract[first],
+        [str(v) for v in role_values], [str(v) for v in abstract_values], context, context_values,
+        np.asarray(batch.shareable, dtype=bool),
+    )
+
+
+def exact_advantage(returns: np.ndarray, k: BatchKeys, params: BLPOParams) -> tuple[np.ndarray, np.ndarray]:
+    """A^X inside each Exact group E, and its activity (2.6, 7.3).
+
+    Balanced (default): A^X_n = (score_a - mu_E) / (sigma_E + eps) with score_a the mean G of the
+    rows taking canonical action a; E is active iff |E| >= 2, sigma_E^2 > eps^2 and some
+    |score_a - mu_E| > eps. Unbalanced: (G_n - mu_E) / (sigma_E + eps), active iff sigma_E^2 > eps^2.
+    """
+    count, mean, var = group_moments(returns, k.exact, k.n_exact)
+    active = (count >= 2) & (var > params.eps**2)  # (n_exact,)
+    if params.exact_action_balance:
+        pair, n_pair = combine_codes(k.exact, k.action, k.n_action)
+        _, score, _ = group_moments(returns, pair, n_pair)
+        pair_exact = k.exact[group_first(pair, n_pair)]
+        dev_pair = score - mean[pair_exact]  # (n_pair,) score_a - mu_E
+        active &= np.bincount(pair_exact, weights=np.abs(dev_pair) > params.eps, minlength=k.n_exact) > 0
+        dev = dev_pair[pair]
+    else:
+        dev = returns - mean[k.exact]
+    adv = dev if params.mode == "mean_norm" else dev / (np.sqrt(var)[k.exact] + params.eps)
+    row_active = active[k.exact]
+    return np.where(row_active, adv, 0.0), row_active
+
+
+def read_progress(memory: BLPOMemory, update: int, k: BatchKeys, params: BLPOParams) -> tuple:
+    """A^P, its activity and the role score m_a per row, read from ``memory`` at ``update`` (2.7 (f)-(g)).
+
+    Only shareable rows read, one ``role_progress_advantage`` call per distinct role; a row is active
+    iff its role is active and its (role, action) has a record with W > eps.
+
+    Returns:
+        ``(adv, active, score, n_active_roles)``: three (N,) arrays and an int.
+    """
+    n_key = len(k.key_role)
+    adv, score, active = np.zeros(n_key + 1), np.zeros(n_key + 1), np.zeros(n_key + 1, dtype=bool)
+    reads: dict[int, RoleRead] = {}
+    for c in np.unique(k.key[k.shareable]).tolist():
+        r = int(k.key_role[c])
+        if r not in reads:
+            reads[r] = role_progress_advantage(
+                memory.role_records(k.role_values[r], update, params.eps),
+                mode=params.mode, confidence=params.role_confidence, tau=params.tau,
+                support_scale=params.support_scale, std_floor=params.std_floor, eps=params.eps,
+            )  # fmt: skip
+        action = k.abstract_values[k.key_abstract[c]]
+        if action in reads[r].score:
+            score[c], active[c], adv[c] = reads[r].score[action], reads[r].active, reads[r].adv.get(action, 0.0)
+    row = np.where(k.shareable, k.key, n_key)  # non-shareable rows read the zero slot n_key
+    return adv[row], active[row], score[row], sum(read.active for read in reads.values())
+
+
+def fuse_parallel(adv_x, active_x, adv_p, active_p, params: BLPOParams) -> np.ndarray:
+    """micro = sum over active layers of p_l / (sum of active p) * A^l; 0 when none is active (2.8)."""
+    p_x, p_p = params.exact_prior * active_x, params.role_prior * active_p
+    denom = p_x + p_p
+    safe = np.where(denom > 0, denom, 1.0)
+    return np.where(denom > 0, (p_x / safe) * adv_x + (p_p / safe) * adv_p, 0.0)
+
+
+def local_residual(returns, k: BatchKeys, score, reliable, params: BLPOParams) -> tuple[np.ndarray, ...]:
+    """Non-default ``local_residual`` application inside each Exact group (2.8).
+
+    combined = (G - mu_E) + beta * (m_a - mean of m over the group's reliable rows) on reliable rows of
+    usable groups (>= 2 reliable rows, >= 2 abstract actions, population var of m > eps^2); combined is
+    re-centred and divided by its std (ddof 1) if that is > eps (0 otherwise, and for |E| = 1).
+
+    Returns:
+        ``(micro, correction, applied)``: micro (N,), beta * projected role score (N,), its rows (N,).
+    """
+    rel = np.flatnonzero(reliable)
+    pair, n_pair = combine_codes(k.exact[rel], k.key_abstract[k.key[rel]], len(k.abstract_values))
+    distinct = np.bincount(k.exact[rel][group_first(pair, n_pair)], minlength=k.n_exact)
+    n_rel, mean_rel, var_rel = group_moments(score[rel], k.exact[rel], k.n_exact)
+    var_pop = var_rel * np.maximum(n_rel - 1, 0) / np.maximum(n_rel, 1)
+    usable = (n_rel >= 2) & (distinct >= 2) & (var_pop > params.eps**2)
+    applied = np.zeros(len(returns), dtype=bool)
+    applied[rel] = usable[k.exact[rel]]
+    projected = np.where(applied, score - mean_rel[k.exact], 0.0)
+    count, mean, _ = group_moments(returns, k.exact, k.n_exact)
+    combined = (returns - mean[k.exact]) + params.beta * projected
+    count, mean_c, var_c = group_moments(combined, k.exact, k.n_exact)
+    combined = combined - mean_c[k.exact]
+    std = np.sqrt(var_c)[k.exact]
+    if params.mode == "mean_norm":
+        micro = combined
+    else:
+        micro = np.where(std > params.eps, combined / (std + params.eps), 0.0)
+    return np.where(count[k.exact] >= 2, micro, 0.0), params.beta * projected, applied
+
+
+def progress_layer(returns, k: BatchKeys, memory: BLPOMemory, update: int, params: BLPOParams):
+    """Write this batch's effects and read A^P, in the order ``role_read_before_write`` sets (2.7 (a)-(h)).
+
+    Returns:
+        ``(memory, adv, active, score, n_active_roles)``: the new memory and (N,) row arrays.
+    """
+    delta = returns
+    if params.role_residual_center:
+        delta = returns - group_moments(returns, k.exact, k.n_exact)[1][k.exact]  # delta = G - mean_E G
+    effects = batch_effects(delta, k, params.role_child_balance)
+    if params.role_read_before_write:
+        adv, active, score, n_active_roles = read_progress(memory, update, k, params)
+        memory = memory.with_effects(update, *effects)
+    else:
+        memory = memory.with_effects(update, *effects)
+        adv, active, score, n_active_roles = read_progress(memory, update, k, params)
+    if params.role_current_batch_center:
+        adv, active = center_active(adv, active, k.key_role[k.key], len(k.role_values), params.eps)
+    if np.any(active & ~k.shareable):
+        raise RuntimeError("BLPO activated the progress term on a non-shareable row")
+    return memory, adv, active, score, n_active_roles
+
+
+@ADVANTAGES.register("blpo", BLPOParams)
+def blpo_advantage(batch: StepBatch, params: BLPOParams, state: BLPOMemory | None = None) -> AdvantageResult:
+    """A_n = A^E_n + w_step * micro_n (2.8); ``state`` is the memory before this batch (None: empty).
+
+    A^E_n = (score_n - mu_uid) / (sigma_uid + eps) over all step rows of the uid, 0 for a group of
+    one (2.5). The input memory is not changed; the updated one is ``AdvantageResult.state``.
+
+    Raises:
+        ValueError: a needed column is missing, NaN/Inf in rewards, a bad row layout, a memory with
+            another half-life, or ``update_index`` below the memory's.
+    """
+    batch.require("anchor_obs", "action", "valid", "format_valid", "progress_key", "abstract_action",
+                  "context_id", "shareable")  # fmt: skip
+    require_finite(batch, "reward", "episode_return")
+    memory = BLPOMemory(params.half_life) if state is None else state
+    if not isinstance(memory, BLPOMemory) or memory.half_life != float(params.half_life):
+        raise ValueError(f"BLPO state must be a BLPOMemory with half_life {params.half_life}")
+    update = int(batch.update_index)
+    if update < memory.update_index:
+        raise ValueError(f"update_index {update} is below the memory's latest update {memory.update_index}")
+    starts = trajectory_starts(batch)
+    score, reward = penalized_score_and_reward(batch, params.invalid_penalty)
+    returns = discounted_returns(reward, starts, params.gamma)  # (N,) G_n
+    k = batch_keys(batch)
+    adv_episode = group_standardize(score, k.uid, k.n_uid, params.mode, params.eps, "zero")
+    adv_exact, active_exact = exact_advantage(returns, k, params)
+    adv_progress, active_progress, role_score = np.zeros(len(batch)), np.zeros(len(batch), dtype=bool), None
+    n_active_roles = 0
+    if params.use_role:
+        memory, adv_progress, active_progress, role_score, n_active_roles = progress_layer(
+            returns, k, memory, update, params
+        )
+    if params.role_application == "parallel":
+        micro = fuse_parallel(adv_exact, active_exact, adv_progress, active_progress, params)
+    else:
+        micro, adv_progress, active_progress = local_residual(returns, k, role_score, active_progress, params)
+    adv = adv_episode + params.step_advantage_w * micro
+    if not np.isfinite(adv).all():
+        raise RuntimeError("BLPO advantage contains NaN or Inf")
+    stats = {
+        "memory_keys": float(len(memory)),
+        "active_roles": float(n_active_roles),
+        "progress_active_fraction": float(active_progress.mean()) if len(batch) else 0.0,
+        "exact_active_fraction": float(active_exact.mean()) if len(batch) else 0.0,
+        "mean_abs_adv_progress": float(np.abs(adv_progress).mean()) if len(batch) else 0.0,
+        "mean_abs_adv_exact": float(np.abs(adv_exact).mean()) if len(batch) else 0.0,
+        "mean_abs_adv_episode": float(np.abs(adv_episode).mean()) if len(batch) else 0.0,
+    }
+    return AdvantageResult(adv=adv, keep=np.ones(len(batch), dtype=bool), state=memory, stats=stats)

@@ -1,0 +1,58 @@
+"""Name -> function registries, so that a config or a sweep picks an estimator or a loss by string.
+
+Every advantage estimator has the signature::
+
+    fn(batch: StepBatch, params: P, state: object | None) -> AdvantageResult
+
+where ``P`` is the estimator's own frozen params dataclass (registered with it). Every policy loss has::
+
+    fn(logp, old_logp, adv, mask, turn_id, params: P, *, ref_logp=None, n_rows_div=None, n_tokens_div=None) -> LossTerms
+
+over padded (B, T) tensors (see ``methods/losses.py``). A second registration under a taken name raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    fn: Callable[..., Any]
+    params_cls: type
+    state_cls: type | None = None  # stateful estimators: has to_json_dict() and classmethod from_json_dict()
+
+
+class Registry:
+    """A named table of functions with their params dataclass; refuses duplicates."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._entries: dict[str, Entry] = {}
+
+    def register(self, name: str, params_cls: type, state_cls: type | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+            if name in self._entries:
+                raise ValueError(f"{self.kind} {name!r} is already registered")
+            self._entries[name] = Entry(name, fn, params_cls, state_cls)
+            return fn
+
+        return decorator
+
+    def get(self, name: str) -> Entry:
+        if name not in self._entries:
+            known = ", ".join(sorted(self._entries))
+            raise KeyError(f"unknown {self.kind} {name!r}; known: {known}")
+        return self._entries[name]
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+
+ADVANTAGES = Registry("advantage estimator")
+LOSSES = Registry("policy loss")

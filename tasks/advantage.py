@@ -1,0 +1,75 @@
+"""Stage 2: compute the method's advantages over stored rollouts; write them next to the rollouts."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from prefect import get_run_logger, task
+from prefect.cache_policies import NONE
+
+import methods
+from horizonrl import store
+from horizonrl.checkpoint import CheckpointRef, read_estimator_state
+from horizonrl.sequences import step_batch
+from tasks.collect import RolloutRef
+from tasks.context import RunContext
+from tasks.tracking import log_stage
+
+
+@dataclass(frozen=True)
+class AdvantageRef:
+    iteration: int
+    table: str  # advantages-<method>.parquet
+    state: str | None  # estimator state after this batch (JSON), None for stateless estimators
+
+
+def compute_advantages(rollouts: RolloutRef, name: str, params: object, state_in: dict | None, update_index: int) -> tuple[pa.Table, dict | None, dict[str, float]]:
+    """Run estimator ``name`` over one iteration's stored rollouts. Pure apart from reading Parquet."""
+    turns = store.read_table(rollouts.turns, "turns")
+    episodes = store.read_table(rollouts.episodes, "episodes")
+    batch = step_batch(episodes, turns, update_index)
+    entry = methods.ADVANTAGES.get(name)
+    state = methods.state_from_json(name, state_in)
+    result = entry.fn(batch, params, state)
+    adv_tokens = None
+    if result.adv_tokens is not None:
+        ends = np.cumsum(batch.n_tokens)
+        starts = ends - batch.n_tokens
+        traj_first = np.r_[True, batch.traj_id[1:] != batch.traj_id[:-1]]
+        # one flat list per trajectory, on its first row (index = the trajectory's action-token index)
+        per_traj: dict[int, list[float]] = {}
+        for n in range(len(batch)):
+            per_traj.setdefault(int(batch.traj_id[n]), []).extend(result.adv_tokens[starts[n] : ends[n]].tolist())
+        adv_tokens = [per_traj[int(t)] if first else None for t, first in zip(batch.traj_id, traj_first)]
+    table = pa.table({
+        "rollout_id": batch.traj_id, "turn": batch.turn.astype(np.int32), "adv": result.adv, "keep": result.keep,
+        "adv_tokens": pa.array(adv_tokens if adv_tokens is not None else [None] * len(batch), type=pa.list_(pa.float64())),
+    }, schema=store.ADVANTAGES)
+    return table, methods.state_to_json(result.state), dict(result.stats)
+
+
+@task(name="advantage", cache_policy=NONE)
+def advantages(ctx: RunContext, iteration: int, rollouts: RolloutRef, policy: CheckpointRef) -> AdvantageRef:
+    """Estimator state (BLPO memory) comes from the policy's checkpoint, so a resumed run computes
+    bit-identical advantages. No Prefect cache: the computation is cheap and deterministic."""
+    cfg = ctx.cfg
+    name, params = cfg.advantage_spec()
+    table, state, stats = compute_advantages(rollouts, name, params, read_estimator_state(policy), policy.iteration)
+    d = Path(rollouts.turns).parent
+    path = d / f"advantages-{cfg.method}.parquet"
+    digest = store.write_table(table, path, "advantages")
+    state_path = None
+    if state is not None:
+        state_path = d / f"estimator_state-{cfg.method}.json"
+        tmp = state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, sort_keys=True))
+        tmp.replace(state_path)
+    kept = table["keep"].to_numpy(zero_copy_only=False)
+    stats.setdefault("kept_fraction", float(kept.mean()) if len(kept) else 0.0)
+    log_stage(ctx, "advantage", stats, iteration, inputs={f"iter={iteration}/advantages-{cfg.method}": (str(path), digest)})
+    get_run_logger().info("iteration %d advantage (%s): kept %.2f of rows", iteration, name, stats["kept_fraction"])
+    return AdvantageRef(iteration, str(path), str(state_path) if state_path else None)

@@ -1,0 +1,44 @@
+"""Evaluation on the held-out split: sampled (success rate, pass@k) and greedy."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NONE
+
+from horizonrl.checkpoint import CheckpointRef
+from horizonrl.evaluation import episode_metrics, pass_at_k, sample_episodes
+from horizonrl.rollout import EpisodeRecord, collect
+from horizonrl.seeding import derive_seed
+from horizonrl.tracking import log_table
+from tasks.context import RUNTIME, RunContext
+from tasks.tracking import log_stage
+
+
+def play(ctx: RunContext, policy: CheckpointRef, samples: int, greedy: bool, seed: int) -> list[EpisodeRecord]:
+    cfg = ctx.cfg
+    loaded = RUNTIME.get(cfg, policy)
+    suite = RUNTIME.suite(cfg)
+    r = cfg.rollout
+    return collect(
+        suite, RUNTIME.task_pool(cfg, cfg.eval.split, cfg.eval.n_tasks), samples, loaded.engine, loaded.fmt,
+        action_mode=r.action_mode, context=r.context, history_turns=r.history_turns,
+        max_turns=cfg.env.max_turns or suite.max_turns(cfg.env.tier), max_action_tokens=r.max_action_tokens,
+        temperature=r.temperature, seed=seed, greedy=greedy,
+    )
+
+
+@task(name="evaluate", retries=1, retry_delay_seconds=1, cache_policy=NONE)
+def evaluate(ctx: RunContext, policy: CheckpointRef, iteration: int) -> dict[str, float]:
+    """Same held-out tasks at every evaluation (the first ``eval.n_tasks`` of the split); sampling seeds
+    fixed by (seed, iteration). Logs nothing until every figure is computed, so a retry logs once."""
+    cfg = ctx.cfg
+    sampled = play(ctx, policy, cfg.eval.samples, False, derive_seed(cfg.seed, "eval", iteration))
+    metrics = episode_metrics(sampled)
+    metrics[f"pass_at_{cfg.eval.samples}"] = pass_at_k(sampled)
+    if cfg.eval.greedy:
+        greedy = play(ctx, policy, 1, True, derive_seed(cfg.seed, "eval-greedy", iteration))
+        metrics.update({f"greedy_{k}": v for k, v in episode_metrics(greedy).items() if k != "episodes"})
+    log_stage(ctx, "eval", metrics, iteration)
+    log_table(ctx.mlflow(), ctx.mlflow_run_id, sample_episodes(sampled), f"episodes/eval_iter_{iteration:05d}.json")
+    get_run_logger().info("iteration %d eval: success %.3f (greedy %.3f) on %d held-out episodes", iteration, metrics["success_rate"], metrics.get("greedy_success_rate", float("nan")), len(sampled))
+    return metrics

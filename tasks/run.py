@@ -1,0 +1,68 @@
+"""Opening and closing a training run: MLflow run (found again by name), initial checkpoint, final model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from prefect import get_run_logger, task
+from prefect.cache_policies import NONE
+
+from horizonrl import tracking
+from horizonrl.checkpoint import CheckpointRef, latest_checkpoint, read_state, save_checkpoint
+from horizonrl.config import TrainConfig
+from horizonrl.models import load_policy
+from tasks.context import RUNTIME, RunContext
+
+
+@dataclass(frozen=True)
+class RunStart:
+    ctx: RunContext
+    policy: CheckpointRef  # newest complete checkpoint (iteration 0 = initial weights)
+    elapsed_s: float  # training wall time already spent by earlier attempts
+    resumed: bool
+
+
+@task(name="start-run", retries=1, retry_delay_seconds=2, cache_policy=NONE)
+def start_run(cfg: TrainConfig) -> RunStart:
+    """Resume after the last completed iteration if this run name has a checkpoint, else start fresh."""
+    run_dir = Path(cfg.data_dir) / cfg.experiment / cfg.run_name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    uri = tracking.tracking_uri(cfg.tracking_uri)
+    c = tracking.client(uri)
+    tags = {"method": cfg.method, "env": cfg.env.name, "tier": cfg.env.tier, "seed": str(cfg.seed), "git_commit": tracking.git_commit()}
+    run_id, resumed = tracking.find_or_create_run(c, cfg.experiment, cfg.run_name, tags)
+    if not resumed:
+        tracking.log_params(c, run_id, cfg.flat())
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=True))
+    ctx = RunContext(cfg, str(run_dir), uri, run_id)
+    policy = latest_checkpoint(run_dir)
+    if policy is None:
+        model, tokenizer = load_policy(RUNTIME.initial_model_dir(cfg))
+        policy = save_checkpoint(run_dir, 0, model, tokenizer, None, {"nonfinite_steps": 0, "elapsed_s": 0.0, "mlflow_run_id": run_id, "seed": cfg.seed, "config_digest": cfg.digest()})
+        RUNTIME.drop()
+    state = read_state(policy)
+    get_run_logger().info("run %s (MLflow %s): %s at iteration %d", cfg.run_name, run_id, "resumed" if policy.iteration else "starting", policy.iteration)
+    return RunStart(ctx, policy, float(state.get("elapsed_s", 0.0)), resumed or policy.iteration > 0)
+
+
+@task(name="finish-run", retries=1, retry_delay_seconds=2, cache_policy=NONE)
+def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
+    """Log the final policy as an MLflow model and the headline numbers; close the run."""
+    import mlflow
+
+    from horizonrl.policy_model import PolicyModel
+
+    c = ctx.mlflow()
+    history = c.get_metric_history(ctx.mlflow_run_id, "eval/success_rate")
+    by_step = {m.step: m.value for m in history}
+    first, last = (by_step[min(by_step)], by_step[max(by_step)]) if by_step else (float("nan"), float("nan"))
+    summary = {"initial_success_rate": first, "final_success_rate": last, "improvement": last - first, "iterations": float(policy.iteration)}
+    tracking.log_metrics(c, ctx.mlflow_run_id, "summary", summary, policy.iteration)
+    mlflow.set_tracking_uri(ctx.tracking_uri)
+    with mlflow.start_run(run_id=ctx.mlflow_run_id):
+        mlflow.pyfunc.log_model(name="policy", python_model=PolicyModel(), artifacts={"policy": policy.path}, pip_requirements=["torch", "transformers", "safetensors"])
+    c.set_terminated(ctx.mlflow_run_id, "FINISHED")
+    get_run_logger().info("run %s finished: held-out success %.3f -> %.3f", ctx.cfg.run_name, first, last)
+    return summary

@@ -1,0 +1,58 @@
+"""Stage 3: the PPO update over the iteration's rows; its output is the next checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NONE
+
+from horizonrl import store
+from horizonrl.checkpoint import CheckpointRef, read_state, save_checkpoint
+from horizonrl.seeding import derive_seed
+from horizonrl.sequences import attach_advantages, train_rows
+from horizonrl.trainer import UpdateSettings, ppo_update
+from tasks.advantage import AdvantageRef
+from tasks.collect import RolloutRef
+from tasks.context import RUNTIME, RunContext
+from tasks.tracking import log_stage
+
+
+class TooManyNonFiniteSteps(RuntimeError):
+    """Raised when more optimizer steps than ``update.max_nan_skips`` had a non-finite loss or gradient."""
+
+
+def settings(ctx: RunContext, pad_id: int) -> UpdateSettings:
+    cfg = ctx.cfg
+    loss_name, loss_params = cfg.loss_spec()
+    return UpdateSettings(
+        loss_name, loss_params, cfg.epochs, cfg.update.minibatch_size, cfg.preset.uses_fixed_row_divisor,
+        cfg.update.grad_clip, cfg.update.high_kl_threshold, cfg.rollout.temperature, cfg.update.micro_batch_tokens, pad_id,
+    )
+
+
+@task(name="update", cache_policy=NONE)
+def update(ctx: RunContext, iteration: int, rollouts: RolloutRef, adv: AdvantageRef, policy: CheckpointRef, elapsed_s: float) -> CheckpointRef:
+    """Not retried: a half-applied update lives only in memory, so on failure the holder is dropped and
+    the next attempt reloads ``policy`` from disk."""
+    cfg = ctx.cfg
+    loaded = RUNTIME.get(cfg, policy)
+    try:
+        rows = attach_advantages(train_rows(store.read_table(rollouts.turns, "turns"), cfg.rollout.context), store.read_table(adv.table, "advantages"))
+        result = ppo_update(loaded.model, loaded.optimizer, rows, settings(ctx, loaded.tokenizer.pad_token_id), derive_seed(cfg.seed, "update", iteration)) if rows else None
+        prev = read_state(policy)
+        nonfinite = prev.get("nonfinite_steps", 0) + (result.nonfinite_steps if result else 0)
+        if nonfinite > cfg.update.max_nan_skips:
+            raise TooManyNonFiniteSteps(f"{nonfinite} optimizer steps had a non-finite loss or gradient (update.max_nan_skips = {cfg.update.max_nan_skips}); last good checkpoint: {policy.path}")
+        estimator_state = json.loads(Path(adv.state).read_text()) if adv.state else None
+        state = {"nonfinite_steps": nonfinite, "elapsed_s": elapsed_s, "mlflow_run_id": ctx.mlflow_run_id, "seed": cfg.seed, "config_digest": cfg.digest()}
+        ref = save_checkpoint(ctx.path, iteration, loaded.model, loaded.tokenizer, loaded.optimizer, state, estimator_state)
+    except BaseException:
+        RUNTIME.drop()
+        raise
+    RUNTIME.advance(ref)
+    stats = result.stats if result else {"steps": 0.0, "rows": 0.0}
+    log_stage(ctx, "update", stats, iteration)
+    get_run_logger().info("iteration %d update: %d steps, loss %.4f, clip %.3f, kl %.4f", iteration, stats.get("steps", 0), stats.get("loss", 0.0), stats.get("clip_frac", 0.0), stats.get("approx_kl", 0.0))
+    return ref

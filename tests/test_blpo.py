@@ -1,0 +1,302 @@
+"""BLPO (methods/blpo.py, methods/blpo_memory.py; ALGORITHMS.md 2, 5, 7.3).
+
+The confidence example of section 5 (on memory records and through the full estimator), the edge
+cases of 2.12, decay (7.3: n_eff = 1.996 is inactive; a half-life halves W), the memory's JSON round
+trip, purity (the input memory is not changed) and bit-for-bit determinism. Tolerance 1e-12
+absolute unless stated; the spec's printed figures (0.2621) are checked to 5e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+from methods.blpo import BLPOParams, blpo_advantage
+from methods.blpo_memory import BLPOMemory, MomentRecord, context_hash, role_progress_advantage
+from methods.registry import ADVANTAGES
+from methods.types import StepBatch
+
+ATOL = 1e-12
+EPS = 1e-6
+LAMBDA = 2.0 ** (-1.0 / 8.0)
+# Section 5: m = (0.4, -0.3), M = 0.05, s^2 = 0.245, c = +-0.35, n_cmp = HM(3, 2) = 2.4, kappa = 2.4 / 6.4
+# = 0.375, SE_D^2 = (1/2)^2 (0.01/3) + (0.02/2)/4 = 0.000833 + 0.0025 for A (the same for B), tau^2 = 0.0025.
+A_P = 0.375 * 0.35 / math.sqrt(0.245 + 0.25 * 0.01 / 3 + 0.01 / 4 + 0.05**2)  # 0.2620636
+
+
+def row(uid, traj, reward, obs, action, role, abstract, context, **extra) -> dict:
+    return dict(uid=uid, traj=traj, reward=reward, obs=obs, action=action, role=role, abstract=abstract,
+                context=context, **extra)  # fmt: skip
+
+
+def blpo_batch(rows: list[dict], update_index: int = 0) -> StepBatch:
+    """Rows in order; episode_return defaults to the trajectory's summed reward, flags to True."""
+    total = defaultdict(float)
+    for r in rows:
+        total[r["traj"]] += r["reward"]
+    turn, seen = [], defaultdict(int)
+    for r in rows:
+        turn.append(seen[r["traj"]])
+        seen[r["traj"]] += 1
+
+    def col(name, default=None, dtype=object):
+        return np.asarray([r.get(name, default) for r in rows], dtype=dtype)
+
+    return StepBatch(
+        group_id=col("uid", dtype=np.int64),
+        traj_id=col("traj", dtype=np.int64),
+        turn=np.asarray(turn, dtype=np.int64),
+        reward=col("reward", dtype=np.float64),
+        episode_return=np.asarray([r.get("ret", total[r["traj"]]) for r in rows], dtype=np.float64),
+        n_tokens=np.ones(len(rows), dtype=np.int64),
+        update_index=update_index,
+        anchor_obs=col("obs"),
+        action=col("action"),
+        valid=col("valid", True, bool),
+        format_valid=col("fmt", True, bool),
+        progress_key=col("role"),
+        abstract_action=col("abstract"),
+        context_id=col("context"),
+        shareable=col("shareable", True, bool),
+    )
+
+
+def pair_z(a: float, b: float) -> float:
+    """(a - mean) / (std_ddof1 + eps) for the first of two values: (a - b)/2 / (|a - b|/sqrt(2) + eps)."""
+    return (a - b) / 2 / (abs(a - b) / math.sqrt(2) + EPS)
+
+
+# Section 5 through the estimator: five single-step task groups, each one Exact group (its own
+# observation and context) holding a role-R row and a role-R2 row whose abstract action X makes the
+# group eligible. delta = G - mean_E G of the R rows: A {0.5, 0.3, 0.4}, B {-0.2, -0.4}.
+CONFIDENCE_SPEC = [("A", 1.0, 0.0), ("A", 0.6, 0.0), ("A", 0.8, 0.0), ("B", 0.0, 0.4), ("B", 0.0, 0.8)]
+
+
+def confidence_rows() -> list[dict]:
+    rows = []
+    for i, (action, g_role, g_other) in enumerate(CONFIDENCE_SPEC, start=1):
+        rows.append(row(i, 2 * i, g_role, f"room {i}", f"do {action}", "R", action, f"ctx{i}"))
+        rows.append(row(i, 2 * i + 1, g_other, f"room {i}", "do x", "R2", "X", f"ctx{i}"))
+    return rows
+
+
+def split_progress(result, rows) -> np.ndarray:
+    """A^P of the R rows: adv - A^E - (2/3) A^X, times 3 (both layers active, priors 1 and 0.5)."""
+    out = []
+    for n in range(0, len(rows), 2):
+        z = pair_z(rows[n]["reward"], rows[n + 1]["reward"])  # A^E and A^X of the pair are both this z
+        out.append(3 * (result.adv[n] - z - 2 / 3 * z))
+    return np.asarray(out)
+
+
+def confidence_records() -> dict[str, MomentRecord]:
+    # A: W = 3, S = 0.5+0.3+0.4 = 1.2, Q = 0.25+0.09+0.16 = 0.5, R = 3; B: W = 2, S = -0.6, Q = 0.2, R = 2.
+    return {
+        "A": MomentRecord(3.0, 1.2, 0.5, 3.0, 0, {"c1": 1.0, "c2": 1.0, "c3": 1.0}),
+        "B": MomentRecord(2.0, -0.6, 0.2, 2.0, 0, {"c4": 1.0, "c5": 1.0}),
+    }
+
+
+def test_confidence_example_from_records():
+    read = role_progress_advantage(confidence_records())
+    assert read.active and read.n_eff == 5.0
+    assert read.score == pytest.approx({"A": 0.4, "B": -0.3}, abs=ATOL)
+    assert read.adv["A"] == pytest.approx(A_P, abs=ATOL) and read.adv["B"] == pytest.approx(-A_P, abs=ATOL)
+    assert abs(read.adv["A"] - 0.2621) < 5e-5
+    # mean_norm: A^P = c_a = +-0.35; confidence off: c / s = +-0.35 / 0.494975 = +-0.707107 (the raw z).
+    assert role_progress_advantage(confidence_records(), mode="mean_norm").adv["A"] == pytest.approx(0.35, abs=ATOL)
+    raw = role_progress_advantage(confidence_records(), confidence=False).adv["B"]
+    assert raw == pytest.approx(-0.35 / math.sqrt(0.245), abs=ATOL)
+
+
+def test_confidence_example_through_estimator():
+    rows = confidence_rows()
+    result = blpo_advantage(blpo_batch(rows), BLPOParams(), None)
+    # Empty memory: this batch is written first, then read (2.7 (e)), so A^P is active at once.
+    np.testing.assert_allclose(split_progress(result, rows), [A_P] * 3 + [-A_P] * 2, rtol=0, atol=1e-10)
+    # R2 has one action (X) -> inactive: its rows get A^E + A^X.
+    for n in range(1, len(rows), 2):
+        z = pair_z(rows[n]["reward"], rows[n - 1]["reward"])
+        assert result.adv[n] == pytest.approx(2 * z, abs=ATOL)
+    memory = result.state
+    a, b = memory.get("R", "A"), memory.get("R", "B")
+    assert (a.W, a.R, b.W, b.R) == (3.0, 3.0, 2.0, 2.0) and len(memory) == 3
+    assert (a.S, a.Q, b.S, b.Q) == pytest.approx((1.2, 0.5, -0.6, 0.2), abs=ATOL)
+    assert a.children == {context_hash(f"ctx{i}"): 1.0 for i in (1, 2, 3)}
+    assert result.stats["active_roles"] == 1.0 and result.stats["progress_active_fraction"] == 0.5
+    assert result.stats["memory_keys"] == 3.0 and result.stats["exact_active_fraction"] == 1.0
+
+
+def test_read_before_write_lags_one_update():
+    rows = confidence_rows()
+    lagged = blpo_advantage(blpo_batch(rows), BLPOParams(role_read_before_write=True), None)
+    assert lagged.stats["progress_active_fraction"] == 0.0  # the empty memory was read
+    expected = [2 * pair_z(rows[n]["reward"], rows[n ^ 1]["reward"]) for n in range(len(rows))]
+    np.testing.assert_allclose(lagged.adv, expected, rtol=0, atol=ATOL)  # micro = A^X only
+    assert lagged.state == blpo_advantage(blpo_batch(rows), BLPOParams(), None).state
+
+
+def test_current_batch_centering():
+    rows = confidence_rows()
+    result = blpo_advantage(blpo_batch(rows), BLPOParams(role_current_batch_center=True), None)
+    # Active A^P: +a on 3 rows, -a on 2 -> mean a/5; centred: 0.8 a and -1.2 a.
+    np.testing.assert_allclose(split_progress(result, rows), [0.8 * A_P] * 3 + [-1.2 * A_P] * 2, atol=1e-10)
+
+
+def test_singleton_exact_group_reads_history_without_writing():
+    first = blpo_advantage(blpo_batch(confidence_rows()), BLPOParams(), None)
+    lone = [row(9, 99, 0.3, "new room", "do A", "R", "A", "ctx9")]
+    result = blpo_advantage(blpo_batch(lone, update_index=1), BLPOParams(), first.state)
+    # A^E = 0 (group of one), A^X = 0 (Exact group of one); A^P from the decayed history: decay scales
+    # W, S, Q, children by lambda and R by lambda^2, which leaves m, s, v, n_eff and so A^P unchanged.
+    assert result.adv[0] == pytest.approx(A_P, abs=1e-10)
+    assert result.stats["exact_active_fraction"] == 0.0
+    assert result.state.get("R", "A") == first.state.get("R", "A")  # not written
+    assert result.state.update_index == 1
+
+
+def test_empty_memory_single_context_is_inactive():
+    # One Exact group with both actions of role R: n_eff = 1 < 2, so micro = A^X only (2.12).
+    rows = [row(1, 1, 1.0, "o", "do a", "R", "A", "c1"), row(1, 2, 0.0, "o", "do b", "R", "B", "c1")]
+    result = blpo_advantage(blpo_batch(rows), BLPOParams(), None)
+    z = pair_z(1.0, 0.0)
+    np.testing.assert_allclose(result.adv, [2 * z, -2 * z], rtol=0, atol=ATOL)
+    assert result.stats["progress_active_fraction"] == 0.0 and len(result.state) == 2
+
+
+def test_identical_task_rewards_leave_discounting_differences():
+    # Both trajectories reach reward 1 (A^E = 0 exactly); the short one has G = 0.95 at "s0", the long
+    # one 0.95^2 = 0.9025, so only the shared "s0" rows get A^X = +-pair_z.
+    rows = [
+        row(1, 1, 0.0, "s0", "go to a", "R0", "NAV", "c0"), row(1, 1, 1.0, "s1", "take x", "R1", "TAKE", "c1"),
+        row(1, 2, 0.0, "s0", "go to b", "R0", "SEARCH", "c0"), row(1, 2, 0.0, "s2", "look", "R2", "LOOK", "c2"),
+        row(1, 2, 1.0, "s3", "take x", "R1", "TAKE", "c3"),
+    ]  # fmt: skip
+    result = blpo_advantage(blpo_batch(rows), BLPOParams(), None)
+    z = pair_z(0.95, 0.9025)
+    np.testing.assert_allclose(result.adv, [z, 0, -z, 0, 0], rtol=0, atol=ATOL)
+    assert result.adv[1] == 0.0 and result.adv[3] == 0.0 and result.stats["mean_abs_adv_episode"] == 0.0
+    failed = [dict(r, reward=0.0) for r in rows]
+    assert np.all(blpo_advantage(blpo_batch(failed), BLPOParams(), None).adv == 0.0)
+
+
+def test_one_rollout_per_task_uses_revisits_only():
+    # K = 1: A^E = 0; the trajectory revisits "s0" with another action: G = 0.9025 vs 1.
+    rows = [row(4, 1, 0.0, "s0", "open door", "R", "OPEN", "c0"), row(4, 1, 0.0, "s1", "look", "R", "LOOK", "c1"),
+            row(4, 1, 1.0, "s0", "go north", "R", "NAV", "c0")]  # fmt: skip
+    result = blpo_advantage(blpo_batch(rows), BLPOParams(), None)
+    z = pair_z(0.9025, 1.0)
+    np.testing.assert_allclose(result.adv, [z, 0, -z], rtol=0, atol=ATOL)
+
+
+def test_canonical_actions_balance_and_validity():
+    # One Exact group: "Go to  Desk" and "go to desk" are one action (G = 1 twice); the invalid "go to desk"
+    # is another (r' = 0 - 0.1 penalty). score = (1, -0.1), mu = 1.9/3, sigma^2 = (2 (1-mu)^2 + (-0.1-mu)^2)/2.
+    rows = [row(1, 1, 1.0, "o", "Go to  Desk", "R", "NAV", "c"), row(1, 2, 1.0, "o", "go to desk", "R", "NAV", "c"),
+            row(1, 3, 0.0, "o", "go to desk", "R", "NAV", "c", valid=False)]  # fmt: skip
+    result = blpo_advantage(blpo_batch(rows), BLPOParams(), None)
+    mu = 1.9 / 3
+    sigma = math.sqrt((2 * (1 - mu) ** 2 + (-0.1 - mu) ** 2) / 2)
+    # A^E has the same numbers (scores 1, 1, 0 - 0.1); one abstract action -> no write.
+    expected = [2 * (1 - mu) / (sigma + EPS)] * 2 + [2 * (-0.1 - mu) / (sigma + EPS)]
+    np.testing.assert_allclose(result.adv, expected, rtol=0, atol=ATOL)
+    assert len(result.state) == 0
+
+
+def test_non_finite_and_missing_inputs_raise():
+    batch = blpo_batch(confidence_rows())
+    for name, value in (("reward", np.nan), ("episode_return", np.inf)):
+        column = getattr(batch, name).copy()
+        column[3] = value
+        with pytest.raises(ValueError, match=name):
+            blpo_advantage(StepBatch(**{**batch.__dict__, name: column}), BLPOParams(), None)
+    with pytest.raises(ValueError, match="progress_key"):
+        blpo_advantage(StepBatch(**{**batch.__dict__, "progress_key": None}), BLPOParams(), None)
+    with pytest.raises(ValueError, match="half_life"):
+        blpo_advantage(batch, BLPOParams(), BLPOMemory(half_life=4.0))
+
+
+def two_action_group(uid: int, context: str) -> list[dict]:
+    return [row(uid, 2 * uid, 1.0, context, "do a", "R", "A", context),
+            row(uid, 2 * uid + 1, 0.0, context, "do b", "R", "B", context)]  # fmt: skip
+
+
+def test_contexts_one_update_apart_are_inactive():
+    first = blpo_advantage(blpo_batch(two_action_group(1, "c1")), BLPOParams(), None)
+    second = blpo_advantage(blpo_batch(two_action_group(2, "c2"), update_index=1), BLPOParams(), first.state)
+    # Support: c1 at lambda = 2^(-1/8), c2 at 1 -> n_eff = (1 + lambda)^2 / (1 + lambda^2) = 1.99626 < 2.
+    read = role_progress_advantage(second.state.role_records("R", 1, EPS))
+    assert read.n_eff == pytest.approx((1 + LAMBDA) ** 2 / (1 + LAMBDA**2), abs=ATOL)
+    assert read.n_eff == pytest.approx(1.996, abs=5e-4) and not read.active
+    assert second.stats["active_roles"] == 0.0 and second.stats["progress_active_fraction"] == 0.0
+    both = blpo_advantage(blpo_batch(two_action_group(1, "c1") + two_action_group(2, "c2")), BLPOParams(), None)
+    assert both.stats["active_roles"] == 1.0 and both.stats["progress_active_fraction"] == 1.0  # n_eff = 2
+
+
+def test_half_life_halves_weight_after_eight_updates():
+    memory = BLPOMemory(8.0).with_effects(0, [("R", "A")], [[1.0], [0.4], [0.16], [1.0]], [[("c", 1.0)]])
+    later = memory.role_records("R", 8, EPS)["A"]
+    assert later.W == pytest.approx(0.5, rel=1e-14) and later.S == pytest.approx(0.2, rel=1e-14)
+    assert later.R == pytest.approx(0.25, rel=1e-14) and later.children["c"] == pytest.approx(0.5, rel=1e-14)
+    grown = memory.with_effects(8, [("R", "A")], [[1.0], [0.0], [0.0], [1.0]], [[("d", 1.0)]]).get("R", "A")
+    assert grown.W == pytest.approx(1.5, rel=1e-14) and grown.last_update == 8
+    assert memory.get("R", "A").W == 1.0  # with_effects returned a new memory
+    with pytest.raises(ValueError, match="backwards"):
+        grown_memory = memory.with_effects(8, [], [[], [], [], []], [])
+        grown_memory.with_effects(7, [], [[], [], [], []], [])
+    faded = MomentRecord(1.0, 1.0, 1.0, 1.0, 0, {"c": 1.0}).decayed(8 * 34, LAMBDA)
+    assert faded.children == {}  # 2^-34 = 5.8e-11 <= 1e-10: pruned
+
+
+def test_memory_json_round_trip():
+    memory = blpo_advantage(blpo_batch(confidence_rows()), BLPOParams(), None).state
+    text = json.dumps(memory.to_json_dict())
+    loaded = BLPOMemory.from_json_dict(json.loads(text), half_life=8.0)
+    assert loaded == memory and json.dumps(loaded.to_json_dict()) == text and len(loaded) == 3
+    assert loaded.get("R", "A") == memory.get("R", "A")
+    with pytest.raises(ValueError, match="half-life"):
+        BLPOMemory.from_json_dict(json.loads(text), half_life=4.0)
+    flat = {(r["role"], r["action"]): r for r in memory.records()}
+    assert flat[("R", "A")]["n_children"] == 3 and flat[("R", "A")]["mean"] == pytest.approx(0.4, abs=ATOL)
+    assert list(flat) == sorted(flat)
+
+
+def test_estimator_is_pure_and_deterministic():
+    state = blpo_advantage(blpo_batch(confidence_rows()), BLPOParams(), None).state
+    before = json.dumps(state.to_json_dict())
+    batch = blpo_batch(confidence_rows() + two_action_group(7, "c7"), update_index=3)
+    one, two = (blpo_advantage(batch, BLPOParams(), state) for _ in range(2))
+    assert json.dumps(state.to_json_dict()) == before and one.state is not state
+    assert one.adv.tobytes() == two.adv.tobytes()
+    assert json.dumps(one.state.to_json_dict()) == json.dumps(two.state.to_json_dict())
+    # (R, A): 3 effects decayed over 3 updates, plus 3 (contexts 1-3 again) + 1 (context c7) new ones.
+    assert one.state.get("R", "A").W == pytest.approx(3 * LAMBDA**3 + 4, abs=ATOL)
+
+
+def test_local_residual_rescues_a_tied_group():
+    # Add a sixth context where A and B tie (G = 0.5 each): delta = 0, so m_A = 1.2/4 = 0.3, m_B = -0.6/3.
+    rows = confidence_rows() + [row(6, 12, 0.5, "room 6", "do a", "R", "A", "ctx6"),
+                                row(6, 13, 0.5, "room 6", "do b", "R", "B", "ctx6")]  # fmt: skip
+    result = blpo_advantage(blpo_batch(rows), BLPOParams(role_application="local_residual"), None)
+    # Tied group: direct = 0; projected = m - mean(m) = +-0.25; combined = 0.5 * +-0.25 = +-0.125;
+    # std (ddof 1) = 0.125 sqrt(2): micro = +-0.125 / (0.125 sqrt(2) + 1e-6). A^E = 0 (tied scores).
+    rescued = 0.125 / (0.125 * math.sqrt(2) + EPS)
+    np.testing.assert_allclose(result.adv[-2:], [rescued, -rescued], rtol=0, atol=ATOL)
+    # Other groups have one reliable row each: micro is GiGPO's per-row term, so A = 2 pair_z.
+    expected = [2 * pair_z(rows[n]["reward"], rows[n ^ 1]["reward"]) for n in range(10)]
+    np.testing.assert_allclose(result.adv[:10], expected, rtol=0, atol=1e-10)
+
+
+def test_registered_and_params_validated():
+    entry = ADVANTAGES.get("blpo")
+    assert entry.fn is blpo_advantage and entry.params_cls is BLPOParams
+    with pytest.raises(ValueError, match="local_residual"):
+        BLPOParams(role_application="local_residual", role_current_batch_center=True)
+    with pytest.raises(ValueError, match="std_floor"):
+        BLPOParams(std_floor=0.5)
+    exact_only = blpo_advantage(blpo_batch(confidence_rows()), BLPOParams(layers=("exact",)), None)
+    assert len(exact_only.state) == 0 and exact_only.stats["progress_active_fraction"] == 0.0
