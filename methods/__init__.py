@@ -17,14 +17,14 @@ def state_to_json(state: Any) -> dict | None:
     return None if state is None else state.to_json_dict()
 
 
-def state_from_json(name: str, data: dict | None) -> Any:
-    """Inverse of ``state_to_json`` for estimator ``name``; None (no state yet) stays None."""
+def state_from_json(name: str, data: dict | None, params: Any) -> Any:
+    """Inverse of ``state_to_json`` for estimator ``name`` with ``params``; None (no state yet) stays None."""
     if data is None:
         return None
-    state_cls = ADVANTAGES.get(name).state_cls
-    if state_cls is None:
+    load_state = ADVANTAGES.get(name).load_state
+    if load_state is None:
         raise ValueError(f"advantage estimator {name!r} keeps no state, but a state was given")
-    return state_cls.from_json_dict(data)
+    return load_state(data, params)
 
 
 __all__ = ["ADVANTAGES", "LOSSES", "AdvantageResult", "StepBatch", "state_from_json", "state_to_json"]

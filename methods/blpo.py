@@ -13,6 +13,12 @@ score_n = R_n - p (1 - valid_n), and G is built from r'_n = r_n - p (1 - valid_n
 
 Not implemented (optional, non-default, 2.9): the raw role estimator, the stage layer and the
 first-visit fallbacks (``all_fail_first_visit``, ``progress_first_visit_backoff``).
+
+Choices where the released code differs: reads never rewrite the memory (it decays read records in
+place: the same values up to rounding); ``mode="mean_norm"`` gives A^P = c_a whatever
+``role_confidence`` says (the code rejects that pair); an all-tied Exact group is inactive with
+``exact_action_balance=False`` (7.3); an ``update_index`` below the memory's raises; contexts are
+hashed with blake2b-128 of ``str(context_id)``, so memory files are not interchangeable with its own.
 """
 
 from __future__ import annotations
@@ -21,25 +27,27 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from methods.blpo_memory import BLPOMemory, RoleRead, batch_effects, role_progress_advantage
+from methods.blpo_memory import BLPOMemory, RoleRead, children_by_key, role_progress_advantage
 from methods.registry import ADVANTAGES
 from methods.stepwise import (
     MODES,
-    canonical_action_codes,
+    StepKeys,
     center_active,
     combine_codes,
     discounted_returns,
-    factorize,
+    distinct,
     group_first,
     group_moments,
     group_standardize,
     penalized_score_and_reward,
     require_finite,
+    step_keys,
     trajectory_starts,
 )
 from methods.types import AdvantageResult, StepBatch
 
 ROLE_APPLICATIONS = ("parallel", "local_residual")
+LAYERS = (("exact",), ("exact", "role"))  # the Exact layer is always on; "stage" (2.9) is not implemented
 
 
 @dataclass(frozen=True)
@@ -68,22 +76,19 @@ class BLPOParams:
     invalid_penalty: float = 0.1  # p, subtracted from score and step reward of invalid actions
 
     def __post_init__(self) -> None:
-        checks = {
-            f"mode {self.mode!r} not in {MODES}": self.mode in MODES,
-            f"role_application {self.role_application!r} not in {ROLE_APPLICATIONS}": (
-                self.role_application in ROLE_APPLICATIONS
-            ),
-            "layers must be ('exact',) or ('exact', 'role')": tuple(self.layers) in (("exact",), ("exact", "role")),
-            "local_residual needs the role layer and no current-batch centering": self.role_application == "parallel"
-            or (self.use_role and not self.role_current_batch_center),
-            "role_confidence replaces std_floor; do not set both": not (self.role_confidence and self.std_floor > 0),
-            "half_life, tau, support_scale and eps must be positive": min(
-                self.half_life, self.tau, self.support_scale, self.eps
-            ) > 0,
-            "gamma must lie in [0, 1]; std_floor, beta, priors must be >= 0": 0 <= self.gamma <= 1
-            and min(self.std_floor, self.beta, self.exact_prior, self.role_prior) >= 0,
-        }
-        for message, ok in checks.items():
+        rules = (
+            (self.mode in MODES, f"mode must be one of {MODES}"),
+            (self.role_application in ROLE_APPLICATIONS, f"role_application must be one of {ROLE_APPLICATIONS}"),
+            (tuple(self.layers) in LAYERS, f"layers must be one of {LAYERS}"),
+            (self.role_application == "parallel" or (self.use_role and not self.role_current_batch_center),
+             "local_residual needs the role layer and no current-batch centering"),
+            (not (self.role_confidence and self.std_floor > 0), "role_confidence replaces std_floor; set one"),
+            (min(self.half_life, self.tau, self.support_scale, self.eps) > 0,
+             "half_life, tau, support_scale and eps must be positive"),
+            (0 <= self.gamma <= 1 and min(self.std_floor, self.beta, self.exact_prior, self.role_prior) >= 0,
+             "gamma must lie in [0, 1]; std_floor, beta and the priors must be >= 0"),
+        )  # fmt: skip
+        for ok, message in rules:
             if not ok:
                 raise ValueError(f"BLPOParams: {message}")
 
@@ -92,45 +97,7 @@ class BLPOParams:
         return "role" in self.layers
 
 
-@dataclass(frozen=True)
-class BatchKeys:
-    """Integer codes of the batch's keys (2.3, 2.4); ``*_values`` hold the distinct originals."""
-
-    uid: np.ndarray  # (N,) task group
-    n_uid: int
-    exact: np.ndarray  # (N,) Exact group E = (uid, anchor_obs)
-    n_exact: int
-    action: np.ndarray  # (N,) canonical exact action (validity, normalised text)
-    n_action: int
-    key: np.ndarray  # (N,) progress key (role, abstract action)
-    key_role: np.ndarray  # (K,) role code of each key
-    key_abstract: np.ndarray  # (K,) abstract-action code of each key
-    role_values: list[str]
-    abstract_values: list[str]
-    context: np.ndarray  # (N,) exact child (context id)
-    context_values: list[str]
-    shareable: np.ndarray  # (N,) bool
-
-
-def batch_keys(batch: StepBatch) -> BatchKeys:
-    """Factorize every key column once; no Python loop runs per row except the dict pass (2.3)."""
-    uid, uid_values = factorize(batch.group_id)
-    obs, obs_values = factorize(batch.anchor_obs)
-    exact, n_exact = combine_codes(uid, obs, len(obs_values))
-    action, n_action = canonical_action_codes(batch.action, batch.valid, batch.format_valid)
-    role, role_values = factorize(batch.progress_key)
-    abstract, abstract_values = factorize(batch.abstract_action)
-    key, n_key = combine_codes(role, abstract, len(abstract_values))
-    first = group_first(key, n_key)
-    context, context_values = factorize(batch.context_id)
-    return BatchKeys(
-        uid, len(uid_values), exact, n_exact, action, n_action, key, role[first], abstract[first],
-        [str(v) for v in role_values], [str(v) for v in abstract_values], context, context_values,
-        np.asarray(batch.shareable, dtype=bool),
-    )
-
-
-def exact_advantage(returns: np.ndarray, k: BatchKeys, params: BLPOParams) -> tuple[np.ndarray, np.ndarray]:
+def exact_advantage(returns: np.ndarray, k: StepKeys, params: BLPOParams) -> tuple[np.ndarray, np.ndarray]:
     """A^X inside each Exact group E, and its activity (2.6, 7.3).
 
     Balanced (default): A^X_n = (score_a - mu_E) / (sigma_E + eps) with score_a the mean G of the
@@ -153,8 +120,40 @@ def exact_advantage(returns: np.ndarray, k: BatchKeys, params: BLPOParams) -> tu
     return np.where(row_active, adv, 0.0), row_active
 
 
-def read_progress(memory: BLPOMemory, update: int, k: BatchKeys, params: BLPOParams) -> tuple:
-    """A^P, its activity and the role score m_a per row, read from ``memory`` at ``update`` (2.7 (f)-(g)).
+def batch_effects(delta: np.ndarray, k: StepKeys, child_balance: bool) -> tuple[list, list, list]:
+    """This batch's effects on the memory summed per key: ``with_effects`` arguments (2.7 (b)-(d)).
+
+    An Exact group writes iff it has >= 2 shareable rows with >= 2 distinct abstract actions. With
+    child balance each (role, action, E, context) bucket is one effect e = mean delta, weight 1;
+    otherwise each shareable row of an eligible group is an effect of weight 1. Effects are the
+    context-relative returns ``delta`` (N,).
+
+    Returns:
+        ``(keys, sums, children)``: K (role, action) keys, [sum w, sum w e, sum w e^2, sum w^2] as
+        length-K lists, and per key (context hashes, weights).
+    """
+    sh = np.flatnonzero(k.shareable)
+    pair, n_pair = combine_codes(k.exact[sh], k.key_abstract[k.key[sh]], len(k.abstract_values))
+    n_distinct = np.bincount(k.exact[sh][group_first(pair, n_pair)], minlength=k.n_exact)
+    eligible = (np.bincount(k.exact[sh], minlength=k.n_exact) >= 2) & (n_distinct >= 2)
+    rows = sh[eligible[k.exact[sh]]]
+    effect, first = delta[rows], rows
+    if child_balance:
+        key_exact, _ = combine_codes(k.key[rows], k.exact[rows], k.n_exact)
+        bucket, n_bucket = combine_codes(key_exact, k.context[rows], len(k.context_values))
+        effect, first = group_moments(delta[rows], bucket, n_bucket)[1], rows[group_first(bucket, n_bucket)]
+    # first: (E,) one row per effect, whose key and context the effect takes
+    written, key_index = np.unique(k.key[first], return_inverse=True)
+    n_written = len(written)
+    weight = np.bincount(key_index, minlength=n_written).astype(np.float64)  # sum w = sum w^2 (w = 1)
+    moments = (np.bincount(key_index, weights=v, minlength=n_written) for v in (effect, effect**2))
+    keys = [(k.role_values[k.key_role[c]], k.abstract_values[k.key_abstract[c]]) for c in written.tolist()]
+    sums = [s.tolist() for s in (weight, *moments, weight)]
+    return keys, sums, children_by_key(key_index, k.context[first], n_written, k.context_values)
+
+
+def read_progress(memory: BLPOMemory, update: int, k: StepKeys, params: BLPOParams) -> tuple:
+    """A^P, its activity and the role score m_a per row, read from ``memory`` at ``update`` (2.7 (f), (g)).
 
     Only shareable rows read, one ``role_progress_advantage`` call per distinct role; a row is active
     iff its role is active and its (role, action) has a record with W > eps.
@@ -165,7 +164,7 @@ def read_progress(memory: BLPOMemory, update: int, k: BatchKeys, params: BLPOPar
     n_key = len(k.key_role)
     adv, score, active = np.zeros(n_key + 1), np.zeros(n_key + 1), np.zeros(n_key + 1, dtype=bool)
     reads: dict[int, RoleRead] = {}
-    for c in np.unique(k.key[k.shareable]).tolist():
+    for c in distinct(k.key[k.shareable]).tolist():
         r = int(k.key_role[c])
         if r not in reads:
             reads[r] = role_progress_advantage(
@@ -175,7 +174,8 @@ def read_progress(memory: BLPOMemory, update: int, k: BatchKeys, params: BLPOPar
             )  # fmt: skip
         action = k.abstract_values[k.key_abstract[c]]
         if action in reads[r].score:
-            score[c], active[c], adv[c] = reads[r].score[action], reads[r].active, reads[r].adv.get(action, 0.0)
+            score[c], active[c] = reads[r].score[action], reads[r].active
+            adv[c] = reads[r].adv.get(action, 0.0)
     row = np.where(k.shareable, k.key, n_key)  # non-shareable rows read the zero slot n_key
     return adv[row], active[row], score[row], sum(read.active for read in reads.values())
 
@@ -188,7 +188,7 @@ def fuse_parallel(adv_x, active_x, adv_p, active_p, params: BLPOParams) -> np.nd
     return np.where(denom > 0, (p_x / safe) * adv_x + (p_p / safe) * adv_p, 0.0)
 
 
-def local_residual(returns, k: BatchKeys, score, reliable, params: BLPOParams) -> tuple[np.ndarray, ...]:
+def local_residual(returns, k: StepKeys, score, reliable, params: BLPOParams) -> tuple[np.ndarray, ...]:
     """Non-default ``local_residual`` application inside each Exact group (2.8).
 
     combined = (G - mu_E) + beta * (m_a - mean of m over the group's reliable rows) on reliable rows of
@@ -200,14 +200,14 @@ def local_residual(returns, k: BatchKeys, score, reliable, params: BLPOParams) -
     """
     rel = np.flatnonzero(reliable)
     pair, n_pair = combine_codes(k.exact[rel], k.key_abstract[k.key[rel]], len(k.abstract_values))
-    distinct = np.bincount(k.exact[rel][group_first(pair, n_pair)], minlength=k.n_exact)
+    n_distinct = np.bincount(k.exact[rel][group_first(pair, n_pair)], minlength=k.n_exact)
     n_rel, mean_rel, var_rel = group_moments(score[rel], k.exact[rel], k.n_exact)
     var_pop = var_rel * np.maximum(n_rel - 1, 0) / np.maximum(n_rel, 1)
-    usable = (n_rel >= 2) & (distinct >= 2) & (var_pop > params.eps**2)
+    usable = (n_rel >= 2) & (n_distinct >= 2) & (var_pop > params.eps**2)
     applied = np.zeros(len(returns), dtype=bool)
     applied[rel] = usable[k.exact[rel]]
     projected = np.where(applied, score - mean_rel[k.exact], 0.0)
-    count, mean, _ = group_moments(returns, k.exact, k.n_exact)
+    mean = group_moments(returns, k.exact, k.n_exact)[1]
     combined = (returns - mean[k.exact]) + params.beta * projected
     count, mean_c, var_c = group_moments(combined, k.exact, k.n_exact)
     combined = combined - mean_c[k.exact]
@@ -219,7 +219,7 @@ def local_residual(returns, k: BatchKeys, score, reliable, params: BLPOParams) -
     return np.where(count[k.exact] >= 2, micro, 0.0), params.beta * projected, applied
 
 
-def progress_layer(returns, k: BatchKeys, memory: BLPOMemory, update: int, params: BLPOParams):
+def progress_layer(returns, k: StepKeys, memory: BLPOMemory, update: int, params: BLPOParams):
     """Write this batch's effects and read A^P, in the order ``role_read_before_write`` sets (2.7 (a)-(h)).
 
     Returns:
@@ -242,7 +242,12 @@ def progress_layer(returns, k: BatchKeys, memory: BLPOMemory, update: int, param
     return memory, adv, active, score, n_active_roles
 
 
-@ADVANTAGES.register("blpo", BLPOParams)
+def load_memory(payload: dict, params: BLPOParams) -> BLPOMemory:
+    """The registry's state loader: a saved memory, checked against the configured half-life."""
+    return BLPOMemory.from_json_dict(payload, params.half_life)
+
+
+@ADVANTAGES.register("blpo", BLPOParams, load_state=load_memory)
 def blpo_advantage(batch: StepBatch, params: BLPOParams, state: BLPOMemory | None = None) -> AdvantageResult:
     """A_n = A^E_n + w_step * micro_n (2.8); ``state`` is the memory before this batch (None: empty).
 
@@ -256,16 +261,10 @@ def blpo_advantage(batch: StepBatch, params: BLPOParams, state: BLPOMemory | Non
     batch.require("anchor_obs", "action", "valid", "format_valid", "progress_key", "abstract_action",
                   "context_id", "shareable")  # fmt: skip
     require_finite(batch, "reward", "episode_return")
-    memory = BLPOMemory(params.half_life) if state is None else state
-    if not isinstance(memory, BLPOMemory) or memory.half_life != float(params.half_life):
-        raise ValueError(f"BLPO state must be a BLPOMemory with half_life {params.half_life}")
-    update = int(batch.update_index)
-    if update < memory.update_index:
-        raise ValueError(f"update_index {update} is below the memory's latest update {memory.update_index}")
-    starts = trajectory_starts(batch)
+    memory, update = checked_memory(state, params, int(batch.update_index))
     score, reward = penalized_score_and_reward(batch, params.invalid_penalty)
-    returns = discounted_returns(reward, starts, params.gamma)  # (N,) G_n
-    k = batch_keys(batch)
+    returns = discounted_returns(reward, trajectory_starts(batch), params.gamma)  # (N,) G_n
+    k = step_keys(batch)
     adv_episode = group_standardize(score, k.uid, k.n_uid, params.mode, params.eps, "zero")
     adv_exact, active_exact = exact_advantage(returns, k, params)
     adv_progress, active_progress, role_score = np.zeros(len(batch)), np.zeros(len(batch), dtype=bool), None
@@ -281,13 +280,25 @@ def blpo_advantage(batch: StepBatch, params: BLPOParams, state: BLPOMemory | Non
     adv = adv_episode + params.step_advantage_w * micro
     if not np.isfinite(adv).all():
         raise RuntimeError("BLPO advantage contains NaN or Inf")
-    stats = {
-        "memory_keys": float(len(memory)),
-        "active_roles": float(n_active_roles),
-        "progress_active_fraction": float(active_progress.mean()) if len(batch) else 0.0,
-        "exact_active_fraction": float(active_exact.mean()) if len(batch) else 0.0,
-        "mean_abs_adv_progress": float(np.abs(adv_progress).mean()) if len(batch) else 0.0,
-        "mean_abs_adv_exact": float(np.abs(adv_exact).mean()) if len(batch) else 0.0,
-        "mean_abs_adv_episode": float(np.abs(adv_episode).mean()) if len(batch) else 0.0,
-    }
+    stats = {"memory_keys": float(len(memory)), "active_roles": float(n_active_roles)}
+    stats.update(
+        means(progress_active_fraction=active_progress, exact_active_fraction=active_exact,
+              mean_abs_adv_progress=np.abs(adv_progress), mean_abs_adv_exact=np.abs(adv_exact),
+              mean_abs_adv_episode=np.abs(adv_episode))
+    )  # fmt: skip
     return AdvantageResult(adv=adv, keep=np.ones(len(batch), dtype=bool), state=memory, stats=stats)
+
+
+def checked_memory(state: object, params: BLPOParams, update: int) -> tuple[BLPOMemory, int]:
+    """The memory to start from (empty for None), checked against the half-life and the update counter."""
+    memory = BLPOMemory(params.half_life) if state is None else state
+    if not isinstance(memory, BLPOMemory) or memory.half_life != float(params.half_life):
+        raise ValueError(f"BLPO state must be a BLPOMemory with half_life {params.half_life}")
+    if update < memory.update_index:
+        raise ValueError(f"update_index {update} is below the memory's latest update {memory.update_index}")
+    return memory, update
+
+
+def means(**columns: np.ndarray) -> dict[str, float]:
+    """Plain mean of each (N,) column, 0 for an empty batch."""
+    return {name: float(values.mean()) if len(values) else 0.0 for name, values in columns.items()}

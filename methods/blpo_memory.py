@@ -1,4 +1,4 @@
-"""BLPO's global progress memory: batch effects, storage and the per-role read (ALGORITHMS.md 2.7 (b)-(g), 7.3).
+"""BLPO's global progress memory and its per-role read (ALGORITHMS.md 2.7 (d)-(g), 7.3).
 
 The memory maps (role, abstract action) to a moment record (W, S, Q, R, last_update, children), where
 children maps a stable hash of a concrete context id to its support weight. Records decay lazily:
@@ -12,23 +12,45 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from operator import mul
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from methods.stepwise import combine_codes, group_first, group_moments
-
-if TYPE_CHECKING:
-    from methods.blpo import BatchKeys
+from methods.stepwise import combine_codes, distinct, group_first
 
 CHILD_PRUNE = 1e-10  # children whose decayed weight is not above this are dropped (2.7 (d))
 N_EFF_TOL = 1e-9  # a role is active when n_eff >= 2 - N_EFF_TOL (7.3)
 JSON_VERSION = 1
 
 
-def context_hash(context_id: Any) -> str:
-    """Stable 128-bit hex digest of a context id (blake2b; Python's ``hash`` is salted per process)."""
-    return hashlib.blake2b(str(context_id).encode("utf-8"), digest_size=16).hexdigest()
+def context_hashes(context_ids: Sequence[Any]) -> list[str]:
+    """Stable 128-bit hex digests of context ids (blake2b; Python's ``hash`` is salted per process)."""
+    blake2b = hashlib.blake2b
+    return [blake2b(str(c).encode("utf-8"), digest_size=16).hexdigest() for c in context_ids]
+
+
+def children_by_key(key_index: np.ndarray, context: np.ndarray, n_keys: int, context_values: list) -> tuple:
+    """Per written key, its contexts' stable hashes in sorted order and the weight each gets (2.7 (d)).
+
+    Args:
+        key_index: (E,) key of each effect, 0..n_keys-1; context: (E,) context code of each effect.
+
+    Returns:
+        ``(hashes, weights, bounds)``: flat lists, key i owning entries bounds[i]:bounds[i+1]; the
+        weight of a context is its number of effects (w = 1).
+    """
+    used = distinct(context)
+    digests = np.array(context_hashes([context_values[c] for c in used.tolist()]), dtype=object)
+    order = np.argsort(digests.astype("U32"), kind="stable")
+    rank = np.zeros(len(context_values), dtype=np.int64)
+    rank[used[order]] = np.arange(len(used))  # context code -> position of its hash in sorted order
+    child, n_child = combine_codes(key_index, rank[context], len(used))  # sorted by (key, hash)
+    child_first = group_first(child, n_child)
+    hashes = digests[order][rank[context][child_first]].tolist()
+    weights = np.bincount(child, minlength=n_child).astype(np.float64).tolist()
+    bounds = np.concatenate(([0], np.cumsum(np.bincount(key_index[child_first], minlength=n_keys)))).tolist()
+    return hashes, weights, bounds
 
 
 @dataclass(frozen=True)
@@ -57,7 +79,8 @@ class BLPOMemory:
     Args:
         half_life: h in policy updates; lambda = 2^(-1/h).
         records: initial records (taken as they are; they must not be mutated afterwards).
-        update_index: the latest update u this memory was advanced to (-1 for a new memory).
+        update_index: the latest update u this memory was advanced to (at least every record's
+            ``last_update``; -1 for a new memory).
     """
 
     def __init__(
@@ -70,11 +93,11 @@ class BLPOMemory:
             raise ValueError(f"half_life must be positive, got {half_life}")
         self.half_life = float(half_life)
         self.decay = 2.0 ** (-1.0 / self.half_life)
-        self.update_index = int(update_index)
         self._records: dict[tuple[str, str], MomentRecord] = dict(records or {})
-        self._by_role: dict[str, tuple[str, ...]] = {}
+        self.update_index = max([int(update_index)] + [r.last_update for r in self._records.values()])
+        self._by_role: dict[str, list[str]] = {}  # role -> its actions, sorted
         for role, action in sorted(self._records):
-            self._by_role[role] = self._by_role.get(role, ()) + (action,)
+            self._by_role.setdefault(role, []).append(action)
 
     def __len__(self) -> int:
         return len(self._records)
@@ -102,18 +125,21 @@ class BLPOMemory:
         update: int,
         keys: Sequence[tuple[str, str]],
         sums: Sequence[Sequence[float]],
-        children: Sequence[Sequence[tuple[str, float]]],
+        children: tuple[Sequence[str], Sequence[float], Sequence[int]],
     ) -> BLPOMemory:
         """A new memory with one batch of effects written at ``update`` (2.7 (d)).
 
         Each key's record is decayed to ``update``, then W += sum w, S += sum w e, Q += sum w e^2,
         R += sum w^2 and children[c] += w (the batch sums are formed first, in a fixed order).
+        Children stay sorted by hash, so every later sum over them runs in an order that depends
+        only on the memory's content (a reloaded memory gives the same bits).
 
         Args:
             update: policy-update counter u; must not be below the latest update written.
             keys: K distinct (role, action) keys.
             sums: four length-K sequences: sum w, sum w e, sum w e^2, sum w^2 per key.
-            children: K lists of (context hash, sum w) pairs.
+            children: ``(hashes, weights, bounds)`` as ``children_by_key`` returns them: key i adds
+                weights[j] to context hashes[j] for bounds[i] <= j < bounds[i+1] (distinct, sorted).
 
         Raises:
             ValueError: ``update`` is below ``update_index`` (decay would amplify old evidence).
@@ -121,12 +147,19 @@ class BLPOMemory:
         if update < self.update_index:
             raise ValueError(f"update_index went backwards: memory at {self.update_index}, batch at {update}")
         records = dict(self._records)
-        for key, w, s, q, r, adds in zip(keys, *sums, children):
+        hashes, weights, bounds = children
+        for key, w, s, q, r, lo, hi in zip(keys, *sums, bounds[:-1], bounds[1:]):
+            added = dict(zip(hashes[lo:hi], weights[lo:hi]))
             old = records.get(key)
-            base = MomentRecord(0.0, 0.0, 0.0, 0.0, update) if old is None else old.decayed(update, self.decay)
-            merged = dict(base.children)
-            for child, weight in adds:
-                merged[child] = merged.get(child, 0.0) + weight
+            if old is None:
+                records[key] = MomentRecord(w, s, q, r, update, added)
+                continue
+            base = old.decayed(update, self.decay)
+            for child in base.children.keys() & added.keys():
+                added[child] += base.children[child]
+            merged = {**base.children, **added}
+            if len(merged) > len(base.children):  # new contexts: keep children sorted by hash
+                merged = {c: merged[c] for c in sorted(merged)}
             records[key] = MomentRecord(base.W + w, base.S + s, base.Q + q, base.R + r, update, merged)
         return BLPOMemory(self.half_life, records, max(self.update_index, update))
 
@@ -137,18 +170,10 @@ class BLPOMemory:
             "half_life": self.half_life,
             "update_index": self.update_index,
             "records": [
-                {
-                    "role": role,
-                    "action": action,
-                    "W": r.W,
-                    "S": r.S,
-                    "Q": r.Q,
-                    "R": r.R,
-                    "last_update": r.last_update,
-                    "children": {k: r.children[k] for k in sorted(r.children)},
-                }
+                {"role": role, "action": action, "W": r.W, "S": r.S, "Q": r.Q, "R": r.R,
+                 "last_update": r.last_update, "children": {c: r.children[c] for c in sorted(r.children)}}
                 for (role, action), r in sorted(self._records.items())
-            ],
+            ],  # fmt: skip
         }
 
     @classmethod
@@ -161,69 +186,29 @@ class BLPOMemory:
         if int(payload.get("version", -1)) != JSON_VERSION:
             raise ValueError(f"unsupported BLPO memory version {payload.get('version')!r}")
         if abs(float(payload["half_life"]) - float(half_life)) > 1e-12:
-            raise ValueError(f"BLPO memory half-life mismatch: stored {payload['half_life']}, configured {half_life}")
+            stored = payload["half_life"]
+            raise ValueError(f"BLPO memory half-life mismatch: stored {stored}, configured {half_life}")
         records = {
             (str(d["role"]), str(d["action"])): MomentRecord(
                 float(d["W"]), float(d["S"]), float(d["Q"]), float(d["R"]), int(d["last_update"]),
-                {str(k): float(v) for k, v in d["children"].items()},
+                {str(k): float(v) for k, v in sorted(d["children"].items())},
             )
             for d in payload["records"]
         }
         return cls(half_life, records, int(payload.get("update_index", -1)))
 
     def records(self) -> list[dict[str, Any]]:
-        """Flat rows (role, action, W, S, Q, R, last_update, n_children, mean) for inspection (stored values)."""
+        """Flat rows (role, action, W, S, Q, R, last_update, n_children, mean) of the stored records."""
         return [
-            {
-                "role": role, "action": action, "W": r.W, "S": r.S, "Q": r.Q, "R": r.R,
-                "last_update": r.last_update, "n_children": len(r.children),
-                "mean": r.S / r.W if r.W > 0.0 else 0.0,
-            }
+            {"role": role, "action": action, "W": r.W, "S": r.S, "Q": r.Q, "R": r.R, "last_update": r.last_update,
+             "n_children": len(r.children), "mean": r.S / r.W if r.W > 0.0 else 0.0}
             for (role, action), r in sorted(self._records.items())
-        ]
+        ]  # fmt: skip
 
 
-def batch_effects(delta: np.ndarray, k: BatchKeys, child_balance: bool) -> tuple[list, list, list]:
-    """This batch's effects on the memory, summed per key: the arguments of ``with_effects`` (2.7 (b)-(d)).
-
-    An Exact group writes iff it has >= 2 shareable rows with >= 2 distinct abstract actions. With
-    child balance each (role, action, E, context) bucket is one effect e = mean delta, weight 1;
-    otherwise each shareable row of an eligible group is an effect of weight 1. Effects are the
-    context-relative returns ``delta`` (N,).
-
-    Returns:
-        ``(keys, sums, children)``: K (role, action) keys, [sum w, sum w e, sum w e^2, sum w^2] as
-        length-K lists, and K lists of (context hash, weight).
-    """
-    sh = np.flatnonzero(k.shareable)
-    pair, n_pair = combine_codes(k.exact[sh], k.key_abstract[k.key[sh]], len(k.abstract_values))
-    distinct = np.bincount(k.exact[sh][group_first(pair, n_pair)], minlength=k.n_exact)
-    eligible = (np.bincount(k.exact[sh], minlength=k.n_exact) >= 2) & (distinct >= 2)
-    rows = sh[eligible[k.exact[sh]]]
-    effect, first = delta[rows], rows
-    if child_balance:
-        key_exact, _ = combine_codes(k.key[rows], k.exact[rows], k.n_exact)
-        bucket, n_bucket = combine_codes(key_exact, k.context[rows], len(k.context_values))
-        effect, first = group_moments(delta[rows], bucket, n_bucket)[1], rows[group_first(bucket, n_bucket)]
-    written, key_index = np.unique(k.key[first], return_inverse=True)
-    n_written = len(written)
-    weight = np.bincount(key_index, minlength=n_written).astype(np.float64)  # sum w (= sum w^2: w = 1)
-    sums = [weight, *(np.bincount(key_index, weights=v, minlength=n_written) for v in (effect, effect**2)), weight]
-    child, n_child = combine_codes(key_index, k.context[first], len(k.context_values))
-    child_first = group_first(child, n_child)  # sorted by (key, context): child_key is nondecreasing
-    child_key, child_context = key_index[child_first], k.context[first][child_first]
-    hashes = {c: context_hash(k.context_values[c]) for c in np.unique(child_context).tolist()}
-    pairs = list(zip((hashes[c] for c in child_context.tolist()), np.bincount(child, minlength=n_child).tolist()))
-    bounds = np.concatenate(([0], np.cumsum(np.bincount(child_key, minlength=n_written)))).tolist()
-    children = [pairs[bounds[i] : bounds[i + 1]] for i in range(n_written)]
-    keys = [(k.role_values[k.key_role[c]], k.abstract_values[k.key_abstract[c]]) for c in written.tolist()]
-    return keys, [s.tolist() for s in sums], children
-
-
-def kish_n_eff(weights: Sequence[float] | Any) -> float:
+def kish_n_eff(weights: Sequence[float]) -> float:
     """Kish's effective count n_eff = (sum w)^2 / sum w^2, 0 when there is no weight (2.7 (f))."""
-    total = sum(weights)
-    square = sum(w * w for w in weights)
+    total, square = sum(weights), sum(map(mul, weights, weights))
     return total * total / square if square > 0.0 else 0.0
 
 
@@ -241,6 +226,17 @@ def effect_variance(r: MomentRecord, eps: float) -> float:
     return max(r.Q - r.S * r.S / r.W, 0.0) / denom if denom > eps else 0.0
 
 
+def role_support(records: Mapping[str, MomentRecord]) -> float:
+    """Kish n_eff of a role's contexts, each at its max child weight over the role's actions (2.7 (f))."""
+    support: dict[str, float] = {}
+    for a in sorted(records):
+        children = records[a].children
+        larger = {c: support[c] for c in support.keys() & children.keys() if support[c] > children[c]}
+        support.update(children)
+        support.update(larger)
+    return kish_n_eff(list(support.values()))
+
+
 @dataclass(frozen=True)
 class RoleRead:
     """What one role gives its rows: activity, A^P and the score m_a per action."""
@@ -248,7 +244,7 @@ class RoleRead:
     active: bool
     adv: dict[str, float]  # action -> A^P (empty when inactive)
     score: dict[str, float]  # action -> m_a = S_a / W_a (every record with W > eps)
-    n_eff: float  # Kish support of the role (max weight per context over its actions)
+    n_eff: float  # Kish support of the role (``role_support``); 0 when the spread s^2 <= eps^2
 
 
 def role_progress_advantage(
@@ -280,12 +276,7 @@ def role_progress_advantage(
     var = sum((score[a] - mean) ** 2 for a in actions) / (k - 1) if k >= 2 else 0.0
     if var <= eps * eps:
         return RoleRead(False, {}, score, 0.0)
-    support: dict[str, float] = {}
-    for a in actions:
-        for child, w in records[a].children.items():
-            if w > support.get(child, 0.0):
-                support[child] = w
-    n_eff = kish_n_eff(list(support.values()))
+    n_eff = role_support(records)
     if n_eff < 2.0 - N_EFF_TOL:
         return RoleRead(False, {}, score, n_eff)
     s = math.sqrt(var)
@@ -296,11 +287,14 @@ def role_progress_advantage(
         return RoleRead(True, {a: c / max(s, std_floor, eps) for a, c in centered.items()}, score, n_eff)
     n = {a: kish_n_eff(list(records[a].children.values())) for a in actions}
     se2 = {a: effect_variance(records[a], eps) / max(n[a], 1.0) for a in actions}
+    inverse = {a: 1.0 / n[a] for a in actions if n[a] > eps}  # HM terms; sums over b != a use totals
+    inverse_total, se2_total = sum(inverse.values()), sum(se2.values())
     adv = {}
     for a in actions:
-        others = [b for b in actions if b != a]
-        n_cmp = harmonic_mean([n[a], harmonic_mean([n[b] for b in others], eps)], eps)
+        others = len(inverse) - (a in inverse)
+        n_others = others / (inverse_total - inverse.get(a, 0.0)) if others else 0.0  # HM({n_b : b != a})
+        n_cmp = harmonic_mean([n[a], n_others], eps)
         kappa = n_cmp / (n_cmp + support_scale)
-        se2_diff = ((k - 1) / k) ** 2 * se2[a] + sum(se2[b] for b in others) / (k * k)
+        se2_diff = ((k - 1) / k) ** 2 * se2[a] + (se2_total - se2[a]) / (k * k)
         adv[a] = kappa * centered[a] / max(math.sqrt(var + se2_diff + tau * tau), eps)
     return RoleRead(True, adv, score, n_eff)

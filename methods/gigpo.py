@@ -105,7 +105,7 @@ def gigpo_advantage(batch: StepBatch, params: GiGPOParams, state: object | None 
     )
 
 
-def _stats(anchor: np.ndarray, n_anchor: int, adv_episode: np.ndarray, adv_step: np.ndarray) -> dict[str, float]:
+def _stats(anchor: np.ndarray, n_anchor: int, adv_episode: np.ndarray, adv_step: np.ndarray) -> dict:
     """Anchor-group sizes and mean absolute terms (plain figures; the task names them)."""
     size = np.bincount(anchor, minlength=n_anchor)  # (G,)
     n_rows = max(len(anchor), 1)

@@ -4,7 +4,8 @@ Every advantage estimator has the signature::
 
     fn(batch: StepBatch, params: P, state: object | None) -> AdvantageResult
 
-where ``P`` is the estimator's own frozen params dataclass (registered with it). Every policy loss has::
+where ``P`` is the estimator's own frozen params dataclass (registered with it). A stateful estimator
+(BLPO) also registers ``load_state(json_dict, params)``; its state has ``to_json_dict()``. Every policy loss has::
 
     fn(logp, old_logp, adv, mask, turn_id, params: P, *, ref_logp=None, n_rows_div=None, n_tokens_div=None) -> LossTerms
 
@@ -22,7 +23,7 @@ class Entry:
     name: str
     fn: Callable[..., Any]
     params_cls: type
-    state_cls: type | None = None  # stateful estimators: has to_json_dict() and classmethod from_json_dict()
+    load_state: Callable[[dict, Any], Any] | None = None  # stateful estimators: (json dict, params) -> state
 
 
 class Registry:
@@ -32,11 +33,11 @@ class Registry:
         self.kind = kind
         self._entries: dict[str, Entry] = {}
 
-    def register(self, name: str, params_cls: type, state_cls: type | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def register(self, name: str, params_cls: type, load_state: Callable[[dict, Any], Any] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
             if name in self._entries:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
-            self._entries[name] = Entry(name, fn, params_cls, state_cls)
+            self._entries[name] = Entry(name, fn, params_cls, load_state)
             return fn
 
         return decorator

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -54,7 +55,7 @@ def trajectory_starts(batch: StepBatch) -> np.ndarray:
     traj, turn, group = (np.asarray(c) for c in (batch.traj_id, batch.turn, batch.group_id))
     same = traj[1:] == traj[:-1]  # (N-1,) row n+1 continues row n's trajectory
     starts = np.flatnonzero(np.concatenate(([True], ~same))) if len(traj) else np.zeros(0, np.int64)
-    if len(starts) != len(np.unique(traj)):
+    if len(starts) != len(distinct(traj[starts])):
         raise ValueError("StepBatch rows of a trajectory must be contiguous (traj_id repeats after a gap)")
     if np.any(same & (turn[1:] <= turn[:-1])):
         raise ValueError("StepBatch rows of a trajectory must be in increasing turn order")
@@ -92,6 +93,13 @@ def discounted_returns(reward: np.ndarray, starts: np.ndarray, gamma: float) -> 
     return returns[:n_rows]
 
 
+def distinct(codes: np.ndarray) -> np.ndarray:
+    """Sorted distinct values of an integer array (sort based: numpy 2.4's hash-based ``np.unique``
+    without ``return_inverse`` is several times slower on 1e6 rows)."""
+    ordered = np.sort(codes)
+    return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))] if len(ordered) else ordered
+
+
 def factorize(values: Any) -> tuple[np.ndarray, list[Any]]:
     """Integer codes (N,) int64 of any hashable column, and its distinct values.
 
@@ -103,8 +111,9 @@ def factorize(values: Any) -> tuple[np.ndarray, list[Any]]:
         return codes.reshape(-1).astype(np.int64), uniques.tolist()
     items = values.tolist() if isinstance(values, np.ndarray) else list(values)
     table: dict[Any, int] = {}
-    codes = np.fromiter((table.setdefault(v, len(table)) for v in items), np.int64, len(items))
-    return codes, list(table)
+    first = np.fromiter(map(table.setdefault, items, range(len(items))), np.int64, len(items))  # first row
+    _, codes = np.unique(first, return_inverse=True)  # first rows ascend in order of appearance
+    return codes.reshape(-1).astype(np.int64), list(table)
 
 
 def combine_codes(a: np.ndarray, b: np.ndarray, n_b: int) -> tuple[np.ndarray, int]:
@@ -217,3 +226,41 @@ def canonical_action_codes(action: Any, valid: Any, format_valid: Any) -> tuple[
     fmt, ok = np.asarray(format_valid, dtype=bool), np.asarray(valid, dtype=bool)
     validity = np.where(~fmt, 2, np.where(ok, 0, 1))  # (N,)
     return combine_codes(validity, text[raw], len(text_values))
+
+
+@dataclass(frozen=True)
+class StepKeys:
+    """Integer codes of a batch's key columns (2.3, 2.4); ``*_values`` hold the distinct originals."""
+
+    uid: np.ndarray  # (N,) task group
+    n_uid: int
+    exact: np.ndarray  # (N,) Exact group E = (uid, anchor_obs)
+    n_exact: int
+    action: np.ndarray  # (N,) canonical exact action (validity, normalised text)
+    n_action: int
+    key: np.ndarray  # (N,) progress key (role, abstract action)
+    key_role: np.ndarray  # (K,) role code of each key
+    key_abstract: np.ndarray  # (K,) abstract-action code of each key
+    role_values: list[str]
+    abstract_values: list[str]
+    context: np.ndarray  # (N,) exact child (context id)
+    context_values: list[str]
+    shareable: np.ndarray  # (N,) bool
+
+
+def step_keys(batch: StepBatch) -> StepKeys:
+    """Factorize every key column once; no Python loop runs per row except the dict pass (2.3)."""
+    uid, uid_values = factorize(batch.group_id)
+    obs, obs_values = factorize(batch.anchor_obs)
+    exact, n_exact = combine_codes(uid, obs, len(obs_values))
+    action, n_action = canonical_action_codes(batch.action, batch.valid, batch.format_valid)
+    role, role_values = factorize(batch.progress_key)
+    abstract, abstract_values = factorize(batch.abstract_action)
+    key, n_key = combine_codes(role, abstract, len(abstract_values))
+    first = group_first(key, n_key)
+    context, context_values = factorize(batch.context_id)
+    return StepKeys(
+        uid, len(uid_values), exact, n_exact, action, n_action, key, role[first], abstract[first],
+        [str(v) for v in role_values], [str(v) for v in abstract_values], context, context_values,
+        np.asarray(batch.shareable, dtype=bool),
+    )

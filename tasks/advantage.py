@@ -33,7 +33,7 @@ def compute_advantages(rollouts: RolloutRef, name: str, params: object, state_in
     episodes = store.read_table(rollouts.episodes, "episodes")
     batch = step_batch(episodes, turns, update_index)
     entry = methods.ADVANTAGES.get(name)
-    state = methods.state_from_json(name, state_in)
+    state = methods.state_from_json(name, state_in, params)
     result = entry.fn(batch, params, state)
     adv_tokens = None
     if result.adv_tokens is not None:

@@ -8,15 +8,20 @@ absolute unless stated; the spec's printed figures (0.2621) are checked to 5e-5.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
+import subprocess
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from methods.blpo import BLPOParams, blpo_advantage
-from methods.blpo_memory import BLPOMemory, MomentRecord, context_hash, role_progress_advantage
+from methods.blpo_memory import BLPOMemory, MomentRecord, context_hashes, role_progress_advantage, role_support
 from methods.registry import ADVANTAGES
 from methods.types import StepBatch
 
@@ -84,11 +89,12 @@ def confidence_rows() -> list[dict]:
     return rows
 
 
-def split_progress(result, rows) -> np.ndarray:
+def split_progress(result, rows, mode: str = "mean_std_norm") -> np.ndarray:
     """A^P of the R rows: adv - A^E - (2/3) A^X, times 3 (both layers active, priors 1 and 0.5)."""
     out = []
     for n in range(0, len(rows), 2):
-        z = pair_z(rows[n]["reward"], rows[n + 1]["reward"])  # A^E and A^X of the pair are both this z
+        a, b = rows[n]["reward"], rows[n + 1]["reward"]
+        z = pair_z(a, b) if mode == "mean_std_norm" else (a - b) / 2  # A^E and A^X of the pair are both z
         out.append(3 * (result.adv[n] - z - 2 / 3 * z))
     return np.asarray(out)
 
@@ -126,9 +132,49 @@ def test_confidence_example_through_estimator():
     a, b = memory.get("R", "A"), memory.get("R", "B")
     assert (a.W, a.R, b.W, b.R) == (3.0, 3.0, 2.0, 2.0) and len(memory) == 3
     assert (a.S, a.Q, b.S, b.Q) == pytest.approx((1.2, 0.5, -0.6, 0.2), abs=ATOL)
-    assert a.children == {context_hash(f"ctx{i}"): 1.0 for i in (1, 2, 3)}
+    assert a.children == dict(sorted(zip(context_hashes([f"ctx{i}" for i in (1, 2, 3)]), [1.0] * 3)))
     assert result.stats["active_roles"] == 1.0 and result.stats["progress_active_fraction"] == 0.5
     assert result.stats["memory_keys"] == 3.0 and result.stats["exact_active_fraction"] == 1.0
+
+
+def test_confidence_example_mean_norm():
+    rows = confidence_rows()
+    result = blpo_advantage(blpo_batch(rows), BLPOParams(mode="mean_norm"), None)
+    # mean_norm: A^P = c_a = m_a - M = 0.4 - 0.05 = 0.35 and -0.3 - 0.05 = -0.35; A^E, A^X = (a - b)/2.
+    np.testing.assert_allclose(split_progress(result, rows, "mean_norm"), [0.35] * 3 + [-0.35] * 2, atol=1e-10)
+
+
+def test_children_sorted_and_reload_gives_same_bits():
+    memory = blpo_advantage(blpo_batch(confidence_rows()), BLPOParams(), None).state
+    for row_ in memory.records():
+        children = memory.get(row_["role"], row_["action"]).children
+        assert list(children) == sorted(children)
+    reloaded = BLPOMemory.from_json_dict(json.loads(json.dumps(memory.to_json_dict())), half_life=8.0)
+    batch = blpo_batch(confidence_rows() + two_action_group(7, "c7"), update_index=2)
+    direct, via_file = blpo_advantage(batch, BLPOParams(), memory), blpo_advantage(batch, BLPOParams(), reloaded)
+    assert direct.adv.tobytes() == via_file.adv.tobytes() and direct.state == via_file.state
+
+
+def test_exact_balance_versus_per_row_term():
+    # Action a twice (G = 1 and 0), action b once (G = 0.5): score_a = score_b = mu = 0.5, so the balanced
+    # layer is inactive although sigma = 0.5 > 0; the per-row term gives (G - 0.5) / (0.5 + eps) (2.6).
+    rows = [row(1, 1, 1.0, "o", "do a", "R", "A", "c", ret=0.0), row(1, 2, 0.0, "o", "do a", "R", "A", "c"),
+            row(1, 3, 0.5, "o", "do b", "R", "A", "c", ret=0.0)]  # fmt: skip
+    balanced = blpo_advantage(blpo_batch(rows), BLPOParams(), None)
+    assert np.all(balanced.adv == 0.0) and balanced.stats["exact_active_fraction"] == 0.0
+    per_row = blpo_advantage(blpo_batch(rows), BLPOParams(exact_action_balance=False), None)
+    np.testing.assert_allclose(per_row.adv, [0.5 / (0.5 + EPS), -0.5 / (0.5 + EPS), 0.0], rtol=0, atol=ATOL)
+    tied = [dict(r, reward=0.3, ret=0.3) for r in rows]  # all-tied group: inactive, exactly 0 (7.3)
+    assert np.all(blpo_advantage(blpo_batch(tied), BLPOParams(exact_action_balance=False), None).adv == 0.0)
+
+
+def test_non_shareable_rows_neither_write_nor_read():
+    rows = confidence_rows()
+    rows[0]["shareable"] = False  # context 1's role-R row: its group keeps one shareable row -> no write
+    result = blpo_advantage(blpo_batch(rows), BLPOParams(), None)
+    assert result.state.get("R", "A").W == 2.0 and result.state.get("R2", "X").W == 4.0
+    assert result.adv[0] == pytest.approx(2 * pair_z(1.0, 0.0), abs=ATOL)  # A^E + A^X, no A^P
+    assert result.stats["progress_active_fraction"] == pytest.approx(4 / 10, abs=ATOL)
 
 
 def test_read_before_write_lags_one_update():
@@ -194,15 +240,15 @@ def test_one_rollout_per_task_uses_revisits_only():
 
 
 def test_canonical_actions_balance_and_validity():
-    # One Exact group: "Go to  Desk" and "go to desk" are one action (G = 1 twice); the invalid "go to desk"
-    # is another (r' = 0 - 0.1 penalty). score = (1, -0.1), mu = 1.9/3, sigma^2 = (2 (1-mu)^2 + (-0.1-mu)^2)/2.
-    rows = [row(1, 1, 1.0, "o", "Go to  Desk", "R", "NAV", "c"), row(1, 2, 1.0, "o", "go to desk", "R", "NAV", "c"),
-            row(1, 3, 0.0, "o", "go to desk", "R", "NAV", "c", valid=False)]  # fmt: skip
+    # One Exact group. "Go to  Desk" and "go to desk" (valid) are one action a with G = (1, 0): score 0.5;
+    # the invalid "go to desk" is another action (r' = 0.1 - 0.1 = 0), "look" a third (G = 0).
+    # mu = 0.25, sigma^2 = (0.75^2 + 3 * 0.25^2) / 3 = 0.25; A^X = (0.25, 0.25, -0.25, -0.25) / (0.5 + eps).
+    rows = [row(1, 1, 1.0, "o", "Go to  Desk", "R", "NAV", "c"), row(1, 2, 0.0, "o", "go to desk", "R", "NAV", "c"),
+            row(1, 3, 0.1, "o", "go to desk", "R", "NAV", "c", valid=False),
+            row(1, 4, 0.0, "o", "look", "R", "NAV", "c")]  # fmt: skip
     result = blpo_advantage(blpo_batch(rows), BLPOParams(), None)
-    mu = 1.9 / 3
-    sigma = math.sqrt((2 * (1 - mu) ** 2 + (-0.1 - mu) ** 2) / 2)
-    # A^E has the same numbers (scores 1, 1, 0 - 0.1); one abstract action -> no write.
-    expected = [2 * (1 - mu) / (sigma + EPS)] * 2 + [2 * (-0.1 - mu) / (sigma + EPS)]
+    # A^E on scores (1, 0, 0, 0): (0.75, -0.25, -0.25, -0.25) / (0.5 + eps). One abstract action: no write.
+    expected = np.array([1.0, 0.0, -0.5, -0.5]) / (0.5 + EPS)
     np.testing.assert_allclose(result.adv, expected, rtol=0, atol=ATOL)
     assert len(result.state) == 0
 
@@ -225,6 +271,13 @@ def two_action_group(uid: int, context: str) -> list[dict]:
             row(uid, 2 * uid + 1, 0.0, context, "do b", "R", "B", context)]  # fmt: skip
 
 
+def test_role_support_takes_the_max_weight_per_context():
+    # c1 has weight 1 under A and 0.5 under B: support (c1: 1, c2: 1) -> n_eff = 2^2 / 2 = 2.
+    records = {"A": MomentRecord(1.0, 1.0, 1.0, 1.0, 0, {"c1": 1.0}),
+               "B": MomentRecord(1.5, 0.0, 1.0, 1.25, 0, {"c1": 0.5, "c2": 1.0})}  # fmt: skip
+    assert role_support(records) == 2.0 and role_progress_advantage(records).active
+
+
 def test_contexts_one_update_apart_are_inactive():
     first = blpo_advantage(blpo_batch(two_action_group(1, "c1")), BLPOParams(), None)
     second = blpo_advantage(blpo_batch(two_action_group(2, "c2"), update_index=1), BLPOParams(), first.state)
@@ -238,16 +291,19 @@ def test_contexts_one_update_apart_are_inactive():
 
 
 def test_half_life_halves_weight_after_eight_updates():
-    memory = BLPOMemory(8.0).with_effects(0, [("R", "A")], [[1.0], [0.4], [0.16], [1.0]], [[("c", 1.0)]])
+    memory = BLPOMemory(8.0).with_effects(0, [("R", "A")], [[1.0], [0.4], [0.16], [1.0]], (["c"], [1.0], [0, 1]))
     later = memory.role_records("R", 8, EPS)["A"]
     assert later.W == pytest.approx(0.5, rel=1e-14) and later.S == pytest.approx(0.2, rel=1e-14)
     assert later.R == pytest.approx(0.25, rel=1e-14) and later.children["c"] == pytest.approx(0.5, rel=1e-14)
-    grown = memory.with_effects(8, [("R", "A")], [[1.0], [0.0], [0.0], [1.0]], [[("d", 1.0)]]).get("R", "A")
+    grown = memory.with_effects(8, [("R", "A")], [[1.0], [0.0], [0.0], [1.0]], (["b"], [1.0], [0, 1])).get("R", "A")
     assert grown.W == pytest.approx(1.5, rel=1e-14) and grown.last_update == 8
+    assert grown.children == pytest.approx({"b": 1.0, "c": 0.5}, rel=1e-14) and list(grown.children) == ["b", "c"]
+    again = memory.with_effects(8, [("R", "A")], [[1.0], [0.0], [0.0], [1.0]], (["c"], [1.0], [0, 1])).get("R", "A")
+    assert again.children == pytest.approx({"c": 1.5}, rel=1e-14)  # the same context: 0.5 decayed + 1
     assert memory.get("R", "A").W == 1.0  # with_effects returned a new memory
     with pytest.raises(ValueError, match="backwards"):
-        grown_memory = memory.with_effects(8, [], [[], [], [], []], [])
-        grown_memory.with_effects(7, [], [[], [], [], []], [])
+        grown_memory = memory.with_effects(8, [], [[], [], [], []], ([], [], [0]))
+        grown_memory.with_effects(7, [], [[], [], [], []], ([], [], [0]))
     faded = MomentRecord(1.0, 1.0, 1.0, 1.0, 0, {"c": 1.0}).decayed(8 * 34, LAMBDA)
     assert faded.children == {}  # 2^-34 = 5.8e-11 <= 1e-10: pruned
 
@@ -278,17 +334,20 @@ def test_estimator_is_pure_and_deterministic():
 
 
 def test_local_residual_rescues_a_tied_group():
-    # Add a sixth context where A and B tie (G = 0.5 each): delta = 0, so m_A = 1.2/4 = 0.3, m_B = -0.6/3.
+    # A sixth context where A, B and an R2 action X tie (G = 0.5): delta = 0, so m_A = 1.2/4 = 0.3 and
+    # m_B = -0.6/3 = -0.2 (role R stays active with 6 contexts).
     rows = confidence_rows() + [row(6, 12, 0.5, "room 6", "do a", "R", "A", "ctx6"),
-                                row(6, 13, 0.5, "room 6", "do b", "R", "B", "ctx6")]  # fmt: skip
+                                row(6, 13, 0.5, "room 6", "do b", "R", "B", "ctx6"),
+                                row(6, 14, 0.5, "room 6", "do x", "R2", "X", "ctx6")]  # fmt: skip
     result = blpo_advantage(blpo_batch(rows), BLPOParams(role_application="local_residual"), None)
-    # Tied group: direct = 0; projected = m - mean(m) = +-0.25; combined = 0.5 * +-0.25 = +-0.125;
-    # std (ddof 1) = 0.125 sqrt(2): micro = +-0.125 / (0.125 sqrt(2) + 1e-6). A^E = 0 (tied scores).
-    rescued = 0.125 / (0.125 * math.sqrt(2) + EPS)
-    np.testing.assert_allclose(result.adv[-2:], [rescued, -rescued], rtol=0, atol=ATOL)
+    # Tied group: direct = 0; reliable rows A, B: projected = m - mean(0.3, -0.2) = +-0.25, X: 0;
+    # combined = 0.5 * projected = (0.125, -0.125, 0), mean 0, std (ddof 1) = 0.125. A^E = 0 (tied).
+    rescued = 0.125 / (0.125 + EPS)
+    np.testing.assert_allclose(result.adv[-3:], [rescued, -rescued, 0.0], rtol=0, atol=ATOL)
     # Other groups have one reliable row each: micro is GiGPO's per-row term, so A = 2 pair_z.
     expected = [2 * pair_z(rows[n]["reward"], rows[n ^ 1]["reward"]) for n in range(10)]
     np.testing.assert_allclose(result.adv[:10], expected, rtol=0, atol=1e-10)
+    assert result.stats["progress_active_fraction"] == pytest.approx(2 / 13, abs=ATOL)
 
 
 def test_registered_and_params_validated():
@@ -300,3 +359,74 @@ def test_registered_and_params_validated():
         BLPOParams(std_floor=0.5)
     exact_only = blpo_advantage(blpo_batch(confidence_rows()), BLPOParams(layers=("exact",)), None)
     assert len(exact_only.state) == 0 and exact_only.stats["progress_active_fraction"] == 0.0
+
+
+def random_rows(seed: int) -> list[dict]:
+    """Task groups of 1-4 trajectories over shared states (contexts recur across tasks), ties, invalid rows."""
+    rng = np.random.default_rng(seed)
+    labels = {"go a": "NAV", "Go  A": "NAV", "go b": "SEARCH", "take x": "TAKE", "look": "LOOK"}
+    rows, traj = [], 100 * seed
+    for uid in range(8):
+        for _ in range(int(rng.integers(1, 5))):
+            length = int(rng.integers(1, 5))
+            for t in range(length):
+                state = int(rng.integers(0, 3))
+                action = str(rng.choice(list(labels)))
+                reward = float(rng.choice([0.0, 1.0])) if t == length - 1 else 0.0
+                rows.append(row(uid + 10 * seed, traj, reward, f"task{uid % 3} state{state}", action, f"role{state}",
+                                labels[action], f"fam|task{uid % 3} state{state}", valid=bool(rng.random() > 0.15),
+                                shareable=bool(rng.random() > 0.1)))  # fmt: skip
+            traj += 1
+    return rows
+
+
+def run_updates(seeds=(1, 2, 3), updates=(0, 1, 3), order=None) -> tuple[list[np.ndarray], BLPOMemory]:
+    """Three chained updates; ``order`` permutes each batch's trajectories (a function of the seed)."""
+    memory, advs = None, []
+    for seed, update in zip(seeds, updates):
+        rows = random_rows(seed)
+        perm = np.arange(len(rows)) if order is None else order(rows)
+        result = blpo_advantage(blpo_batch([rows[i] for i in perm], update_index=update), BLPOParams(), memory)
+        adv = np.empty(len(rows))
+        adv[perm] = result.adv
+        advs.append(adv)
+        memory = result.state
+    return advs, memory
+
+
+def test_trajectory_order_does_not_matter():
+    def reversed_trajectories(rows):
+        starts = [n for n in range(len(rows)) if n == 0 or rows[n]["traj"] != rows[n - 1]["traj"]] + [len(rows)]
+        blocks = [list(range(a, b)) for a, b in zip(starts[:-1], starts[1:])]
+        return np.array([n for block in blocks[::-1] for n in block])
+
+    base_adv, base_memory = run_updates()
+    perm_adv, perm_memory = run_updates(order=reversed_trajectories)
+    assert max(np.abs(a).max() for a in base_adv) > 0.5  # the batches do carry signal
+    for a, b in zip(base_adv, perm_adv):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
+    for x, y in zip(base_memory.records(), perm_memory.records()):
+        assert x["role"] == y["role"] and x["action"] == y["action"] and x["n_children"] == y["n_children"]
+        assert [x[f] for f in "WSQR"] == pytest.approx([y[f] for f in "WSQR"], abs=1e-12)
+
+
+def test_bit_identical_across_processes():
+    """Two interpreters with different string-hash seeds give the same bits (no dependence on hash())."""
+    script = (
+        "import hashlib, json, sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
+        "import test_blpo as t\n"
+        "advs, memory = t.run_updates()\n"
+        "digest = hashlib.sha256(b''.join(a.tobytes() for a in advs))\n"
+        "digest.update(json.dumps(memory.to_json_dict()).encode())\n"
+        "print(digest.hexdigest())\n"
+    )
+    here, root = str(Path(__file__).parent), str(Path(__file__).parent.parent)
+    digests = {
+        subprocess.run([sys.executable, "-c", script, here, root], capture_output=True, text=True, check=True,
+                       env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
+        for seed in ("1", "2")
+    }  # fmt: skip
+    advs, memory = run_updates()
+    local = hashlib.sha256(b"".join(a.tobytes() for a in advs))
+    local.update(json.dumps(memory.to_json_dict()).encode())
+    assert digests == {local.hexdigest()}

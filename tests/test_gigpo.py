@@ -88,7 +88,7 @@ def test_hand_computed_mean_norm():
 
 
 def test_per_trajectory_statistics():
-    """cross_steps=False: mu, sigma over one score per trajectory (its first row); rows keep their own score (7.4)."""
+    """cross_steps=False: mu, sigma over each trajectory's first-row score; rows keep their own score (7.4)."""
     result = gigpo_advantage(step_batch(HAND_ROWS), GiGPOParams(cross_steps=False, step_advantage_w=0.0))
     # Trajectory scores 1 and 0: mean 0.5, std = 1/sqrt(2). The invalid row's score is -0.1.
     sigma = 1 / math.sqrt(2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 import re
@@ -144,6 +145,22 @@ def test_inadmissible_action_says_nothing_happens_and_changes_nothing():
     with_noise = [step for step in _play(env, interleaved) if step[3]["valid"]]
     env.reset_layout(_kitchen(Goal("pick_and_place", "apple", "fridge")), "medium")
     assert with_noise == _play(env, plan)
+
+
+def test_inadmissible_actions_leave_world_and_tracker_untouched_in_random_play():
+    suite, env, rng = HouseholdSuite(), HouseholdEnv(), random.Random(5)
+    for tier in TIERS:
+        for task in suite.tasks("train", tier, 20):
+            _, info = env.reset(task)
+            for _ in range(20):
+                world, tracker = copy.deepcopy(env.world), copy.deepcopy(env.tracker)
+                bad = rng.choice(["use desklamp 1", "go to moon", "take apple 9 from bed 9", "close fridge 1"])
+                if bad not in info["admissible_commands"]:
+                    assert env.step(bad)[3] == {**info, "valid": False}
+                    assert (env.world, env.tracker) == (world, tracker)
+                _, _, done, info = env.step(rng.choice(info["admissible_commands"]))
+                if done:
+                    break
 
 
 def test_easy_tier_hides_look_and_examine():

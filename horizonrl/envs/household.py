@@ -402,6 +402,11 @@ class HouseholdEnv:
             raise RuntimeError("HouseholdEnv: call reset() first")
         return self._world
 
+    @property
+    def tracker(self) -> Tracker:
+        """What the agent has seen and done so far (read by ``abstract_action`` and the progress key)."""
+        return self._tracker
+
     def goal(self) -> str:
         return self.world.layout.goal.text()
 
@@ -449,7 +454,7 @@ class HouseholdSuite:
         """The first ``n`` (seed, family) of ``split``, extending the tier's enumeration as needed."""
         state = self._enumerations.setdefault(tier, _Enumeration())
         while len(state.found[split]) < n:
-            seed = derive_seed(self.seed, self.name, tier, state.counter % 5000)
+            seed = derive_seed(self.seed, self.name, tier, state.counter)
             state.counter += 1
             layout = generate_layout(seed, TIERS[tier])
             signature = layout.signature()

@@ -78,6 +78,8 @@ class Tier:
     horizon: int  # turns the caller allows
 
 
+# Uniform random play over admissible commands wins about 5.8 % of easy, 1 % of medium and 0.6 % of hard
+# tasks within the horizon; harder tiers also start more openables closed.
 TIERS = MappingProxyType({
     "easy": Tier((1, 1), (4, 4), (3, 4), ("pick_and_place",), 0.5, 0.0, False, 15),
     "medium": Tier((1, 2), (6, 8), (4, 6), FAMILIES, 0.4, 0.5, True, 30),
