@@ -18,7 +18,7 @@ from tasks.advantage import advantages
 from tasks.collect import collect_rollouts
 from tasks.evaluate import evaluate
 from tasks.run import finish_run, start_run
-from tasks.tracking import log_stage
+from tasks.tracking import log_stage, logged
 from tasks.update import update
 
 
@@ -49,5 +49,4 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, co
 
 
 def _eval_missing(ctx, iteration: int) -> bool:
-    history = ctx.mlflow().get_metric_history(ctx.mlflow_run_id, "eval/success_rate")
-    return all(m.step != iteration for m in history)
+    return not logged(ctx, "eval/success_rate", iteration)

@@ -64,7 +64,7 @@ class TinyModelConfig(Strict):
     num_layers: int = Field(2, ge=1)
     num_heads: int = Field(4, ge=1)
     num_kv_heads: int = Field(2, ge=1)
-    intermediate_size: int = Field(512, ge=8)
+    intermediate_size: int = Field(256, ge=8)
     max_positions: int = Field(4096, ge=64)
 
 

@@ -1,46 +1,37 @@
-"""Figures over a list of episodes, shared by the collect and evaluate stages (same names, same meaning)."""
+"""Figures over an episodes table, shared by the collect and evaluate stages (same names, same meaning).
+
+They are computed from the stored table (not from in-memory records) so that a resumed run can log the
+figures of rollouts that were written before a crash.
+"""
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from horizonrl.rollout import EpisodeRecord
 
 
-def episode_metrics(records: list[EpisodeRecord]) -> dict[str, float]:
-    """success_rate, mean_return, mean_turns, invalid_rate, tokens_per_episode, error_rate, episodes."""
-    if not records:
+def episode_metrics(episodes: pa.Table) -> dict[str, float]:
+    """success_rate, mean_return, mean_turns, invalid_rate, tokens_per_episode, error_rate,
+    mixed_group_fraction (groups whose returns are not all equal: the ones that carry signal), pass_at_k
+    (share of groups with at least one win), episodes."""
+    df = episodes.select(["group_id", "n_turns", "episode_return", "won", "n_invalid", "gen_tokens", "status"]).to_pandas()
+    if df.empty:
         return {"episodes": 0.0}
-    turns = [len(r.turns) for r in records]
-    n_turns = max(sum(turns), 1)
+    groups = df.groupby("group_id")
     return {
-        "episodes": float(len(records)),
-        "success_rate": float(np.mean([r.won for r in records])),
-        "mean_return": float(np.mean([r.episode_return for r in records])),
-        "mean_turns": float(np.mean(turns)),
-        "invalid_rate": sum(not t.valid for r in records for t in r.turns) / n_turns,
-        "tokens_per_episode": float(np.mean([sum(len(t.gen.token_ids) for t in r.turns) for r in records])),
-        "error_rate": float(np.mean([r.status == "error" for r in records])),
+        "episodes": float(len(df)),
+        "success_rate": float(df["won"].mean()),
+        "mean_return": float(df["episode_return"].mean()),
+        "mean_turns": float(df["n_turns"].mean()),
+        "invalid_rate": float(df["n_invalid"].sum() / max(df["n_turns"].sum(), 1)),
+        "tokens_per_episode": float(df["gen_tokens"].mean()),
+        "error_rate": float((df["status"] == "error").mean()),
+        "mixed_group_fraction": float((groups["episode_return"].nunique() > 1).mean()),
+        "pass_at_k": float(groups["won"].any().mean()),
     }
-
-
-def pass_at_k(records: list[EpisodeRecord]) -> float:
-    """Share of tasks (groups) with at least one won rollout."""
-    by_group: dict[int, bool] = defaultdict(bool)
-    for r in records:
-        by_group[r.group_id] |= r.won
-    return float(np.mean(list(by_group.values()))) if by_group else 0.0
-
-
-def mixed_group_fraction(records: list[EpisodeRecord]) -> float:
-    """Share of task groups whose returns are not all equal (the groups that carry learning signal)."""
-    returns: dict[int, set[float]] = defaultdict(set)
-    for r in records:
-        returns[r.group_id].add(r.episode_return)
-    return float(np.mean([len(v) > 1 for v in returns.values()])) if returns else 0.0
 
 
 def sample_episodes(records: list[EpisodeRecord], n: int = 8) -> pd.DataFrame:

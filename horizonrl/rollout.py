@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from horizonrl.engines.base import Engine, Generation, TokenTrie
+from horizonrl.engines.base import Engine, Generation, Session, TokenTrie
 from horizonrl.envs.base import Env, EnvSuite, Task
 from horizonrl.prompting import ChatFormat, full_delta, window_prompt
 from horizonrl.seeding import derive_seed
@@ -98,11 +98,12 @@ def collect(
             obs, info = env.reset(task)
             rec = EpisodeRecord(rid, g, task, context, derive_seed(seed, "sample", rid))
             live.append(_Live(rec, env, obs, info, fmt.system(env.goal())))
+    session = engine.session() if context == "full" else None  # one KV cache across turns
     for turn in range(max_turns):
         batch = [ep for ep in live if not ep.done]
         if not batch:
             break
-        _play_turn(batch, turn, engine, fmt, action_mode, history_turns, max_action_tokens, temperature, greedy, derive_seed(seed, "turn", turn))
+        _play_turn(batch, turn, engine, session, fmt, action_mode, history_turns, max_action_tokens, temperature, greedy, derive_seed(seed, "turn", turn))
     for ep in live:
         if not ep.done:
             ep.record.status = "truncated"
@@ -110,30 +111,26 @@ def collect(
     return [ep.record for ep in live]
 
 
-def _play_turn(batch: list[_Live], turn: int, engine: Engine, fmt: ChatFormat, action_mode: str, history_turns: int, max_action_tokens: int, temperature: float, greedy: bool, seed: int) -> None:
-    prompts, deltas, tries = [], [], []
+def _play_turn(batch: list[_Live], turn: int, engine: Engine, session: Session | None, fmt: ChatFormat, action_mode: str, history_turns: int, max_action_tokens: int, temperature: float, greedy: bool, seed: int) -> None:
+    """One engine call for every active episode. ``deltas`` are what each turn row stores as prompt ids:
+    the whole prompt in window context, only the new ids in full context (the session holds the rest)."""
+    deltas, tries = [], []
     for ep in batch:
         obs_ids = fmt.user(ep.obs)
-        if ep.record.context == "window":
-            delta = window_prompt(fmt, ep.goal_ids, ep.history, obs_ids, history_turns)
-            prompts.append(delta)
+        if session is None:
+            deltas.append(window_prompt(fmt, ep.goal_ids, ep.history, obs_ids, history_turns))
         else:
-            prev = ep.history[-1][1] if ep.history else None
-            delta = full_delta(fmt, ep.goal_ids, obs_ids, prev)
-            prompts.append(_full_context(ep, fmt) + delta)
-        deltas.append(delta)
+            deltas.append(full_delta(fmt, ep.goal_ids, obs_ids, ep.history[-1][1] if ep.history else None))
         ep.history.append((obs_ids, []))
         tries.append(_trie(fmt, ep.info["admissible_commands"]) if action_mode == "admissible" else None)
     t0 = time.perf_counter()
-    gens = engine.generate(prompts, tries, max_action_tokens, temperature, greedy, seed)
+    if session is None:
+        gens = engine.generate(deltas, tries, max_action_tokens, temperature, greedy, seed)
+    else:
+        gens = session.extend([ep.record.rollout_id for ep in batch], deltas, tries, max_action_tokens, temperature, greedy, seed)
     gen_s = (time.perf_counter() - t0) / len(batch)
     for ep, delta, gen, trie in zip(batch, deltas, gens, tries):
         _step_env(ep, turn, delta, gen, fmt, gen_s, trie)
-
-
-def _full_context(ep: _Live, fmt: ChatFormat) -> list[int]:
-    """The growing sequence up to the end of the previous action (rebuilt from stored deltas)."""
-    return [i for t in ep.record.turns for i in t.prompt_ids + t.gen.token_ids]
 
 
 def _step_env(ep: _Live, turn: int, delta: list[int], gen: Generation, fmt: ChatFormat, gen_s: float, trie: TokenTrie | None) -> None:

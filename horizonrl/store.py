@@ -120,13 +120,16 @@ def read_table(path: str | Path, kind: str, columns: list[str] | None = None) ->
         raise StoreError(f"{path}: no such file")
     try:
         meta = pq.read_schema(path).metadata or {}
-        table = pq.read_table(path, columns=columns)
+        version = meta.get(_META_VERSION, b"?").decode()
+        # checked before reading columns, so a file of another kind is named as such, not as corrupt
+        if version != SCHEMA_VERSION or meta.get(_META_TABLE, b"").decode() != kind:
+            raise StoreError(f"{path}: schema version {version!r} of table {meta.get(_META_TABLE, b'?').decode()!r}; this code reads version {SCHEMA_VERSION!r} of {kind!r}")
+        unknown = sorted(set(columns or []) - set(_SCHEMAS[kind].names))
+        if unknown:
+            raise StoreError(f"{path}: the {kind!r} table has no column {', '.join(unknown)}")
+        return pq.read_table(path, columns=columns)
     except (pa.ArrowInvalid, OSError) as err:
         raise StoreError(f"{path}: not a readable Parquet file (truncated or corrupt): {err}") from err
-    version = meta.get(_META_VERSION, b"?").decode()
-    if version != SCHEMA_VERSION or meta.get(_META_TABLE, b"").decode() != kind:
-        raise StoreError(f"{path}: schema version {version!r} of table {meta.get(_META_TABLE, b'?').decode()!r}; this code reads version {SCHEMA_VERSION!r} of {kind!r}")
-    return table
 
 
 def file_digest(path: str | Path) -> str:

@@ -2,6 +2,9 @@
 then epochs of shuffled minibatches, one AdamW step each, with grad-norm clipping, the trajectory-level
 KL early stop, and non-finite steps skipped and counted.
 
+The loss is computed per *unit*: a trajectory. In full context a trajectory is one row; in window context
+it is several rows (one per turn) whose policy tokens are concatenated before the loss, so LOOP's
+"every trajectory weighs the same" and per-turn / per-trajectory ratios mean the same in both layouts.
 Log-probs are computed only at policy positions: the decoder's hidden states are gathered there before
 the output head, and in admissible mode renormalised over the allowed ids, exactly as sampled.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -23,7 +27,7 @@ class UpdateSettings:
     loss_name: str
     loss_params: object
     epochs: int
-    minibatch_size: int
+    minibatch_size: int  # trajectories per optimizer step
     fixed_row_divisor: bool  # LOOP: divide by minibatch_size even for a short last minibatch
     grad_clip: float
     high_kl_threshold: float
@@ -38,25 +42,15 @@ class UpdateResult:
     nonfinite_steps: int = 0
 
 
-def _pad_policy(values: list[list[float]], dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad per-row policy-token lists to (b, P); returns values and the mask."""
-    P = max(len(v) for v in values)
-    out = torch.zeros((len(values), P), dtype=dtype)
-    mask = torch.zeros((len(values), P), dtype=torch.bool)
-    for i, v in enumerate(values):
-        out[i, : len(v)] = torch.tensor(v, dtype=dtype)
-        mask[i, : len(v)] = True
-    return out, mask
-
-
 def policy_logprobs(model: torch.nn.Module, rows: list[TrainRow], temperature: float, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """log pi(a_t | s_t) and the entropy of pi(. | s_t) at every policy token: two (b, P) tensors."""
-    L = max(len(r.input_ids) for r in rows)
-    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(rows), L), dtype=torch.long)
+    """log pi(a_t | s_t) and the entropy of pi(. | s_t) at every policy token of ``rows``, flat (n,)
+    in row order. Each row is cut after its last policy token."""
+    lengths = [r.positions[-1] + 1 for r in rows]
+    ids = torch.full((len(rows), max(lengths)), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
     for i, r in enumerate(rows):
-        ids[i, : len(r.input_ids)] = torch.tensor(r.input_ids)
-        attn[i, : len(r.input_ids)] = 1
+        ids[i, : lengths[i]] = torch.tensor(r.input_ids[: lengths[i]])
+        attn[i, : lengths[i]] = 1
     hidden = model.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state  # (b, L, H)
     b_idx = torch.tensor([i for i, r in enumerate(rows) for _ in r.positions])
     p_idx = torch.tensor([p for r in rows for p in r.positions])
@@ -70,112 +64,147 @@ def policy_logprobs(model: torch.nn.Module, rows: list[TrainRow], temperature: f
                 bias[j, ids_j] = 0.0
         logits = logits + bias
     logp_all = torch.log_softmax(logits, dim=-1)  # (n, V)
-    target = ids[b_idx, p_idx]
-    logp = logp_all.gather(1, target[:, None]).squeeze(1)  # (n,)
+    logp = logp_all.gather(1, ids[b_idx, p_idx][:, None]).squeeze(1)  # (n,)
     entropy = -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)  # (n,)
-    P = max(len(r.positions) for r in rows)
-    col = torch.tensor([j for r in rows for j in range(len(r.positions))])
-    out_lp = torch.zeros((len(rows), P), dtype=logp.dtype).index_put((b_idx, col), logp)
-    out_h = torch.zeros((len(rows), P), dtype=entropy.dtype).index_put((b_idx, col), entropy.detach())
-    return out_lp, out_h
+    return logp, entropy.detach()
 
 
-def micro_batches(rows: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Group row indices, sorted by length, into batches of at most ``max_tokens`` padded tokens."""
-    order = sorted(rows, key=lambda i: lengths[i])
-    batches, cur, cur_max = [], [], 0
-    for i in order:
-        new_max = max(cur_max, lengths[i])
-        if cur and new_max * (len(cur) + 1) > max_tokens:
-            batches.append(cur)
-            cur, new_max = [], lengths[i]
-        cur.append(i)
-        cur_max = new_max
-    if cur:
-        batches.append(cur)
-    return batches
+def trajectory_units(rows: list[TrainRow]) -> list[list[int]]:
+    """Row indices grouped by trajectory (rows of one rollout are one unit), in first-seen order."""
+    units: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        units.setdefault(r.rollout_id, []).append(i)
+    return list(units.values())
+
+
+def _chunks(units: list[list[int]], rows: list[TrainRow], max_tokens: int) -> list[list[list[int]]]:
+    """Split a minibatch's units into micro-batches of about ``max_tokens`` tokens (units stay whole)."""
+    out, cur, size = [], [], 0
+    for u in sorted(units, key=lambda u: sum(len(rows[i].input_ids) for i in u)):
+        n = sum(len(rows[i].input_ids) for i in u)
+        if cur and size + n > max_tokens:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(u)
+        size += n
+    return out + ([cur] if cur else [])
+
+
+def _unit_tensors(units: list[list[int]], rows: list[TrainRow], flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Regroup per-row flat values (n,) into (U, P) per unit, with the (U, P) mask of real entries."""
+    offsets, k = {}, 0
+    for u in units:
+        for i in u:
+            offsets[i] = k
+            k += len(rows[i].positions)
+    index = [[offsets[i] + j for i in u for j in range(len(rows[i].positions))] for u in units]
+    P = max(len(ix) for ix in index)
+    idx = torch.tensor([ix + [0] * (P - len(ix)) for ix in index])
+    mask = torch.tensor([[True] * len(ix) + [False] * (P - len(ix)) for ix in index])
+    return flat[idx], mask
+
+
+def _unit_lists(units: list[list[int]], values: Callable[[int], list], dtype: torch.dtype) -> torch.Tensor:
+    """Per-row lists ``values(i)`` concatenated per unit and right-padded with 0 to (U, P)."""
+    seqs = [[v for i in u for v in values(i)] for u in units]
+    P = max(len(s) for s in seqs)
+    return torch.tensor([s + [0] * (P - len(s)) for s in seqs], dtype=dtype)
 
 
 @torch.no_grad()
 def recompute_old_logprobs(model: torch.nn.Module, rows: list[TrainRow], s: UpdateSettings) -> list[list[float]]:
     """pi_old with the training model, removing sampler/learner mismatch (ALGORITHMS.md 1.6)."""
     model.eval()
-    lengths = [len(r.input_ids) for r in rows]
-    old: list[list[float]] = [[] for _ in rows]
-    for mb in micro_batches(list(range(len(rows))), lengths, s.micro_batch_tokens):
-        lp, _ = policy_logprobs(model, [rows[i] for i in mb], s.temperature, s.pad_id)
-        for k, i in enumerate(mb):
-            old[i] = lp[k, : len(rows[i].positions)].tolist()
+    old: list[list[float]] = []
+    for start in range(0, len(rows), 256):
+        batch = rows[start : start + 256]
+        logp, _ = policy_logprobs(model, batch, s.temperature, s.pad_id)
+        for part in torch.split(logp, [len(r.positions) for r in batch]):
+            old.append(part.tolist())
     model.train()
     return old
 
 
 def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: list[TrainRow], s: UpdateSettings, seed: int) -> UpdateResult:
-    """Epochs of minibatch PPO over ``rows``; pi_old is frozen for the whole call."""
-    loss_fn = methods.LOSSES.get(s.loss_name).fn
+    """Epochs of minibatch PPO over the trajectories of ``rows``; pi_old is frozen for the whole call."""
     old = recompute_old_logprobs(model, rows, s)
+    units = trajectory_units(rows)
     gen = torch.Generator().manual_seed(seed)
-    lengths = [len(r.input_ids) for r in rows]
     agg: dict[str, list[float]] = {k: [] for k in ("loss", "clip_frac", "approx_kl", "entropy", "grad_norm", "ratio_mean", "traj_kl")}
     result, tokens, steps, stopped, t0 = UpdateResult(), 0, 0, False, time.perf_counter()
     model.train()
     for _ in range(s.epochs):
-        perm = torch.randperm(len(rows), generator=gen).tolist()
+        perm = torch.randperm(len(units), generator=gen).tolist()
         for start in range(0, len(perm), s.minibatch_size):
-            mb = perm[start : start + s.minibatch_size]
-            n_tok = _loss_terms(s.loss_params, [rows[i] for i in mb])
-            row_div = s.minibatch_size if s.fixed_row_divisor else len(mb)
-            optimizer.zero_grad(set_to_none=True)
-            loss_sum, kl_sum, parts = 0.0, 0.0, []
-            for micro in micro_batches(mb, lengths, s.micro_batch_tokens):
-                batch = [rows[i] for i in micro]
-                logp, ent = policy_logprobs(model, batch, s.temperature, s.pad_id)
-                old_lp, mask = _pad_policy([old[i] for i in micro])
-                adv, _ = _pad_policy([r.adv for r in batch])
-                turn_id, _ = _pad_policy([r.turn_id for r in batch], dtype=torch.long)
-                terms = loss_fn(logp, old_lp, adv, mask, turn_id.masked_fill(~mask, -1), s.loss_params, n_rows_div=row_div, n_tokens_div=n_tok)
-                terms.loss.backward()
-                loss_sum += float(terms.loss)
-                kl_sum += float(((logp.detach() - old_lp) * mask).sum())
-                tokens += sum(lengths[i] for i in micro)
-                parts.append((terms, float(mask.sum()), float((ent * mask).sum())))
-            traj_kl = -kl_sum / len(mb)
-            if abs(traj_kl) > s.high_kl_threshold:
+            mb = [units[k] for k in perm[start : start + s.minibatch_size]]
+            step = _minibatch_step(model, optimizer, rows, old, mb, s)
+            tokens += step["tokens"]
+            if abs(step["traj_kl"]) > s.high_kl_threshold:
                 stopped = True
                 break
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip))
-            if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
+            if not step["finite"]:
                 result.nonfinite_steps += 1
-                optimizer.zero_grad(set_to_none=True)
                 continue
-            optimizer.step()
             steps += 1
-            _record(agg, parts, loss_sum, grad_norm, traj_kl)
+            for k in agg:
+                agg[k].append(step[k])
         if stopped:
             break
     elapsed = time.perf_counter() - t0
     result.stats = {k: float(sum(v) / len(v)) if v else 0.0 for k, v in agg.items()}
-    result.stats.update(steps=steps, kl_stop=float(stopped), nonfinite_steps=result.nonfinite_steps, rows=len(rows),
+    result.stats.update(steps=steps, kl_stop=float(stopped), nonfinite_steps=result.nonfinite_steps, rows=len(rows), trajectories=len(units),
                         policy_tokens=sum(len(r.positions) for r in rows), tokens_per_s=tokens / max(elapsed, 1e-9), seconds=elapsed)
     return result
 
 
-def _loss_terms(params: object, rows: list[TrainRow]) -> int:
-    """How many loss terms a minibatch has: tokens, or (row, turn) pairs / rows for per-turn / per-trajectory ratios."""
+def _minibatch_step(model, optimizer, rows: list[TrainRow], old: list[list[float]], mb: list[list[int]], s: UpdateSettings) -> dict[str, float]:
+    """Forward/backward over micro-batches of whole trajectories, then one clipped AdamW step.
+
+    The step is skipped (not taken) when the pre-step trajectory KL exceeds the threshold or any loss
+    or gradient is non-finite."""
+    loss_fn = methods.LOSSES.get(s.loss_name).fn
+    n_terms = _loss_terms(s.loss_params, rows, mb)
+    row_div = s.minibatch_size if s.fixed_row_divisor else len(mb)
+    optimizer.zero_grad(set_to_none=True)
+    out = {"loss": 0.0, "traj_kl": 0.0, "tokens": 0, "clip_frac": 0.0, "approx_kl": 0.0, "ratio_mean": 0.0, "entropy": 0.0}
+    n_tok = sum(len(rows[i].positions) for u in mb for i in u)
+    for micro in _chunks(mb, rows, s.micro_batch_tokens):
+        flat_rows = [i for u in micro for i in u]
+        logp_flat, ent_flat = policy_logprobs(model, [rows[i] for i in flat_rows], s.temperature, s.pad_id)
+        where = {i: k for k, i in enumerate(flat_rows)}
+        local = [[where[i] for i in u] for u in micro]
+        sub = [rows[i] for i in flat_rows]
+        logp, mask = _unit_tensors(local, sub, logp_flat)  # (U, P)
+        ent, _ = _unit_tensors(local, sub, ent_flat)
+        old_lp = _unit_lists(micro, lambda i: old[i], torch.float32)
+        adv = _unit_lists(micro, lambda i: rows[i].adv, torch.float32)
+        turn_id = _unit_lists(micro, lambda i: rows[i].turn_id, torch.long).masked_fill(~mask, -1)
+        terms = loss_fn(logp, old_lp, adv, mask, turn_id, s.loss_params, n_rows_div=row_div, n_tokens_div=n_terms)
+        terms.loss.backward()
+        w = float(mask.sum()) / max(n_tok, 1)
+        out["loss"] += float(terms.loss.detach())
+        out["traj_kl"] -= float(((logp.detach() - old_lp) * mask).sum()) / len(mb)
+        out["tokens"] += sum(rows[i].positions[-1] + 1 for i in flat_rows)
+        out["clip_frac"] += terms.clip_frac * w
+        out["approx_kl"] += terms.approx_kl * w
+        out["ratio_mean"] += terms.ratio_mean * w
+        out["entropy"] += float((ent * mask).sum()) / max(n_tok, 1)
+    if abs(out["traj_kl"]) > s.high_kl_threshold:
+        optimizer.zero_grad(set_to_none=True)
+        return {**out, "finite": True, "grad_norm": 0.0}
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip))
+    finite = math.isfinite(out["loss"]) and math.isfinite(grad_norm)
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {**out, "finite": finite, "grad_norm": grad_norm}
+
+
+def _loss_terms(params: object, rows: list[TrainRow], mb: list[list[int]]) -> int:
+    """Loss terms in a minibatch (token-mean divisor): tokens, or (trajectory, turn) pairs, or trajectories."""
     level = getattr(params, "ratio_level", "token")
     if level == "turn":
-        return sum(len(set(r.turn_id)) for r in rows)
+        return sum(len({t for i in u for t in rows[i].turn_id}) for u in mb)
     if level == "trajectory":
-        return len(rows)
-    return sum(len(r.positions) for r in rows)
-
-
-def _record(agg: dict[str, list[float]], parts: list, loss: float, grad_norm: float, traj_kl: float) -> None:
-    n = sum(p[1] for p in parts) or 1.0
-    agg["loss"].append(loss)
-    agg["grad_norm"].append(grad_norm)
-    agg["traj_kl"].append(traj_kl)
-    agg["clip_frac"].append(sum(p[0].clip_frac * p[1] for p in parts) / n)
-    agg["approx_kl"].append(sum(p[0].approx_kl * p[1] for p in parts) / n)
-    agg["ratio_mean"].append(sum(p[0].ratio_mean * p[1] for p in parts) / n)
-    agg["entropy"].append(sum(p[2] for p in parts) / n)
+        return len(mb)
+    return sum(len(rows[i].positions) for u in mb for i in u)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pyarrow.compute as pc
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from horizonrl import store
 from horizonrl.checkpoint import CheckpointRef
-from horizonrl.evaluation import episode_metrics, mixed_group_fraction
+from horizonrl.evaluation import episode_metrics
 from horizonrl.rollout import collect
 from horizonrl.runtime import sample_tasks
 from horizonrl.seeding import derive_seed
@@ -35,23 +36,24 @@ def collect_rollouts(ctx: RunContext, iteration: int, policy: CheckpointRef) -> 
     ref = RolloutRef(iteration, str(d / "episodes.parquet"), str(d / "turns.parquet"))
     if (d / "episodes.parquet").is_file() and (d / "turns.parquet").is_file():
         get_run_logger().info("iteration %d: rollouts already stored, reused", iteration)
-        return ref
-    loaded = RUNTIME.get(cfg, policy)
-    suite = RUNTIME.suite(cfg)
-    pool = RUNTIME.task_pool(cfg, "train", cfg.env.train_pool)
-    r = cfg.rollout
-    records = collect(
-        suite, sample_tasks(pool, r.tasks_per_iteration, cfg.seed, iteration), r.group_size, loaded.engine, loaded.fmt,
-        action_mode=r.action_mode, context=r.context, history_turns=r.history_turns,
-        max_turns=cfg.env.max_turns or suite.max_turns(cfg.env.tier), max_action_tokens=r.max_action_tokens,
-        temperature=r.temperature, seed=derive_seed(cfg.seed, "collect", iteration),
-    )
-    turns_digest = store.write_table(store.turns_table(records), ref.turns, "turns")
-    episodes_digest = store.write_table(store.episodes_table(records, cfg.run_name, iteration, policy.iteration), ref.episodes, "episodes")
-    metrics = episode_metrics(records)
-    metrics["mixed_group_fraction"] = mixed_group_fraction(records)
-    metrics["gen_s"] = sum(t.gen_s for e in records for t in e.turns)
-    metrics["env_s"] = sum(t.env_s for e in records for t in e.turns)
-    log_stage(ctx, "collect", metrics, iteration, inputs={f"iter={iteration}/turns": (ref.turns, turns_digest), f"iter={iteration}/episodes": (ref.episodes, episodes_digest)})
+    else:
+        loaded = RUNTIME.get(cfg, policy)
+        suite = RUNTIME.suite(cfg)
+        pool = RUNTIME.task_pool(cfg, "train", cfg.env.train_pool)
+        r = cfg.rollout
+        records = collect(
+            suite, sample_tasks(pool, r.tasks_per_iteration, cfg.seed, iteration), r.group_size, loaded.engine, loaded.fmt,
+            action_mode=r.action_mode, context=r.context, history_turns=r.history_turns,
+            max_turns=cfg.env.max_turns or suite.max_turns(cfg.env.tier), max_action_tokens=r.max_action_tokens,
+            temperature=r.temperature, seed=derive_seed(cfg.seed, "collect", iteration),
+        )
+        store.write_table(store.turns_table(records), ref.turns, "turns")
+        store.write_table(store.episodes_table(records, cfg.run_name, iteration, policy.iteration), ref.episodes, "episodes")
+    episodes = store.read_table(ref.episodes, "episodes")
+    metrics = episode_metrics(episodes)
+    timings = store.read_table(ref.turns, "turns", columns=["gen_s", "env_s"])
+    metrics.update(gen_s=float(pc.sum(timings["gen_s"]).as_py() or 0.0), env_s=float(pc.sum(timings["env_s"]).as_py() or 0.0))
+    inputs = {f"iter={iteration}/{name}": (path, store.file_digest(path)) for name, path in (("turns", ref.turns), ("episodes", ref.episodes))}
+    log_stage(ctx, "collect", metrics, iteration, inputs=inputs)
     get_run_logger().info("iteration %d collect: success %.3f, mixed groups %.2f", iteration, metrics["success_rate"], metrics["mixed_group_fraction"])
     return ref

@@ -6,12 +6,13 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from horizonrl.checkpoint import CheckpointRef
-from horizonrl.evaluation import episode_metrics, pass_at_k, sample_episodes
+from horizonrl.evaluation import episode_metrics, sample_episodes
+from horizonrl.store import episodes_table
 from horizonrl.rollout import EpisodeRecord, collect
 from horizonrl.seeding import derive_seed
 from horizonrl.tracking import log_table
 from tasks.context import RUNTIME, RunContext
-from tasks.tracking import log_stage
+from tasks.tracking import log_stage, logged
 
 
 def play(ctx: RunContext, policy: CheckpointRef, samples: int, greedy: bool, seed: int) -> list[EpisodeRecord]:
@@ -33,12 +34,15 @@ def evaluate(ctx: RunContext, policy: CheckpointRef, iteration: int) -> dict[str
     fixed by (seed, iteration). Logs nothing until every figure is computed, so a retry logs once."""
     cfg = ctx.cfg
     sampled = play(ctx, policy, cfg.eval.samples, False, derive_seed(cfg.seed, "eval", iteration))
-    metrics = episode_metrics(sampled)
-    metrics[f"pass_at_{cfg.eval.samples}"] = pass_at_k(sampled)
+    metrics = episode_metrics(episodes_table(sampled, cfg.run_name, iteration, policy.iteration))
+    metrics[f"pass_at_{cfg.eval.samples}"] = metrics.pop("pass_at_k")
+    metrics.pop("mixed_group_fraction")
     if cfg.eval.greedy:
         greedy = play(ctx, policy, 1, True, derive_seed(cfg.seed, "eval-greedy", iteration))
-        metrics.update({f"greedy_{k}": v for k, v in episode_metrics(greedy).items() if k != "episodes"})
+        greedy_metrics = episode_metrics(episodes_table(greedy, cfg.run_name, iteration, policy.iteration))
+        metrics.update({f"greedy_{k}": greedy_metrics[k] for k in ("success_rate", "mean_return", "mean_turns", "invalid_rate")})
+    if not logged(ctx, "eval/success_rate", iteration):
+        log_table(ctx.mlflow(), ctx.mlflow_run_id, sample_episodes(sampled), f"episodes/eval_iter_{iteration:05d}.json")
     log_stage(ctx, "eval", metrics, iteration)
-    log_table(ctx.mlflow(), ctx.mlflow_run_id, sample_episodes(sampled), f"episodes/eval_iter_{iteration:05d}.json")
     get_run_logger().info("iteration %d eval: success %.3f (greedy %.3f) on %d held-out episodes", iteration, metrics["success_rate"], metrics.get("greedy_success_rate", float("nan")), len(sampled))
     return metrics

@@ -14,6 +14,7 @@ from horizonrl.checkpoint import CheckpointRef, latest_checkpoint, read_state, s
 from horizonrl.config import TrainConfig
 from horizonrl.models import load_policy
 from tasks.context import RUNTIME, RunContext
+from tasks.tracking import log_stage
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ def start_run(cfg: TrainConfig) -> RunStart:
         policy = save_checkpoint(run_dir, 0, model, tokenizer, None, {"nonfinite_steps": 0, "elapsed_s": 0.0, "mlflow_run_id": run_id, "seed": cfg.seed, "config_digest": cfg.digest()})
         RUNTIME.drop()
     state = read_state(policy)
+    log_stage(ctx, "update", state.get("update_stats", {}), policy.iteration)  # if a crash came between checkpoint and log
     get_run_logger().info("run %s (MLflow %s): %s at iteration %d", cfg.run_name, run_id, "resumed" if policy.iteration else "starting", policy.iteration)
     return RunStart(ctx, policy, float(state.get("elapsed_s", 0.0)), resumed or policy.iteration > 0)
 

@@ -46,13 +46,13 @@ def update(ctx: RunContext, iteration: int, rollouts: RolloutRef, adv: Advantage
         if nonfinite > cfg.update.max_nan_skips:
             raise TooManyNonFiniteSteps(f"{nonfinite} optimizer steps had a non-finite loss or gradient (update.max_nan_skips = {cfg.update.max_nan_skips}); last good checkpoint: {policy.path}")
         estimator_state = json.loads(Path(adv.state).read_text()) if adv.state else None
-        state = {"nonfinite_steps": nonfinite, "elapsed_s": elapsed_s, "mlflow_run_id": ctx.mlflow_run_id, "seed": cfg.seed, "config_digest": cfg.digest()}
+        stats = result.stats if result else {"steps": 0.0, "rows": 0.0}
+        state = {"update_stats": stats, "nonfinite_steps": nonfinite, "elapsed_s": elapsed_s, "mlflow_run_id": ctx.mlflow_run_id, "seed": cfg.seed, "config_digest": cfg.digest()}
         ref = save_checkpoint(ctx.path, iteration, loaded.model, loaded.tokenizer, loaded.optimizer, state, estimator_state)
     except BaseException:
         RUNTIME.drop()
         raise
     RUNTIME.advance(ref)
-    stats = result.stats if result else {"steps": 0.0, "rows": 0.0}
     log_stage(ctx, "update", stats, iteration)
     get_run_logger().info("iteration %d update: %d steps, loss %.4f, clip %.3f, kl %.4f", iteration, stats.get("steps", 0), stats.get("loss", 0.0), stats.get("clip_frac", 0.0), stats.get("approx_kl", 0.0))
     return ref

@@ -28,3 +28,37 @@ def session_dir(tmp_path_factory):
 def tracking_uri(tmp_path):
     """A fresh MLflow SQLite store for one test."""
     return f"sqlite:///{tmp_path}/mlflow.db"
+
+
+@pytest.fixture(scope="session")
+def household_suite():
+    """The household suite with seed 0 (tasks are generated lazily and cached by the suite)."""
+    from horizonrl.envs.household import HouseholdSuite
+
+    return HouseholdSuite(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_dir(session_dir, household_suite):
+    """The default tiny Qwen2 + word tokenizer for household, built once per session (~1 s)."""
+    from horizonrl.config import ModelConfig
+    from horizonrl.models import tiny_model_dir
+
+    return tiny_model_dir(session_dir, "household", ModelConfig(), household_suite.corpus(50))
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tiny_policy_dir):
+    """(model, tokenizer, fmt, engine) shared by the session. Read-only: a test that changes weights
+    loads its own copy with ``load_policy(tiny_policy_dir)``."""
+    import torch
+
+    from horizonrl.engines.hf import TransformersEngine
+    from horizonrl.models import load_policy
+    from horizonrl.prompting import ChatFormat
+
+    torch.set_num_threads(1)  # the machine is shared; tiny model, no gain from more threads
+    model, tokenizer = load_policy(tiny_policy_dir)
+    fmt = ChatFormat.for_tokenizer(tokenizer)
+    engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
+    return model, tokenizer, fmt, engine

@@ -35,7 +35,19 @@ class Generation:
     finished: bool = True  # ended with the end-of-turn token (False: cut at the token budget)
 
 
+class Session(Protocol):
+    """A batch of episodes whose sequences grow turn by turn (full-history context)."""
+
+    def extend(self, slots: list[int], new_ids: list[list[int]], tries: list[TokenTrie | None], max_new_tokens: int, temperature: float, greedy: bool, seed: int) -> list[Generation]:
+        """Append ``new_ids[k]`` to episode ``slots[k]`` and sample its next action; absent slots are done."""
+        ...
+
+
 class Engine(Protocol):
+    def session(self) -> Session:
+        """A cache-carrying session for full-history rollouts."""
+        ...
+
     def generate(
         self,
         prompts: list[list[int]],

@@ -1,0 +1,166 @@
+"""TransformersEngine: trie-constrained decoding, forced tokens, seeding, greedy, and agreement of the
+sampler's log-probs with the learner's ``policy_logprobs`` on the rebuilt sequences.
+
+Tolerances: the engine (left-padded batch, KV cache) and the learner (right-padded full forward) run
+different float32 kernels on the same weights; they agree to 1e-4 in log-prob and entropy. Log-probs
+read back from a table are float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from horizonrl import store
+from horizonrl.engines.base import TokenTrie
+from horizonrl.rollout import collect
+from horizonrl.sequences import train_rows
+from horizonrl.trainer import policy_logprobs
+
+TOL = 1e-4
+
+
+def _collect(tiny_policy, suite, *, action_mode="admissible", context="window", max_turns=4, temperature=1.0, max_action_tokens=12, seed=0):
+    _, _, fmt, engine = tiny_policy
+    return collect(suite, suite.tasks("train", "easy", 2), 2, engine, fmt, action_mode=action_mode, context=context,
+                   history_turns=2, max_turns=max_turns, max_action_tokens=max_action_tokens, temperature=temperature, seed=seed)
+
+
+def _prompts(tiny_policy, suite, n: int = 3) -> tuple[list[list[int]], list[list[str]]]:
+    """Prompts and admissible commands of the first state of ``n`` easy tasks; prompt i carries i earlier
+    turns ('inventory' answered by 'nothing happens .') so the lengths differ."""
+    fmt = tiny_policy[2]
+    prompts, commands = [], []
+    for i, task in enumerate(suite.tasks("train", "easy", n)):
+        env = suite.make()
+        obs, info = env.reset(task)
+        history = (fmt.user("nothing happens .") + fmt.command("inventory")) * i
+        prompts.append(fmt.system(env.goal()) + history + fmt.user(obs))
+        commands.append(info["admissible_commands"])
+    assert len({len(p) for p in prompts}) > 1  # left padding is exercised
+    return prompts, commands
+
+
+def _next_logits(model, ids: list[int]) -> torch.Tensor:
+    """Last-position logits of one unpadded sequence, no cache: (V,)."""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+
+def test_admissible_actions_are_admissible_commands_with_exact_allowed_sets(tiny_policy, household_suite):
+    """Over 2 tasks x 2 rollouts x 10 turns: every action is a command of the state it was played in
+    (checked by replaying the deterministic environment), its ids are the command's ids, and each token's
+    allowed set is exactly the next ids of the commands sharing the prefix."""
+    fmt = tiny_policy[2]
+    records = _collect(tiny_policy, household_suite, max_turns=10)
+    n_turns = n_forced = 0
+    for rec in records:
+        env = household_suite.make()
+        _, info = env.reset(rec.task)
+        for t in rec.turns:
+            commands = info["admissible_commands"]
+            assert t.action in commands and t.valid and t.format_valid and t.gen.finished
+            assert t.gen.token_ids == fmt.command(t.action)
+            for j, tok in enumerate(t.gen.token_ids):
+                prefix = t.gen.token_ids[:j]
+                expected = sorted({fmt.command(c)[j] for c in commands if fmt.command(c)[:j] == prefix})
+                assert t.gen.allowed[j] == expected and tok in expected
+                assert t.gen.policy_mask[j] == (len(expected) > 1)
+                if len(expected) == 1:  # forced: no choice, log-prob and entropy exactly 0
+                    assert (t.gen.logprobs[j], t.gen.entropy[j]) == (0.0, 0.0)
+                    n_forced += 1
+                else:
+                    assert t.gen.logprobs[j] < 0 and 0 < t.gen.entropy[j] <= math.log(len(expected)) + TOL
+            _, _, _, info = env.step(t.action)
+            n_turns += 1
+    assert n_turns >= 20 and n_forced > 0
+
+
+def test_token_budget_cuts_an_admissible_action_inside_a_command(tiny_policy, household_suite):
+    _, _, fmt, engine = tiny_policy
+    prompts, commands = _prompts(tiny_policy, household_suite)
+    tries = [TokenTrie([fmt.command(c) for c in cs], cs) for cs in commands]
+    for g, cs in zip(engine.generate(prompts, tries, 2, 1.0, False, 0), commands):
+        full = [fmt.command(c) for c in cs]
+        assert len(g.token_ids) == 2 and any(ids[:2] == g.token_ids for ids in full)
+        assert g.finished == (g.token_ids in full)  # only a one-word command ends within 2 tokens
+
+
+@pytest.mark.parametrize("admissible", [True, False])
+def test_same_seed_reproduces_and_another_seed_differs(tiny_policy, household_suite, admissible):
+    _, _, fmt, engine = tiny_policy
+    prompts, commands = _prompts(tiny_policy, household_suite, 4)
+    tries = [TokenTrie([fmt.command(c) for c in cs], cs) if admissible else None for cs in commands]
+    prompts, tries = prompts * 2, tries * 2  # 8 samples: two seeds agreeing everywhere is ~impossible
+    a = engine.generate(prompts, tries, 8, 1.0, False, 123)
+    assert engine.generate(prompts, tries, 8, 1.0, False, 123) == a
+    b = engine.generate(prompts, tries, 8, 1.0, False, 124)
+    assert [g.token_ids for g in b] != [g.token_ids for g in a]
+
+
+@pytest.mark.parametrize("admissible", [True, False])
+def test_greedy_picks_the_argmax_of_an_unbatched_uncached_forward(tiny_policy, household_suite, admissible):
+    """Each greedy token is the argmax of (allowed-masked) logits recomputed without padding or cache; the
+    seed is irrelevant. Precondition: the top-2 gap exceeds the kernels' disagreement (1e-4)."""
+    model, _, fmt, engine = tiny_policy
+    prompts, commands = _prompts(tiny_policy, household_suite)
+    tries = [TokenTrie([fmt.command(c) for c in cs], cs) if admissible else None for cs in commands]
+    gens = engine.generate(prompts, tries, 5, 0.7, True, 1)
+    assert engine.generate(prompts, tries, 5, 0.7, True, 2) == gens
+    for prompt, gen in zip(prompts, gens):
+        for j, tok in enumerate(gen.token_ids):
+            logp = torch.log_softmax(_next_logits(model, prompt + gen.token_ids[:j]) / 0.7, -1)
+            if gen.allowed[j]:
+                logp = torch.full_like(logp, -math.inf).index_copy(0, torch.tensor(gen.allowed[j]), logp[gen.allowed[j]])
+                logp = torch.log_softmax(logp, -1)
+            top2 = logp.topk(2).values if logp.isfinite().sum() > 1 else None
+            assert top2 is None or top2[0] - top2[1] > TOL
+            assert tok == int(logp.argmax()) and gen.logprobs[j] == pytest.approx(float(logp.max()), abs=TOL)
+
+
+def test_free_mode_produces_text_with_full_vocabulary_distributions(tiny_policy, household_suite):
+    model, tokenizer, _, _ = tiny_policy
+    records = _collect(tiny_policy, household_suite, action_mode="free", max_turns=2, max_action_tokens=6)
+    turns = [t for r in records for t in r.turns]
+    assert any(t.action for t in turns)  # decoded text reaches the environment
+    log_v = math.log(len(tokenizer))
+    for t in turns:
+        assert t.gen.allowed == [[] for _ in t.gen.token_ids] and all(t.gen.policy_mask)
+        assert t.action == tokenizer.decode([i for i in t.gen.token_ids if i != tiny_policy[2].end_id], skip_special_tokens=True).strip()
+    # the first token's distribution is the full softmax: entropy of all V ids, near log V for an untrained model
+    r = records[0]
+    logp = torch.log_softmax(_next_logits(model, r.turns[0].prompt_ids), -1)
+    assert r.turns[0].gen.entropy[0] == pytest.approx(float(-(logp.exp() * logp).sum()), abs=TOL)
+    assert log_v - 0.1 < r.turns[0].gen.entropy[0] <= log_v + TOL
+
+
+@pytest.mark.parametrize("context", ["window", "full"])
+@pytest.mark.parametrize("action_mode", ["admissible", "free"])
+def test_engine_logprobs_equal_learner_logprobs_on_rebuilt_rows(tiny_policy, household_suite, context, action_mode):
+    """Sampler/learner consistency at T = 0.7, including the renormalisation over allowed ids:
+    |log pi_engine - log pi_learner| <= 1e-4 and the same for the entropy, at every policy token."""
+    model, tokenizer, _, _ = tiny_policy
+    records = _collect(tiny_policy, household_suite, action_mode=action_mode, context=context, temperature=0.7, max_action_tokens=6)
+    rows = [r for r in train_rows(store.turns_table(records), context) if r.positions]
+    assert len({len(r.input_ids) for r in rows}) > 1  # right padding is exercised
+    with torch.no_grad():
+        logp, entropy = policy_logprobs(model, rows, 0.7, tokenizer.pad_token_id)  # flat (n,), in row order
+    by_turn = {(rec.rollout_id, t.turn): t.gen for rec in records for t in rec.turns}
+    gen_entropy = [h for r in rows for t in sorted(set(r.turn_id)) for h, m in zip(by_turn[r.rollout_id, t].entropy, by_turn[r.rollout_id, t].policy_mask) if m]
+    assert logp.tolist() == pytest.approx([lp for r in rows for lp in r.sample_logp], abs=TOL)
+    assert entropy.tolist() == pytest.approx(gen_entropy, abs=TOL)
+
+
+def test_generate_restores_the_training_flag(tiny_policy, household_suite):
+    model, _, _, engine = tiny_policy
+    prompts, _ = _prompts(tiny_policy, household_suite, 2)
+    model.train()
+    try:
+        engine.generate(prompts, [None, None], 2, 1.0, False, 0)
+        assert model.training
+    finally:
+        model.eval()
+    engine.generate(prompts, [None, None], 2, 1.0, False, 0)
+    assert not model.training

@@ -1,0 +1,186 @@
+"""Store: exact round trips of the three tables, schema-version and kind checks, atomic writes."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from horizonrl import store
+from horizonrl.engines.base import Generation
+from horizonrl.envs.base import Task
+from horizonrl.rollout import EpisodeRecord, TurnRecord
+from horizonrl.store import ADVANTAGES, EPISODES, TURNS, StoreError, read_table, write_table
+
+TASK = Task("household", "train", "easy", 7, 2**62 + 3, "pick_and_place")
+
+
+def _turn(turn: int, action: str, ids: list[int], *, valid: bool = True, reward: float = 0.0, won: bool = False) -> TurnRecord:
+    """A turn whose float values are exact in float32, so the float32 columns round-trip bit for bit."""
+    n = len(ids)
+    gen = Generation(
+        token_ids=ids, logprobs=[-0.5 * (j + 1) for j in range(n)], entropy=[0.25] * n,
+        policy_mask=[j % 2 == 0 for j in range(n)], allowed=[[ids[j], 99] if j % 2 == 0 else [ids[j]] for j in range(n)],
+        finished=n > 0,
+    )
+    return TurnRecord(
+        turn, f"obs {turn} é…", action, [2, 100 + turn, 4], gen, reward, won, won, valid, bool(action), 0.5 * turn,
+        f"key|{turn}", "NAVIGATE", 5 - turn, 0.125, 0.0625,
+    )
+
+
+def _records() -> list[EpisodeRecord]:
+    """Two episodes: one won in 2 turns (one invalid, 3 + 2 generated tokens), one with no turn at all."""
+    won = EpisodeRecord(10, 3, TASK, "window", 12345, "branch", 4, 17,
+                        [_turn(0, "go to fridge 1", [7, 8, 3], valid=False), _turn(1, "", [9, 3], reward=10.0, won=True)], "won")
+    empty = EpisodeRecord(11, 3, TASK, "full", -1, status="error", error="boom")
+    return [won, empty]
+
+
+def _advantages() -> pa.Table:
+    return pa.table({"rollout_id": [10, 10, 11], "turn": [0, 1, 0], "adv": [0.5, -1.25, 0.0], "keep": [True, False, True],
+                     "adv_tokens": [[0.5, 0.25], None, []]}, schema=ADVANTAGES)
+
+
+def test_episodes_table_fields_are_derived_from_the_records():
+    t = store.episodes_table(_records(), "run-a", 3, 2).to_pylist()
+    assert t[0] == dict(
+        run_name="run-a", iteration=3, policy_version=2, rollout_id=10, group_id=3, task_id="household/easy/train/7",
+        env="household", split="train", tier="easy", family="pick_and_place", task_seed=2**62 + 3, kind="branch",
+        parent_rollout=4, branch_token=17, context="window", sample_seed=12345, n_turns=2, episode_return=10.0,
+        won=True, score=0.5, n_invalid=1, gen_tokens=5, status="won", error="",
+    )
+    assert (t[1]["n_turns"], t[1]["episode_return"], t[1]["won"], t[1]["score"], t[1]["gen_tokens"], t[1]["error"]) == (0, 0.0, False, 0.0, 0, "boom")
+
+
+@pytest.mark.parametrize("kind", ["episodes", "turns", "advantages"])
+def test_round_trip_is_exact_in_values_and_types(tmp_path, kind):
+    table = {"episodes": lambda: store.episodes_table(_records(), "run-a", 3, 2),
+             "turns": lambda: store.turns_table(_records()), "advantages": _advantages}[kind]()
+    path = tmp_path / "iter=00003" / f"{kind}.parquet"
+    digest = write_table(table, path, kind)
+    back = read_table(path, kind)
+    assert back.schema.equals(store._SCHEMAS[kind])  # every column type as declared (metadata aside)
+    assert back.to_pylist() == table.to_pylist()
+    assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_turns_table_keeps_the_generation_lists():
+    rows = store.turns_table(_records()).to_pylist()
+    assert [(r["rollout_id"], r["turn"]) for r in rows] == [(10, 0), (10, 1)]
+    assert rows[0]["action_ids"] == [7, 8, 3] and rows[0]["prompt_ids"] == [2, 100, 4]
+    assert rows[0]["logprobs"] == [-0.5, -1.0, -1.5] and rows[0]["policy_mask"] == [True, False, True]
+    assert rows[0]["allowed"] == [[7, 99], [8], [3, 99]] and rows[0]["valid"] is False
+
+
+def test_file_carries_schema_version_and_kind(tmp_path):
+    path = tmp_path / "turns.parquet"
+    write_table(store.turns_table(_records()), path, "turns")
+    meta = pq.read_schema(path).metadata
+    assert meta[b"horizonrl.schema_version"] == store.SCHEMA_VERSION.encode() == b"1"
+    assert meta[b"horizonrl.table"] == b"turns"
+
+
+def test_other_schema_version_raises_naming_the_path(tmp_path, monkeypatch):
+    path = tmp_path / "advantages.parquet"
+    monkeypatch.setattr(store, "SCHEMA_VERSION", "0")
+    write_table(_advantages(), path, "advantages")
+    monkeypatch.undo()
+    with pytest.raises(StoreError, match=re.escape(f"{path}: schema version '0'")):
+        read_table(path, "advantages")
+
+
+def test_file_without_metadata_raises(tmp_path):
+    path = tmp_path / "advantages.parquet"
+    pq.write_table(_advantages(), path)
+    with pytest.raises(StoreError, match=re.escape(f"{path}: schema version '?'")):
+        read_table(path, "advantages")
+
+
+@pytest.mark.parametrize("keep", [0, 4, 100, -8, -1])
+def test_truncated_file_raises_naming_the_path(tmp_path, keep):
+    path = tmp_path / "turns.parquet"
+    write_table(store.turns_table(_records()), path, "turns")
+    data = path.read_bytes()
+    path.write_bytes(data[:keep] if keep >= 0 else data[:len(data) + keep])
+    with pytest.raises(StoreError, match=re.escape(f"{path}: not a readable Parquet file (truncated")):
+        read_table(path, "turns")
+
+
+def test_wrong_table_kind_raises_naming_the_path(tmp_path):
+    path = tmp_path / "advantages.parquet"
+    write_table(_advantages(), path, "advantages")
+    with pytest.raises(StoreError, match=re.escape(f"{path}: schema version '1' of table 'advantages'; this code reads version '1' of 'turns'")):
+        read_table(path, "turns")
+
+
+def test_missing_file_raises_naming_the_path(tmp_path):
+    with pytest.raises(StoreError, match=re.escape(f"{tmp_path / 'nope.parquet'}: no such file")):
+        read_table(tmp_path / "nope.parquet", "turns")
+
+
+def test_write_refuses_a_table_of_another_schema(tmp_path):
+    path = tmp_path / "turns.parquet"
+    with pytest.raises(StoreError, match="'turns' schema"):
+        write_table(_advantages(), path, "turns")
+    wrong_type = _advantages().cast(pa.schema([f if f.name != "turn" else pa.field("turn", pa.int64()) for f in ADVANTAGES]))
+    with pytest.raises(StoreError):
+        write_table(wrong_type, tmp_path / "advantages.parquet", "advantages")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monkeypatch):
+    path = tmp_path / "advantages.parquet"
+    write_table(_advantages(), path, "advantages")
+    old = path.read_bytes()
+
+    def write_half_then_fail(table, where, **kwargs):
+        with open(where, "wb") as f:
+            f.write(old[: len(old) // 2])
+        raise OSError("disk full")
+
+    monkeypatch.setattr(store.pq, "write_table", write_half_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        write_table(_advantages().slice(0, 1), path, "advantages")
+    assert path.read_bytes() == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["advantages.parquet"]
+    monkeypatch.undo()
+    assert read_table(path, "advantages").num_rows == 3
+
+
+def test_successful_overwrite_replaces_the_file_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "advantages.parquet"
+    write_table(_advantages(), path, "advantages")
+    write_table(_advantages().slice(1, 2), path, "advantages")
+    assert read_table(path, "advantages").to_pylist() == _advantages().slice(1, 2).to_pylist()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["advantages.parquet"]
+
+
+def test_reading_one_column(tmp_path):
+    path = tmp_path / "episodes.parquet"
+    write_table(store.episodes_table(_records(), "run-a", 3, 2), path, "episodes")
+    won = read_table(path, "episodes", columns=["won"])
+    assert won.column_names == ["won"] and won.schema.field("won").type == pa.bool_()
+    assert won.column("won").to_pylist() == [True, False]
+
+
+def test_iteration_dir_layout(tmp_path):
+    assert store.iteration_dir(tmp_path, "exp", "run", 12) == tmp_path / "exp" / "run" / "iter=00012"
+    assert EPISODES.names[0] == "run_name" and TURNS.field("allowed").type == pa.list_(pa.list_(pa.int32()))
+
+
+def test_reading_columns_of_a_file_of_another_kind_names_the_kind_not_corruption(tmp_path):
+    path = tmp_path / "advantages.parquet"
+    write_table(_advantages(), path, "advantages")
+    with pytest.raises(StoreError, match=re.escape(f"{path}: schema version '1' of table 'advantages'")):
+        read_table(path, "episodes", columns=["won"])
+
+
+def test_reading_an_unknown_column_names_it(tmp_path):
+    path = tmp_path / "episodes.parquet"
+    write_table(store.episodes_table(_records(), "run-a", 3, 2), path, "episodes")
+    with pytest.raises(StoreError, match=re.escape(f"{path}: the 'episodes' table has no column nope")):
+        read_table(path, "episodes", columns=["won", "nope"])
