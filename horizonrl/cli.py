@@ -19,7 +19,13 @@ def main(argv: list[str] | None = None) -> int:
     tr = sub.add_parser("train", help="train one method (runs the Prefect 'train' flow)")
     tr.add_argument("--config", help="YAML config file")
     tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. method=grpo")
+    rc = sub.add_parser("recompute", help="compute a method's advantages over a stored run, without new rollouts")
+    rc.add_argument("--run-dir", required=True, help="data/<experiment>/<run_name>")
+    rc.add_argument("--method", required=True, help="method (loop, grpo, gigpo, blpo, ...) or estimator name")
+    rc.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="estimator parameter override")
     args = parser.parse_args(argv)
+    if args.command == "recompute":
+        return _recompute(args)
 
     from horizonrl.config import load_config
 
@@ -39,6 +45,24 @@ def main(argv: list[str] | None = None) -> int:
               f"({summary['improvement'] * 100:+.1f} points) after {int(summary['iterations'])} iterations")
         print(f"MLflow: experiment {cfg.experiment!r}, run {cfg.run_name!r}; open the UI with: mlflow ui --backend-store-uri {uri} --host 127.0.0.1")
         print(f"data: {os.path.join(cfg.data_dir, cfg.experiment, cfg.run_name)}")
+    return 0
+
+
+def _recompute(args: argparse.Namespace) -> int:
+    import yaml
+
+    from flows.recompute import recompute_advantages
+    from horizonrl.config import METHODS
+    import methods
+
+    name = METHODS[args.method].advantage if args.method in METHODS else args.method
+    if name not in methods.ADVANTAGES:
+        print(f"horizonrl: --method {args.method!r} is neither a method ({', '.join(sorted(METHODS))}) nor an estimator", file=sys.stderr)
+        return 2
+    params = {k: yaml.safe_load(v) for k, v in (p.split("=", 1) for p in args.param)}
+    written = recompute_advantages(args.run_dir, args.method, params)
+    for it, path in sorted(written.items()):
+        print(f"iteration {it}: {path}")
     return 0
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,7 +23,7 @@ import methods
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +99,8 @@ class RolloutConfig(Strict):
     """window: goal + last ``history_turns`` turns + observation; full: one growing token sequence."""
     history_turns: int = Field(2, ge=0)
     max_action_tokens: int = Field(24, ge=1)
+    branch_budget: int | None = Field(None, ge=1)
+    """APPO: branch rollouts per task group (B); None = group_size (N_init = B, as in the released 8 + 8)."""
 
 
 class UpdateConfig(Strict):
@@ -223,14 +226,28 @@ def _set_path(d: dict[str, Any], dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = d
     for p in parts[:-1]:
-        node = node.setdefault(p, {})
+        if node.get(p) is None:  # absent, or an empty section in the file
+            node[p] = {}
+        node = node[p]
         if not isinstance(node, dict):
             raise ValueError(f"--set {dotted}: {p!r} is not a section")
     node[parts[-1]] = value
 
 
+class _YAMLLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that also reads ``3e-4`` and ``1.0e5`` as floats (YAML 1.2). PyYAML follows
+    YAML 1.1, where they are strings, and an untyped field (``loss_params``) would keep the string."""
+
+
+_YAMLLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def _parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_YAMLLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """Read a YAML file (``yaml.safe_load``), apply ``key.sub=value`` overrides, validate.
+    """Read a YAML file (safe loader, YAML 1.2 floats), apply ``key.sub=value`` overrides, validate.
 
     Raises ``ValueError`` naming the file or the field on any problem.
     """
@@ -240,14 +257,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ValueError(f"config file {str(p)!r} does not exist")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = _parse_yaml(p.read_text()) or {}
         except yaml.YAMLError as err:
             raise ValueError(f"config file {str(p)!r} is not valid YAML: {err}") from err
         if not isinstance(raw, dict):
             raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
     for item in overrides or []:
-        if "=" not in item:
+        key, eq, text = item.partition("=")
+        if not eq or not all(key.strip().split(".")):
             raise ValueError(f"--set {item!r}: expected key=value")
-        key, text = item.split("=", 1)
-        _set_path(raw, key.strip(), yaml.safe_load(text))
+        try:
+            value = _parse_yaml(text)
+        except yaml.YAMLError as err:
+            raise ValueError(f"--set {item!r}: the value is not valid YAML: {err}") from err
+        _set_path(raw, key.strip(), value)
     return TrainConfig.model_validate(raw)

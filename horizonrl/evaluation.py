@@ -16,8 +16,10 @@ from horizonrl.rollout import EpisodeRecord
 def episode_metrics(episodes: pa.Table) -> dict[str, float]:
     """success_rate, mean_return, mean_turns, invalid_rate, tokens_per_episode, error_rate,
     mixed_group_fraction (groups whose returns are not all equal: the ones that carry signal), pass_at_k
-    (share of groups with at least one win), episodes."""
-    df = episodes.select(["group_id", "n_turns", "episode_return", "won", "n_invalid", "gen_tokens", "status"]).to_pandas()
+    (share of groups with at least one win), episodes. Over initial rollouts only (APPO branches are
+    reported by the collect stage separately)."""
+    df = episodes.select(["group_id", "kind", "n_turns", "episode_return", "won", "n_invalid", "gen_tokens", "status"]).to_pandas()
+    df = df[df["kind"] == "initial"]
     if df.empty:
         return {"episodes": 0.0}
     groups = df.groupby("group_id")
@@ -32,6 +34,17 @@ def episode_metrics(episodes: pa.Table) -> dict[str, float]:
         "mixed_group_fraction": float((groups["episode_return"].nunique() > 1).mean()),
         "pass_at_k": float(groups["won"].any().mean()),
     }
+
+
+def branch_metrics(episodes: pa.Table) -> dict[str, float]:
+    """APPO: branch success, and the extra generation cost of branching as a share of all new tokens
+    (a branch's first split + 1 action tokens are copied from its parent, not generated)."""
+    df = episodes.select(["kind", "won", "gen_tokens", "branch_token"]).to_pandas()
+    branch = df[df["kind"] == "branch"]
+    new_branch = float((branch["gen_tokens"] - branch["branch_token"] - 1).sum())
+    total = float(df.loc[df["kind"] == "initial", "gen_tokens"].sum()) + new_branch
+    return {"branches": float(len(branch)), "branch_success_rate": float(branch["won"].mean()) if len(branch) else 0.0,
+            "branch_token_share": new_branch / total if total else 0.0}
 
 
 def sample_episodes(records: list[EpisodeRecord], n: int = 8) -> pd.DataFrame:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -71,14 +73,17 @@ def tiny_model_dir(data_dir: str | Path, env_key: str, cfg: ModelConfig, corpus:
         return out
     tokenizer = train_word_tokenizer(corpus)
     model = tiny_model(len(tokenizer), cfg, tokenizer.pad_token_id, tokenizer.eos_token_id)
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # per process: concurrent builders never share files
     tmp.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(tmp)
     model.save_pretrained(tmp, safe_serialization=True)
     (tmp / "horizonrl.json").write_text(json.dumps(spec, indent=1, sort_keys=True))
-    if out.exists():  # another process won the race; keep theirs
-        return out
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process won the race (out exists, not empty); keep theirs
+        shutil.rmtree(tmp)
+        if not (out / "model.safetensors").is_file():
+            raise
     return out
 
 

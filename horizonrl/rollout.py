@@ -47,7 +47,7 @@ class EpisodeRecord:
     parent_rollout: int = -1
     branch_token: int = -1
     turns: list[TurnRecord] = field(default_factory=list)
-    status: str = "running"  # "won" | "truncated" | "error"
+    status: str = "running"  # "won" | "done" (ended without winning) | "truncated" (horizon) | "error"
     error: str = ""
 
     @property
@@ -68,8 +68,18 @@ class _Live:
     obs: str
     info: dict
     goal_ids: list[int]
-    history: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    history: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (obs ids, action ids) per turn
     done: bool = False
+    engine_prefix: list[int] = field(default_factory=list)  # branch, full context: copied turns, fed once
+    pending: Generation | None = None  # branch: the parent's action tokens up to the split, continued next
+
+
+@dataclass(frozen=True)
+class BranchStart:
+    """Where an APPO branch leaves its parent: after action token ``split`` (flat over all its turns)."""
+
+    parent: EpisodeRecord
+    split: int
 
 
 def collect(
@@ -98,12 +108,65 @@ def collect(
             obs, info = env.reset(task)
             rec = EpisodeRecord(rid, g, task, context, derive_seed(seed, "sample", rid))
             live.append(_Live(rec, env, obs, info, fmt.system(env.goal())))
-    session = engine.session() if context == "full" else None  # one KV cache across turns
-    for turn in range(max_turns):
-        batch = [ep for ep in live if not ep.done]
+    return _run(live, engine, fmt, action_mode, history_turns, max_turns, max_action_tokens, temperature, greedy, seed)
+
+
+def collect_branches(
+    suite: EnvSuite,
+    starts: list[BranchStart],
+    engine: Engine,
+    fmt: ChatFormat,
+    *,
+    action_mode: str,
+    context: str,
+    history_turns: int,
+    max_turns: int,
+    max_action_tokens: int,
+    temperature: float,
+    seed: int,
+    first_rollout_id: int,
+) -> list[EpisodeRecord]:
+    """Play APPO branches: each continues its parent from the token prefix up to and including the split
+    token (within that turn), in an environment brought to the parent's state at that turn by replaying
+    the parent's earlier actions. All branches are generated in one lockstep batch."""
+    live = [_branch_live(suite, b, fmt, context, first_rollout_id + k, seed) for k, b in enumerate(starts)]
+    return _run(live, engine, fmt, action_mode, history_turns, max_turns, max_action_tokens, temperature, False, derive_seed(seed, "branches"))
+
+
+def _branch_live(suite: EnvSuite, b: BranchStart, fmt: ChatFormat, context: str, rollout_id: int, seed: int) -> _Live:
+    parent = b.parent
+    lengths = [len(t.gen.token_ids) for t in parent.turns]
+    turn, offset = 0, b.split
+    while offset >= lengths[turn]:
+        offset -= lengths[turn]
+        turn += 1
+    env = suite.make()
+    obs, info = env.reset(parent.task)
+    for t in parent.turns[:turn]:
+        if obs != t.observation:
+            raise RuntimeError(f"replay of rollout {parent.rollout_id} diverged at turn {t.turn}: the environment is not deterministic")
+        obs, _, _, info = env.step(t.action)
+    if obs != parent.turns[turn].observation:
+        raise RuntimeError(f"replay of rollout {parent.rollout_id} diverged at turn {turn}: the environment is not deterministic")
+    rec = EpisodeRecord(rollout_id, parent.group_id, parent.task, context, derive_seed(seed, "sample", rollout_id),
+                        kind="branch", parent_rollout=parent.rollout_id, branch_token=b.split, turns=list(parent.turns[:turn]))
+    g = parent.turns[turn].gen
+    k = offset + 1
+    pending = Generation(g.token_ids[:k], g.logprobs[:k], g.entropy[:k], g.policy_mask[:k], g.allowed[:k])
+    ep = _Live(rec, env, obs, info, fmt.system(env.goal()), [(fmt.user(t.observation), t.gen.token_ids) for t in rec.turns], pending=pending)
+    if context == "full":
+        ep.engine_prefix = [i for t in rec.turns for i in t.prompt_ids + t.gen.token_ids]
+    return ep
+
+
+def _run(live: list[_Live], engine: Engine, fmt: ChatFormat, action_mode: str, history_turns: int, max_turns: int, max_action_tokens: int, temperature: float, greedy: bool, seed: int) -> list[EpisodeRecord]:
+    """Step every live episode in lockstep until all are done or have ``max_turns`` turns."""
+    session = engine.session() if live and live[0].record.context == "full" else None  # one KV cache across turns
+    for step in range(max_turns):
+        batch = [ep for ep in live if not ep.done and len(ep.record.turns) < max_turns]
         if not batch:
             break
-        _play_turn(batch, turn, engine, session, fmt, action_mode, history_turns, max_action_tokens, temperature, greedy, derive_seed(seed, "turn", turn))
+        _play_turn(batch, engine, session, fmt, action_mode, history_turns, max_action_tokens, temperature, greedy, derive_seed(seed, "turn", step))
     for ep in live:
         if not ep.done:
             ep.record.status = "truncated"
@@ -111,26 +174,39 @@ def collect(
     return [ep.record for ep in live]
 
 
-def _play_turn(batch: list[_Live], turn: int, engine: Engine, session: Session | None, fmt: ChatFormat, action_mode: str, history_turns: int, max_action_tokens: int, temperature: float, greedy: bool, seed: int) -> None:
+def _play_turn(batch: list[_Live], engine: Engine, session: Session | None, fmt: ChatFormat, action_mode: str, history_turns: int, max_action_tokens: int, temperature: float, greedy: bool, seed: int) -> None:
     """One engine call for every active episode. ``deltas`` are what each turn row stores as prompt ids:
     the whole prompt in window context, only the new ids in full context (the session holds the rest)."""
-    deltas, tries = [], []
+    deltas, inputs, tries = [], [], []
     for ep in batch:
         obs_ids = fmt.user(ep.obs)
         if session is None:
-            deltas.append(window_prompt(fmt, ep.goal_ids, ep.history, obs_ids, history_turns))
+            delta = window_prompt(fmt, ep.goal_ids, ep.history, obs_ids, history_turns)
         else:
-            deltas.append(full_delta(fmt, ep.goal_ids, obs_ids, ep.history[-1][1] if ep.history else None))
+            delta = full_delta(fmt, ep.goal_ids, obs_ids, ep.history[-1][1] if ep.history else None)
+        pending = ep.pending.token_ids if ep.pending else []
+        deltas.append(delta)
+        inputs.append(ep.engine_prefix + delta + pending)
+        ep.engine_prefix = []
         ep.history.append((obs_ids, []))
-        tries.append(_trie(fmt, ep.info["admissible_commands"]) if action_mode == "admissible" else None)
+        tries.append(_trie(fmt, ep.info["admissible_commands"], pending) if action_mode == "admissible" else None)
     t0 = time.perf_counter()
     if session is None:
-        gens = engine.generate(deltas, tries, max_action_tokens, temperature, greedy, seed)
+        gens = engine.generate(inputs, tries, max_action_tokens, temperature, greedy, seed)
     else:
-        gens = session.extend([ep.record.rollout_id for ep in batch], deltas, tries, max_action_tokens, temperature, greedy, seed)
+        gens = session.extend([ep.record.rollout_id for ep in batch], inputs, tries, max_action_tokens, temperature, greedy, seed)
     gen_s = (time.perf_counter() - t0) / len(batch)
     for ep, delta, gen, trie in zip(batch, deltas, gens, tries):
-        _step_env(ep, turn, delta, gen, fmt, gen_s, trie)
+        if ep.pending is not None:
+            gen = _join(ep.pending, gen)
+            ep.pending = None
+        _step_env(ep, len(ep.record.turns), delta, gen, fmt, gen_s, trie)
+
+
+def _join(prefix: Generation, rest: Generation) -> Generation:
+    """A branch's action: the parent's tokens up to the split, then the branch's own continuation."""
+    return Generation(prefix.token_ids + rest.token_ids, prefix.logprobs + rest.logprobs, prefix.entropy + rest.entropy,
+                      prefix.policy_mask + rest.policy_mask, prefix.allowed + rest.allowed, rest.finished)
 
 
 def _step_env(ep: _Live, turn: int, delta: list[int], gen: Generation, fmt: ChatFormat, gen_s: float, trie: TokenTrie | None) -> None:
@@ -161,5 +237,9 @@ def _step_env(ep: _Live, turn: int, delta: list[int], gen: Generation, fmt: Chat
         ep.record.status = "won" if info.get("won") else "done"
 
 
-def _trie(fmt: ChatFormat, commands: list[str]) -> TokenTrie:
-    return TokenTrie([fmt.command(c) for c in commands], commands)
+def _trie(fmt: ChatFormat, commands: list[str], prefix: list[int]) -> TokenTrie:
+    """The admissible commands as a trie, entered at the node after ``prefix`` (a branch's partial action)."""
+    trie = TokenTrie([fmt.command(c) for c in commands], commands)
+    for t in prefix:
+        trie.root = trie.root[t]
+    return trie

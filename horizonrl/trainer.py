@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -45,7 +46,7 @@ class UpdateResult:
 def policy_logprobs(model: torch.nn.Module, rows: list[TrainRow], temperature: float, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(a_t | s_t) and the entropy of pi(. | s_t) at every policy token of ``rows``, flat (n,)
     in row order. Each row is cut after its last policy token."""
-    lengths = [r.positions[-1] + 1 for r in rows]
+    lengths = [r.positions[-1] + 1 if r.positions else len(r.input_ids) for r in rows]
     ids = torch.full((len(rows), max(lengths)), pad_id, dtype=torch.long)
     attn = torch.zeros_like(ids)
     for i, r in enumerate(rows):
@@ -130,7 +131,7 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: l
     old = recompute_old_logprobs(model, rows, s)
     units = trajectory_units(rows)
     gen = torch.Generator().manual_seed(seed)
-    agg: dict[str, list[float]] = {k: [] for k in ("loss", "clip_frac", "approx_kl", "entropy", "grad_norm", "ratio_mean", "traj_kl")}
+    agg: dict[str, list[float]] = defaultdict(list)
     result, tokens, steps, stopped, t0 = UpdateResult(), 0, 0, False, time.perf_counter()
     model.train()
     for _ in range(s.epochs):
@@ -146,8 +147,9 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: l
                 result.nonfinite_steps += 1
                 continue
             steps += 1
-            for k in agg:
-                agg[k].append(step[k])
+            for k, v in step.items():
+                if k not in ("tokens", "finite"):
+                    agg[k].append(v)
         if stopped:
             break
     elapsed = time.perf_counter() - t0
@@ -189,6 +191,8 @@ def _minibatch_step(model, optimizer, rows: list[TrainRow], old: list[list[float
         out["approx_kl"] += terms.approx_kl * w
         out["ratio_mean"] += terms.ratio_mean * w
         out["entropy"] += float((ent * mask).sum()) / max(n_tok, 1)
+        for k, v in (terms.extra or {}).items():  # method-specific figures, e.g. APPO's mean_scale
+            out[k] = out.get(k, 0.0) + float(v) * w
     if abs(out["traj_kl"]) > s.high_kl_threshold:
         optimizer.zero_grad(set_to_none=True)
         return {**out, "finite": True, "grad_norm": 0.0}

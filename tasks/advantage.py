@@ -20,6 +20,10 @@ from tasks.context import RunContext
 from tasks.tracking import log_stage
 
 
+# Figures every estimator reports under the same name; the rest are logged as advantage/<method>/<name>.
+SHARED_FIGURES = {"zero_group_fraction", "kept_fraction", "adv_mean", "adv_abs_mean", "groups", "trajectories"}
+
+
 @dataclass(frozen=True)
 class AdvantageRef:
     iteration: int
@@ -70,6 +74,27 @@ def advantages(ctx: RunContext, iteration: int, rollouts: RolloutRef, policy: Ch
         tmp.replace(state_path)
     kept = table["keep"].to_numpy(zero_copy_only=False)
     stats.setdefault("kept_fraction", float(kept.mean()) if len(kept) else 0.0)
+    stats = {(k if k in SHARED_FIGURES else f"{cfg.method}/{k}"): v for k, v in stats.items()}
     log_stage(ctx, "advantage", stats, iteration, inputs={f"iter={iteration}/advantages-{cfg.method}": (str(path), digest)})
     get_run_logger().info("iteration %d advantage (%s): kept %.2f of rows", iteration, name, stats["kept_fraction"])
     return AdvantageRef(iteration, str(path), str(state_path) if state_path else None)
+
+
+@task(name="recompute-advantage", cache_policy=NONE)
+def recompute_iteration(iteration_dir: str, method: str, params: dict, state_in: dict | None) -> tuple[str, dict | None, dict[str, float]]:
+    """Advantages of ``method`` over one stored iteration, written next to the original rollouts as
+    ``advantages-<method>.parquet`` (other methods' tables are left alone). Returns (path, state, stats)."""
+    from horizonrl.config import METHODS
+
+    d = Path(iteration_dir)
+    name = METHODS[method].advantage if method in METHODS else method
+    entry = methods.ADVANTAGES.get(name)
+    episodes = store.read_table(d / "episodes.parquet", "episodes", columns=["policy_version"])
+    update_index = int(episodes["policy_version"][0].as_py()) if episodes.num_rows else 0
+    ref = RolloutRef(-1, str(d / "episodes.parquet"), str(d / "turns.parquet"))
+    table, state, stats = compute_advantages(ref, name, entry.params_cls(**params), state_in, update_index)
+    path = d / f"advantages-{method}.parquet"
+    store.write_table(table, path, "advantages")
+    if state is not None:
+        (d / f"estimator_state-{method}.json").write_text(json.dumps(state, sort_keys=True))
+    return str(path), state, stats

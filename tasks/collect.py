@@ -11,7 +11,10 @@ from prefect.cache_policies import NONE
 from horizonrl import store
 from horizonrl.checkpoint import CheckpointRef
 from horizonrl.evaluation import episode_metrics
-from horizonrl.rollout import collect
+from horizonrl.branching import plan_branches
+from horizonrl.evaluation import branch_metrics
+from horizonrl.rollout import collect, collect_branches
+from methods.appo import BranchingParams
 from horizonrl.runtime import sample_tasks
 from horizonrl.seeding import derive_seed
 from tasks.context import RUNTIME, RunContext
@@ -41,19 +44,31 @@ def collect_rollouts(ctx: RunContext, iteration: int, policy: CheckpointRef) -> 
         suite = RUNTIME.suite(cfg)
         pool = RUNTIME.task_pool(cfg, "train", cfg.env.train_pool)
         r = cfg.rollout
-        records = collect(
-            suite, sample_tasks(pool, r.tasks_per_iteration, cfg.seed, iteration), r.group_size, loaded.engine, loaded.fmt,
-            action_mode=r.action_mode, context=r.context, history_turns=r.history_turns,
-            max_turns=cfg.env.max_turns or suite.max_turns(cfg.env.tier), max_action_tokens=r.max_action_tokens,
-            temperature=r.temperature, seed=derive_seed(cfg.seed, "collect", iteration),
-        )
+        sampling = dict(action_mode=r.action_mode, context=r.context, history_turns=r.history_turns,
+                        max_turns=cfg.env.max_turns or suite.max_turns(cfg.env.tier), max_action_tokens=r.max_action_tokens,
+                        temperature=r.temperature, seed=derive_seed(cfg.seed, "collect", iteration))
+        records = collect(suite, sample_tasks(pool, r.tasks_per_iteration, cfg.seed, iteration), r.group_size, loaded.engine, loaded.fmt, **sampling)
+        if cfg.method == "appo":
+            records += _branches(ctx, records, loaded, suite, sampling, iteration)
         store.write_table(store.turns_table(records), ref.turns, "turns")
         store.write_table(store.episodes_table(records, cfg.run_name, iteration, policy.iteration), ref.episodes, "episodes")
     episodes = store.read_table(ref.episodes, "episodes")
     metrics = episode_metrics(episodes)
+    if cfg.method == "appo":
+        metrics.update(branch_metrics(episodes))
     timings = store.read_table(ref.turns, "turns", columns=["gen_s", "env_s"])
     metrics.update(gen_s=float(pc.sum(timings["gen_s"]).as_py() or 0.0), env_s=float(pc.sum(timings["env_s"]).as_py() or 0.0))
     inputs = {f"iter={iteration}/{name}": (path, store.file_digest(path)) for name, path in (("turns", ref.turns), ("episodes", ref.episodes))}
     log_stage(ctx, "collect", metrics, iteration, inputs=inputs)
     get_run_logger().info("iteration %d collect: success %.3f, mixed groups %.2f", iteration, metrics["success_rate"], metrics["mixed_group_fraction"])
     return ref
+
+
+def _branches(ctx: RunContext, initial: list, loaded, suite, sampling: dict, iteration: int) -> list:
+    """APPO: plan branch points over the initial rollouts and play the branches in one batch."""
+    cfg = ctx.cfg
+    budget = cfg.rollout.branch_budget or cfg.rollout.group_size
+    starts, _, stats = plan_branches(initial, budget, BranchingParams(), loaded.tokenizer)
+    branches = collect_branches(suite, starts, loaded.engine, loaded.fmt, first_rollout_id=len(initial), **sampling)
+    log_stage(ctx, "collect/appo", stats, iteration)
+    return branches

@@ -64,6 +64,9 @@ def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
     tracking.log_metrics(c, ctx.mlflow_run_id, "summary", summary, policy.iteration)
     mlflow.set_tracking_uri(ctx.tracking_uri)
     with mlflow.start_run(run_id=ctx.mlflow_run_id):
+        state_file = Path(policy.path) / "estimator_state.json"
+        if state_file.is_file():  # BLPO memory: load with methods.state_from_json, inspect with .records()
+            mlflow.log_artifact(str(state_file), artifact_path="estimator_state")
         mlflow.pyfunc.log_model(name="policy", python_model=PolicyModel(), artifacts={"policy": policy.path}, pip_requirements=["torch", "transformers", "safetensors"])
     c.set_terminated(ctx.mlflow_run_id, "FINISHED")
     get_run_logger().info("run %s finished: held-out success %.3f -> %.3f", ctx.cfg.run_name, first, last)

@@ -153,6 +153,26 @@ def test_engine_logprobs_equal_learner_logprobs_on_rebuilt_rows(tiny_policy, hou
     assert entropy.tolist() == pytest.approx(gen_entropy, abs=TOL)
 
 
+@pytest.mark.parametrize("admissible", [True, False])
+def test_session_turns_equal_fresh_generation_on_the_whole_sequence(tiny_policy, household_suite, admissible):
+    """A session fed only new ids per turn, with slots dropped and reordered, samples (greedy) what a
+    fresh ``generate`` on the whole sequence samples, with log-probs within 1e-4."""
+    _, _, fmt, engine = tiny_policy
+    prompts, commands = _prompts(tiny_policy, household_suite)
+    trie = lambda cs: TokenTrie([fmt.command(c) for c in cs], cs) if admissible else None
+    session, seq = engine.session(), {}
+    schedule = [([10, 11, 12], prompts), ([12, 10], [fmt.user("nothing happens ."), fmt.user("you see nothing .")]), ([10], [fmt.user("ok .")])]
+    for slots, new_ids in schedule:
+        tries = [trie(commands[s - 10]) for s in slots]
+        gens = session.extend(slots, new_ids, tries, 5, 0.7, True, 0)
+        for s, ids, t, g in zip(slots, new_ids, tries, gens):
+            seq[s] = seq.get(s, []) + ids  # the session's sequence: everything sent to the slot and sampled
+            fresh = engine.generate([seq[s]], [t], 5, 0.7, True, 0)[0]
+            assert g.token_ids == fresh.token_ids and g.policy_mask == fresh.policy_mask and g.allowed == fresh.allowed
+            assert g.logprobs == pytest.approx(fresh.logprobs, abs=TOL)
+            seq[s] += g.token_ids
+
+
 def test_generate_restores_the_training_flag(tiny_policy, household_suite):
     model, _, _, engine = tiny_policy
     prompts, _ = _prompts(tiny_policy, household_suite, 2)

@@ -62,7 +62,7 @@ def _play(tiny_policy, household_suite, context: str, action_mode: str, max_acti
         # the episodes still running at this turn, in rollout order (the order collect batches them)
         running = [r.rollout_id for r in records if len(r.turns) > turn]
         assert len(running) == len(call)
-        keys = running if context == "full" else range(len(running))  # session slots are rollout ids
+        keys = running if set(call) == set(running) else range(len(running))  # session slots are rollout ids
         seen.update({(rid, turn): call[k] for rid, k in zip(running, keys)})
     assert len(seen) == sum(len(r.turns) for r in records)
     gens = [g for _, g in seen.values()]

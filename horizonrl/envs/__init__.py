@@ -1,11 +1,16 @@
 """Environment suites by name. Factories import their module lazily, so an optional package
-(TextWorld, ScienceWorld) is needed only when its suite is used."""
+(TextWorld, ScienceWorld, ALFWorld, WebShop, AppWorld) is needed only when its suite is used.
+
+``textworld-coin|treasure|cooking``: TextWorld challenge games (tier: easy/medium/hard, ``level7``, or a
+cooking spec); ``scienceworld-<task>`` for each of ScienceWorld's 30 tasks (tier: easy/medium/hard or
+simplifications); ``alfworld``, ``webshop``, ``appworld``: adapters to the installed benchmarks."""
 
 from __future__ import annotations
 
 from typing import Callable
 
 from horizonrl.envs.base import Env, EnvSuite, Task
+from horizonrl.envs.scienceworld_env import TASK_NAMES as SCIENCEWORLD_TASKS  # a name list; imports no scienceworld
 
 
 def _household(seed: int) -> EnvSuite:
@@ -14,7 +19,39 @@ def _household(seed: int) -> EnvSuite:
     return HouseholdSuite(seed=seed)
 
 
-SUITES: dict[str, Callable[[int], EnvSuite]] = {"household": _household}
+def _textworld(name: str) -> Callable[[int], EnvSuite]:
+    def factory(seed: int) -> EnvSuite:
+        from horizonrl.envs.textworld_env import TextWorldSuite
+
+        return TextWorldSuite(name, seed=seed)
+
+    return factory
+
+
+def _scienceworld(task_name: str) -> Callable[[int], EnvSuite]:
+    def factory(seed: int) -> EnvSuite:
+        from horizonrl.envs.scienceworld_env import ScienceWorldSuite
+
+        return ScienceWorldSuite(task_name, seed=seed)
+
+    return factory
+
+
+def _adapter(name: str) -> Callable[[int], EnvSuite]:
+    def factory(seed: int) -> EnvSuite:
+        from horizonrl.envs.adapters import ADAPTERS
+
+        return ADAPTERS[name](seed=seed)
+
+    return factory
+
+
+SUITES: dict[str, Callable[[int], EnvSuite]] = {
+    "household": _household,
+    **{name: _textworld(name) for name in ("textworld-coin", "textworld-treasure", "textworld-cooking")},
+    **{f"scienceworld-{task}": _scienceworld(task) for task in SCIENCEWORLD_TASKS},
+    **{name: _adapter(name) for name in ("alfworld", "webshop", "appworld")},
+}
 
 
 def make_suite(name: str, seed: int = 0) -> EnvSuite:

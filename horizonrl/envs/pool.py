@@ -1,0 +1,315 @@
+"""Episodes stepped in worker processes, so a batch waits on its slowest worker, not on the sum.
+
+``EnvPool(suite, seed, n_workers)`` starts ``n_workers`` processes (``spawn``: a fresh interpreter, no
+fork of a parent that holds torch or JVM threads, and no helper process left behind). Each builds the
+suite once (``make_suite(name, seed)``, or ``factory(seed)`` for a picklable factory) and keeps its
+environments between batches, so JVMs and loaded games stay warm.
+
+Episode slot ``i`` (the i-th task of ``reset_many``) lives on worker ``i % n_workers``. A worker plays
+its share of a batch one episode after another and streams each result back as soon as it has it; the
+parent waits on all workers at once.
+
+Failures end one episode, not the batch:
+
+* an environment that raises: that episode ends (``done=True``, ``info["error"]`` set);
+* an environment that crashes its worker or runs past the timeout: that episode ends as an error, the
+  worker is killed and restarted, and the worker's other episodes are rebuilt on the new worker by
+  replaying their tasks and actions (environments replay deterministically);
+* a worker found dead between batches: restarted, all its episodes rebuilt, no episode lost.
+
+``close()`` stops every worker (killing any that does not exit), and with it their environments'
+JVMs or games.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Mapping, Sequence
+
+from horizonrl.envs.base import EnvSuite, Task
+
+SuiteRef = str | Callable[[int], EnvSuite]
+StepResult = tuple[str, float, bool, dict[str, Any]]
+
+
+@dataclass
+class _Episode:
+    """The parent's record of one slot: enough to rebuild it by replay, and its last info."""
+
+    task: Task
+    actions: list[str] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+
+@dataclass
+class _Worker:
+    process: Any
+    conn: Connection
+
+
+class EnvPool:
+    """Parallel episodes of one suite, addressed by slot (the index of their task in ``reset_many``)."""
+
+    def __init__(self, suite: SuiteRef, seed: int = 0, n_workers: int = 2, *, step_timeout_s: float = 60.0,
+                 reset_timeout_s: float = 600.0, start_method: str = "spawn") -> None:
+        self.suite, self.seed = suite, seed
+        self.step_timeout_s, self.reset_timeout_s = step_timeout_s, reset_timeout_s
+        self._context = multiprocessing.get_context(start_method)
+        self._workers = [self._start() for _ in range(n_workers)]
+        self._episodes: dict[int, _Episode] = {}
+        self.restarts = 0
+
+    def reset_many(self, tasks: Sequence[Task]) -> list[tuple[str, dict[str, Any]]]:
+        """End every running episode and start one per task; slot i plays tasks[i]."""
+        self._episodes = {slot: _Episode(task) for slot, task in enumerate(tasks)}
+        self._revive_idle()
+        for w in range(len(self._workers)):
+            self._send(w, "release", [])
+        results = self._dispatch("reset", {slot: ep.task for slot, ep in self._episodes.items()}, self.reset_timeout_s)
+        out = []
+        for slot in range(len(tasks)):
+            ok, value = results[slot]
+            out.append(value if ok else ("", self._fail(slot, value)))
+        return out
+
+    def step_many(self, actions: Mapping[int, str]) -> dict[int, StepResult]:
+        """Play ``actions[slot]`` in each slot; ``info["abstract_action"]`` labels it (before it was played)."""
+        self._revive_idle()
+        live = {slot: a for slot, a in actions.items() if not self._episodes[slot].error}
+        results = self._dispatch("step", live, self.step_timeout_s)
+        out: dict[int, StepResult] = {}
+        for slot in actions:
+            ok, value = results.get(slot, (False, self._episodes[slot].error))
+            out[slot] = value if ok else ("", 0.0, True, self._fail(slot, value))
+        return out
+
+    def abstract_action_many(self, actions: Mapping[int, str]) -> dict[int, str]:
+        """``env.abstract_action`` of each slot's candidate action, without playing it."""
+        self._revive_idle()
+        live = {slot: a for slot, a in actions.items() if not self._episodes[slot].error}
+        results = self._dispatch("abstract", live, self.step_timeout_s)
+        out = {}
+        for slot in actions:
+            ok, value = results.get(slot, (False, self._episodes[slot].error))
+            out[slot] = value if ok else "OTHER"
+            if not ok:
+                self._fail(slot, value)
+        return out
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.process.pid for w in self._workers]
+
+    def close(self) -> None:
+        """Stop every worker: ask, wait, then kill; afterwards no worker process is left."""
+        for w in range(len(self._workers)):
+            try:
+                self._send(w, "close", [])
+            except OSError:
+                pass
+        for worker in self._workers:
+            worker.process.join(timeout=15)
+            _kill(worker)
+        self._workers = []
+
+    def __enter__(self) -> EnvPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_workers", None):
+            try:
+                self.close()
+            except Exception:
+                pass
+
+    def _dispatch(self, op: str, items: Mapping[int, Any], timeout_s: float) -> dict[int, tuple[bool, Any]]:
+        """Send each worker its share of ``items`` and gather one result per slot, handling failures."""
+        n = len(self._workers)
+        queues = {w: deque(s for s in items if s % n == w) for w in range(n)}
+        for w, queue in queues.items():
+            if queue:
+                self._send(w, op, [(s, items[s]) for s in queue])
+        deadlines = {w: time.monotonic() + timeout_s for w in queues}
+        results: dict[int, tuple[bool, Any]] = {}
+        while any(queues.values()):
+            waiting = {self._workers[w].conn: w for w, q in queues.items() if q}
+            left = min(deadlines[w] for w in waiting.values()) - time.monotonic()
+            for conn in wait(list(waiting), timeout=max(0.0, left)):
+                w = waiting[conn]
+                try:
+                    slot, ok, value = conn.recv()
+                except (EOFError, OSError):
+                    self._recover(w, queues[w], op, items, results, "worker process died")
+                else:
+                    queues[w].popleft()
+                    results[slot] = (ok, value)
+                    self._record(op, slot, items[slot], ok, value)
+                deadlines[w] = time.monotonic() + timeout_s
+            for w in [w for w in waiting.values() if queues[w] and time.monotonic() > deadlines[w]]:
+                self._recover(w, queues[w], op, items, results, f"no answer within {timeout_s:g} s")
+                deadlines[w] = time.monotonic() + timeout_s
+        return results
+
+    def _record(self, op: str, slot: int, payload: Any, ok: bool, value: Any) -> None:
+        """What a rebuild needs, kept as results arrive: the action played, the last info, an error."""
+        if not ok:
+            self._episodes[slot].error = value
+        elif op == "step":
+            self._episodes[slot].actions.append(payload)
+        if ok and op in ("reset", "step", "restore"):
+            self._episodes[slot].info = value[-1]
+
+    def _recover(self, w: int, queue: deque, op: str, items: Mapping[int, Any],
+                 results: dict[int, tuple[bool, Any]], why: str) -> None:
+        """Blame the slot in progress, restart worker ``w``, rebuild its other episodes, resend the rest."""
+        culprit = queue.popleft()
+        results[culprit] = (False, f"{op} failed: {why}")
+        self._episodes[culprit].error = results[culprit][1]
+        self._restart(w)
+        if queue:
+            self._send(w, op, [(s, items[s]) for s in queue])
+
+    def _restart(self, w: int) -> None:
+        """Replace worker ``w`` and replay its live episodes onto the new one (errors end them)."""
+        _kill(self._workers[w])
+        self._workers[w] = self._start()
+        self.restarts += 1
+        n = len(self._workers)
+        live = [s for s, ep in self._episodes.items() if s % n == w and not ep.error and ep.info]
+        if not live:
+            return
+        self._send(w, "restore", [(s, (self._episodes[s].task, self._episodes[s].actions)) for s in live])
+        deadline = time.monotonic() + self.reset_timeout_s
+        for i, slot in enumerate(live):
+            ok, value = self._receive(w, deadline)
+            if ok:
+                self._record("restore", slot, None, ok, value)
+                continue
+            for lost in live[i:]:
+                self._episodes[lost].error = f"lost with its worker: {value}"
+            _kill(self._workers[w])
+            self._workers[w] = self._start()
+            return
+
+    def _receive(self, w: int, deadline: float) -> tuple[bool, Any]:
+        """One (ok, value) from worker ``w`` by ``deadline``; a timeout or a dead worker is a failure."""
+        conn = self._workers[w].conn
+        try:
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                return False, "restore timed out"
+            _, ok, value = conn.recv()
+        except (EOFError, OSError):
+            return False, "worker process died while restoring"
+        return ok, value
+
+    def _revive_idle(self) -> None:
+        """Restart any worker that died between batches; its episodes are rebuilt, none is lost."""
+        for w, worker in enumerate(self._workers):
+            if not worker.process.is_alive():
+                self._restart(w)
+
+    def _fail(self, slot: int, why: str) -> dict[str, Any]:
+        """The info of an episode ended by an error: its last progress, no commands, ``error`` set."""
+        episode = self._episodes[slot]
+        episode.error = episode.error or why
+        return {**episode.info, "won": False, "admissible_commands": [], "valid": False, "error": episode.error}
+
+    def _start(self) -> _Worker:
+        parent, child = self._context.Pipe()
+        process = self._context.Process(target=serve, args=(child, self.suite, self.seed), daemon=True)
+        process.start()
+        child.close()
+        return _Worker(process, parent)
+
+    def _send(self, w: int, op: str, items: list[tuple[int, Any]]) -> None:
+        try:
+            self._workers[w].conn.send((op, items))
+        except OSError:
+            pass  # a dead worker: the receive side reports it
+
+
+def _kill(worker: _Worker) -> None:
+    if worker.process.is_alive():
+        worker.process.kill()
+    worker.process.join(timeout=15)
+    worker.conn.close()
+
+
+def serve(conn: Connection, suite_ref: SuiteRef, seed: int) -> None:
+    """Worker loop: build the suite, then answer (op, [(slot, payload), ...]) one result per slot."""
+    _die_with_parent()
+    from horizonrl.envs import make_suite
+
+    suite = make_suite(suite_ref, seed) if isinstance(suite_ref, str) else suite_ref(seed)
+    envs: dict[int, Any] = {}
+    spare: list[Any] = []
+    while True:
+        try:
+            op, items = conn.recv()
+        except (EOFError, OSError):
+            break
+        if op == "close":
+            break
+        if op == "release":
+            spare += envs.values()
+            envs.clear()
+        for slot, payload in items:
+            try:
+                if slot not in envs:
+                    envs[slot] = spare.pop() if spare else suite.make()
+                conn.send((slot, True, _OPS[op](envs[slot], payload)))
+            except Exception:
+                conn.send((slot, False, traceback.format_exc(limit=3)))
+                _close_quietly(envs.pop(slot, None))
+    for env in [*envs.values(), *spare]:
+        _close_quietly(env)
+
+
+def _step(env: Any, action: str) -> StepResult:
+    label = env.abstract_action(action)
+    obs, reward, done, info = env.step(action)
+    return obs, float(reward), bool(done), {**info, "abstract_action": label}
+
+
+def _restore(env: Any, payload: tuple[Task, list[str]]) -> tuple[str, dict[str, Any]]:
+    task, actions = payload
+    obs, info = env.reset(task)
+    for action in actions:
+        obs, _, _, info = env.step(action)
+    return obs, info
+
+
+_OPS: dict[str, Callable[[Any, Any], Any]] = {
+    "reset": lambda env, task: env.reset(task),
+    "step": _step,
+    "abstract": lambda env, action: env.abstract_action(action),
+    "restore": _restore,
+}
+
+
+def _close_quietly(env: Any) -> None:
+    try:
+        if env is not None:
+            env.close()
+    except Exception:
+        pass
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this worker when its parent dies, even if it is stuck inside an environment."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
