@@ -10,6 +10,8 @@ import sys
 def _env_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Prefect's temporary API server needs ~19 s on a fresh 2-core machine; its default wait is 20 s.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
 def main(argv: list[str] | None = None) -> int:

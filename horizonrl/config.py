@@ -2,7 +2,9 @@
 
 Defaults live only here. Loading names any bad field (pydantic's error path, e.g. ``update.lr``).
 A *method* (``loop``, ``grpo``, ...) is a preset: an advantage estimator, a policy loss and the loss
-settings that the method's paper or code uses (ALGORITHMS.md 1.7, 2.10, 3.8, 4). ``advantage_params``
+settings that the method's paper or code uses (ALGORITHMS.md 1.7, 2.10, 3.8, 4): LOOP has no KL term;
+GRPO and APPO a low-variance KL loss of 0.001 to the initial policy, GiGPO and BLPO 0.01 (BLPO's actor
+settings are an assumption, ALGORITHMS.md 6.1). ``advantage_params``
 and ``loss_params`` override single fields of those presets and are checked against the estimator's and
 loss's params dataclasses.
 """
@@ -39,11 +41,11 @@ class MethodPreset:
 METHODS: dict[str, MethodPreset] = {
     "loop": MethodPreset("loo", "ppo_clip", {"clip_mode": "loop", "eps": 0.1, "aggregation": "seq-mean-token-mean"}, 2, 2, True),
     "rloo": MethodPreset("rloo", "ppo_clip", {"clip_mode": "asymmetric", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0, "aggregation": "token-mean"}, 2, 1, False),
-    "grpo": MethodPreset("grpo", "ppo_clip", {"clip_mode": "asymmetric", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0, "aggregation": "token-mean"}, 2, 1, False),
+    "grpo": MethodPreset("grpo", "ppo_clip", {"clip_mode": "asymmetric", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0, "aggregation": "token-mean", "kl_coef": 0.001}, 2, 1, False),
     "drgrpo": MethodPreset("drgrpo", "ppo_clip", {"clip_mode": "asymmetric", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0, "aggregation": "seq-mean-token-sum-norm"}, 2, 1, False),
-    "gigpo": MethodPreset("gigpo", "ppo_clip", {"clip_mode": "asymmetric", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0, "aggregation": "token-mean"}, 2, 1, False),
-    "blpo": MethodPreset("blpo", "ppo_clip", {"clip_mode": "asymmetric", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0, "aggregation": "token-mean"}, 1, 1, False),
-    "appo": MethodPreset("appo", "appo_future_kl", {}, 2, 1, False),
+    "gigpo": MethodPreset("gigpo", "ppo_clip", {"clip_mode": "asymmetric", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0, "aggregation": "token-mean", "kl_coef": 0.01}, 2, 1, False),
+    "blpo": MethodPreset("blpo", "ppo_clip", {"clip_mode": "asymmetric", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0, "aggregation": "token-mean", "kl_coef": 0.01}, 1, 1, False),
+    "appo": MethodPreset("appo", "appo_future_kl", {"kl_coef": 0.001}, 2, 1, False),
 }
 
 

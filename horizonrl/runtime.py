@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from horizonrl.checkpoint import CheckpointRef, load_optimizer_state
+from horizonrl.checkpoint import CheckpointRef, checkpoint_dir, load_optimizer_state
 from horizonrl.config import TrainConfig
 from horizonrl.engines.hf import TransformersEngine
 from horizonrl.envs import EnvSuite, make_suite
@@ -39,6 +39,7 @@ class PolicyRuntime:
         self.current: Loaded | None = None
         self._suites: dict[tuple[str, int], EnvSuite] = {}
         self._pools: dict[tuple, list] = {}
+        self._reference: torch.nn.Module | None = None
 
     def suite(self, cfg: TrainConfig) -> EnvSuite:
         key = (cfg.env.name, cfg.env.suite_seed)
@@ -71,6 +72,13 @@ class PolicyRuntime:
         load_optimizer_state(ref, optimizer)
         self.current = Loaded(ref, model, tokenizer, fmt, engine, optimizer)
         return self.current
+
+    def reference(self, cfg: TrainConfig, run_dir: Path) -> torch.nn.Module:
+        """The frozen initial policy (checkpoint 0) for KL-to-reference losses; loaded once."""
+        if self._reference is None:
+            model, _ = load_policy(checkpoint_dir(run_dir, 0))
+            self._reference = model.eval().requires_grad_(False)
+        return self._reference
 
     def advance(self, ref: CheckpointRef) -> None:
         """The in-memory model now is checkpoint ``ref`` (just saved by the update)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -130,6 +131,21 @@ def read_table(path: str | Path, kind: str, columns: list[str] | None = None) ->
         return pq.read_table(path, columns=columns)
     except (pa.ArrowInvalid, OSError) as err:
         raise StoreError(f"{path}: not a readable Parquet file (truncated or corrupt): {err}") from err
+
+
+def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
+    """Delete temporary files and folders (``.<name>.tmp-<pid>``) left by a writer that was killed.
+
+    Call only when no other process writes this run (a run name is resumed by one process at a time).
+    """
+    removed = []
+    for p in sorted(Path(run_dir).rglob(".*.tmp-*")):
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
 
 
 def file_digest(path: str | Path) -> str:

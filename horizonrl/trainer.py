@@ -126,8 +126,10 @@ def recompute_old_logprobs(model: torch.nn.Module, rows: list[TrainRow], s: Upda
     return old
 
 
-def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: list[TrainRow], s: UpdateSettings, seed: int) -> UpdateResult:
-    """Epochs of minibatch PPO over the trajectories of ``rows``; pi_old is frozen for the whole call."""
+def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: list[TrainRow], s: UpdateSettings, seed: int, ref_model: torch.nn.Module | None = None) -> UpdateResult:
+    """Epochs of minibatch PPO over the trajectories of ``rows``; pi_old is frozen for the whole call.
+
+    ``ref_model`` (frozen initial policy) is needed only by losses with a KL-to-reference term."""
     old = recompute_old_logprobs(model, rows, s)
     units = trajectory_units(rows)
     gen = torch.Generator().manual_seed(seed)
@@ -138,7 +140,7 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: l
         perm = torch.randperm(len(units), generator=gen).tolist()
         for start in range(0, len(perm), s.minibatch_size):
             mb = [units[k] for k in perm[start : start + s.minibatch_size]]
-            step = _minibatch_step(model, optimizer, rows, old, mb, s)
+            step = _minibatch_step(model, optimizer, rows, old, mb, s, ref_model)
             tokens += step["tokens"]
             if abs(step["traj_kl"]) > s.high_kl_threshold:
                 stopped = True
@@ -159,7 +161,7 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: l
     return result
 
 
-def _minibatch_step(model, optimizer, rows: list[TrainRow], old: list[list[float]], mb: list[list[int]], s: UpdateSettings) -> dict[str, float]:
+def _minibatch_step(model, optimizer, rows: list[TrainRow], old: list[list[float]], mb: list[list[int]], s: UpdateSettings, ref_model) -> dict[str, float]:
     """Forward/backward over micro-batches of whole trajectories, then one clipped AdamW step.
 
     The step is skipped (not taken) when the pre-step trajectory KL exceeds the threshold or any loss
@@ -181,7 +183,11 @@ def _minibatch_step(model, optimizer, rows: list[TrainRow], old: list[list[float
         old_lp = _unit_lists(micro, lambda i: old[i], torch.float32)
         adv = _unit_lists(micro, lambda i: rows[i].adv, torch.float32)
         turn_id = _unit_lists(micro, lambda i: rows[i].turn_id, torch.long).masked_fill(~mask, -1)
-        terms = loss_fn(logp, old_lp, adv, mask, turn_id, s.loss_params, n_rows_div=row_div, n_tokens_div=n_terms)
+        ref_lp = None
+        if ref_model is not None:
+            with torch.no_grad():
+                ref_lp, _ = _unit_tensors(local, sub, policy_logprobs(ref_model, sub, s.temperature, s.pad_id)[0])
+        terms = loss_fn(logp, old_lp, adv, mask, turn_id, s.loss_params, ref_logp=ref_lp, n_rows_div=row_div, n_tokens_div=n_terms)
         terms.loss.backward()
         w = float(mask.sum()) / max(n_tok, 1)
         out["loss"] += float(terms.loss.detach())

@@ -58,3 +58,17 @@ def aggregate(
         norm = float(max_len_norm) if max_len_norm is not None else float(loss_tok.shape[1])
         return masked.sum() / (rows * norm)
     raise ValueError(f"unknown loss aggregation {mode!r}; known: {', '.join(AGGREGATIONS)}")
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL estimate to the reference policy, (B, T) → (B, T) (verl ``kl_penalty``).
+
+    ``low_var_kl`` (k3): r = ref − logp, clamp(e^r − r − 1, −10, 10); ``k1``: logp − ref;
+    ``mse`` (k2): ½ (logp − ref)².
+    """
+    if kind == "k1":
+        return logp - ref_logp
+    if kind == "mse":
+        return 0.5 * (logp - ref_logp).square()
+    log_ratio = (ref_logp - logp).clamp(min=-20.0, max=20.0)
+    return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(min=-10.0, max=10.0)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from methods.aggregation import AGGREGATIONS, LossTerms, aggregate
+from methods.aggregation import AGGREGATIONS, LossTerms, aggregate, kl_penalty
 from methods.registry import LOSSES
 
 KL_KINDS = ("low_var_kl", "k1", "mse")  # the names methods/losses.py uses
@@ -116,20 +116,6 @@ def influence_factor(
         f = raw.clamp(max=10.0)  # the released code's branch for future_kl_clip_ratio = 0
     unsafe = (adv < 0) & (ratio.detach() > params.safety_thresh)
     return torch.where(unsafe, f.clamp(min=0.8, max=1.0), f)
-
-
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL estimate to the reference policy, (B, T) → (B, T) (verl ``kl_penalty``).
-
-    ``low_var_kl`` (k3): r = ref − logp, clamp(e^r − r − 1, −10, 10); ``k1``: logp − ref;
-    ``mse`` (k2): ½ (logp − ref)².
-    """
-    if kind == "k1":
-        return logp - ref_logp
-    if kind == "mse":
-        return 0.5 * (logp - ref_logp).square()
-    log_ratio = (ref_logp - logp).clamp(min=-20.0, max=20.0)
-    return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(min=-10.0, max=10.0)
 
 
 def dual_clip_surrogate(

@@ -16,11 +16,10 @@ from typing import Literal
 
 import torch
 
-from methods.aggregation import AGGREGATIONS, LossTerms, aggregate
+from methods.aggregation import AGGREGATIONS, LossTerms, aggregate, kl_penalty
 from methods.registry import LOSSES
 
 LOG_RATIO_CLAMP = 20.0  # |log ρ| bound before exp
-KL_REF_CLAMP = 10.0  # verl's clamp on the low_var_kl value
 
 
 @dataclass(frozen=True)
@@ -57,17 +56,6 @@ def _clip_range(params: PPOLossParams) -> tuple[float, float]:
     if params.clip_mode == "loop":
         return 1.0 / (1.0 + params.eps), 1.0 + params.eps
     return 1.0 - params.eps_low, 1.0 + params.eps_high
-
-
-def _kl_to_ref(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL(π_θ ‖ π_ref) estimate, (B, T) (verl ``kl_penalty``)."""
-    if kind == "k1":
-        return logp - ref_logp
-    if kind == "mse":
-        return 0.5 * (logp - ref_logp).square()
-    log_ratio_ref = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1.0  # low_var_kl (k3)
-    return kl.clamp(-KL_REF_CLAMP, KL_REF_CLAMP)
 
 
 def _segment_index(mask: torch.Tensor, turn_id: torch.Tensor, ratio_level: str) -> tuple[torch.Tensor, int]:
@@ -190,7 +178,7 @@ def ppo_clip(
     }
     if ref_logp is not None:
         ref_m = torch.where(mask, ref_logp.to(dtype), 0.0)
-        tok["kl"] = torch.where(mask, _kl_to_ref(logp_m, ref_m, params.kl_kind), 0.0)
+        tok["kl"] = torch.where(mask, kl_penalty(logp_m, ref_m, params.kl_kind), 0.0)
     terms, term_mask = _loss_terms(tok, mask, turn_id, params.ratio_level)
     out = _surrogate(terms, params)
     term_loss = out["loss"] + params.kl_coef * terms["kl"] if "kl" in terms else out["loss"]

@@ -10,6 +10,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from horizonrl import tracking
+from horizonrl.store import remove_stale_temporaries
 from horizonrl.checkpoint import CheckpointRef, latest_checkpoint, read_state, save_checkpoint
 from horizonrl.config import TrainConfig
 from horizonrl.models import load_policy
@@ -30,6 +31,8 @@ def start_run(cfg: TrainConfig) -> RunStart:
     """Resume after the last completed iteration if this run name has a checkpoint, else start fresh."""
     run_dir = Path(cfg.data_dir) / cfg.experiment / cfg.run_name
     run_dir.mkdir(parents=True, exist_ok=True)
+    for p in remove_stale_temporaries(run_dir):
+        get_run_logger().warning("removed a partial file left by an interrupted run: %s", p)
     uri = tracking.tracking_uri(cfg.tracking_uri)
     c = tracking.client(uri)
     tags = {"method": cfg.method, "env": cfg.env.name, "tier": cfg.env.tier, "seed": str(cfg.seed), "git_commit": tracking.git_commit()}

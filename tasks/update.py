@@ -40,7 +40,9 @@ def update(ctx: RunContext, iteration: int, rollouts: RolloutRef, adv: Advantage
     loaded = RUNTIME.get(cfg, policy)
     try:
         rows = attach_advantages(train_rows(store.read_table(rollouts.turns, "turns"), cfg.rollout.context), store.read_table(adv.table, "advantages"))
-        result = ppo_update(loaded.model, loaded.optimizer, rows, settings(ctx, loaded.tokenizer.pad_token_id), derive_seed(cfg.seed, "update", iteration)) if rows else None
+        s = settings(ctx, loaded.tokenizer.pad_token_id)
+        ref_model = RUNTIME.reference(cfg, ctx.path) if getattr(s.loss_params, "kl_coef", 0.0) > 0 else None
+        result = ppo_update(loaded.model, loaded.optimizer, rows, s, derive_seed(cfg.seed, "update", iteration), ref_model) if rows else None
         prev = read_state(policy)
         nonfinite = prev.get("nonfinite_steps", 0) + (result.nonfinite_steps if result else 0)
         if nonfinite > cfg.update.max_nan_skips:

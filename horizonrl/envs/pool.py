@@ -24,6 +24,8 @@ JVMs or games.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import threading
 import time
 import traceback
 from collections import deque
@@ -305,11 +307,14 @@ def _close_quietly(env: Any) -> None:
 
 
 def _die_with_parent() -> None:
-    """Linux: SIGKILL this worker when its parent dies, even if it is stuck inside an environment."""
-    try:
-        import ctypes
-        import signal
+    """Exit this worker once its parent process is gone, even if an environment hangs: a daemon thread
+    watches the parent pid (PR_SET_PDEATHSIG would fire when the *thread* that started the worker ends,
+    and Prefect runs tasks in threads)."""
+    parent = os.getppid()
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()

@@ -23,12 +23,12 @@ STOP_WORDS = frozenset(
     "can could should must may might up out off over under again once first next after before all any some "
     "each what which who how when where why thing things something ok okay good got that's it's".split()
 )
-_PUNCTUATION = re.compile(r"""([.,!?;:()"\[\]])""")
+_PUNCTUATION = re.compile(r"""((?<!\d)[.,]|[.,](?!\d)|[!?;:()"\[\]])""")  # '30.00' and '1,000' stay whole
 _WORD = re.compile(r"[a-z0-9][a-z0-9'-]*")
 
 
 def tidy(text: str) -> str:
-    """Space punctuation off words, collapse blanks inside lines, drop empty lines."""
+    """Space punctuation off words (not the point of '19.99'), collapse blanks inside lines, drop empty lines."""
     lines = (" ".join(_PUNCTUATION.sub(r" \1 ", line).split()) for line in text.splitlines())
     return "\n".join(line for line in lines if line)
 

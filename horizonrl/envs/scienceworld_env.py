@@ -10,12 +10,14 @@ doors and containers), ``hard`` (none, the paper's setting), or an explicit list
 The simulator is Scala behind py4j. ``scienceworld`` 1.2.3 launches its JVM with no options, so
 ``JvmHost`` launches it through py4j's ``launch_gateway(javaopts=...)`` with ``-Xmx384m
 -XX:+UseSerialGC`` and ``die_on_exit`` (the JVM exits when this process's stdin pipe to it closes,
-even if the process is killed). One JVM hosts up to 16 simulator objects (``PythonInterface``;
-measured: about 10 MB of heap each, 34 exhaust a 384 MB heap); the host starts another JVM when the
-running ones are full and stops a JVM when its last simulator is released, so no JVM outlives the
-environments using it. Steps go through the benchmark's own ``ScienceWorldEnv.step``, whose
-``info["valid"]`` lists the valid action-object combinations (about 30 ms a step); the full
-enumeration ``get_possible_action_object_combinations`` is never called.
+even if the process is killed), and stops it when its environment closes. One JVM could host several
+simulator objects (``PythonInterface``, about 10 MB of heap each), but they share one random stream
+that every ``load`` reseeds: an episode loaded after another changes the other's dynamics (measured),
+which breaks replay. So each environment gets its own JVM (``SIMULATORS_PER_JVM = 1``; measured
+about 0.23 GB resident each); ``JvmHost(per_jvm=n)`` trades that determinism for memory. Steps go
+through the benchmark's own ``ScienceWorldEnv.step``, whose ``info["valid"]`` lists the valid
+action-object combinations (26-29 ms a step on an idle core); the full enumeration
+``get_possible_action_object_combinations`` is never called.
 
 Score is ScienceWorld's 0-100 sub-goal score (negative when the task failed, e.g. focusing on the
 wrong object); ``info["score"] = max(score, 0) / 100``, won iff score reaches 100, reward 1 on that
@@ -50,7 +52,7 @@ SPLITS = ("train", "dev", "test")
 TIERS = {"easy": ("easy", 60), "medium": ("openDoors,openContainers", 80), "hard": ("", 100)}
 SIMPLIFICATIONS = ("teleportAction", "selfWateringFlowerPots", "openContainers", "openDoors", "noElectricalAction")
 JVM_OPTIONS = ("-Xmx384m", "-XX:+UseSerialGC")
-SIMULATORS_PER_JVM = 16
+SIMULATORS_PER_JVM = 1  # simulators sharing a JVM share its random stream (see above)
 STEP_LIMIT = 100_000  # the benchmark's own step limit ends episodes; horizons are the caller's (max_turns)
 VERBS = ("open", "close", "activate", "deactivate", "connect", "disconnect", "dunk", "eat", "flush", "focus on",
          "go to", "look around", "look at", "look in", "mix", "move", "pick up", "pour", "put down", "read",
@@ -77,7 +79,10 @@ class _Jvm:
 
 
 class JvmHost:
-    """The JVMs of one process: at most ``per_jvm`` simulators each, a JVM stopped with its last one."""
+    """The JVMs of one process: at most ``per_jvm`` simulators each, a JVM stopped with its last one.
+
+    Thread-safe; the suite holds one, so the JVMs of a process are counted and stopped in one place.
+    """
 
     def __init__(self, options: tuple[str, ...] = JVM_OPTIONS, per_jvm: int = SIMULATORS_PER_JVM) -> None:
         self.options, self.per_jvm = options, per_jvm

@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -196,7 +197,9 @@ class TextWorldEnv:
         self._path = ensure_game(self.root, game_spec(self.challenge, task.tier, task.split), task.seed)
         request = textworld.EnvInfos(admissible_commands=True, won=True, lost=True, score=True, max_score=True,
                                      objective=True)
-        self._game = textworld.start(str(self._path), request_infos=request)
+        with warnings.catch_warnings():  # jericho cannot read TextWorld's score; TextWorld's wrapper tracks it
+            warnings.filterwarnings("ignore", message=".*is not fully supported.*")
+            self._game = textworld.start(str(self._path), request_infos=request)
         self._game.seed(FROTZ_SEED)
         state = self._game.reset()
         self._tracker = Tracker(objective=tidy(state["objective"]), max_score=int(state["max_score"]))
