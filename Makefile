@@ -3,7 +3,7 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+HASH := $(shell sha256sum pyproject.toml | cut -c1-12)
 CONFIG ?= configs/loop_household_easy.yaml
 
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
@@ -11,25 +11,29 @@ export PREFECT_HOME ?= $(CURDIR)/.prefect
 export TOKENIZERS_PARALLELISM := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
-.PHONY: setup run test bench clean-venv
+.PHONY: setup setup-test run test clean-venv
 
-$(STAMP): pyproject.toml
+$(VENV)/.base-$(HASH): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[dev]"
-	touch $(STAMP)
+	touch $@
 
-setup: $(STAMP)
+# The tests also exercise the optional environments (TextWorld builds jericho from source: minutes, once).
+$(VENV)/.test-$(HASH): $(VENV)/.base-$(HASH)
+	$(BIN)/pip install -q -e ".[dev,textworld,scienceworld]"
+	touch $@
 
-run: $(STAMP)
+setup: $(VENV)/.base-$(HASH)
+setup-test: $(VENV)/.test-$(HASH)
+
+run: setup
 	$(BIN)/horizonrl train --config $(CONFIG) $(ARGS)
 
-test: $(STAMP)
+test: setup-test
 	$(BIN)/python -m pytest -q $(ARGS)
 
-bench: $(STAMP)
-	$(BIN)/python -m benchmarks.run $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

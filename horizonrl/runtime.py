@@ -7,6 +7,7 @@ once per iteration.
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ class PolicyRuntime:
     def suite(self, cfg: TrainConfig) -> EnvSuite:
         key = (cfg.env.name, cfg.env.suite_seed)
         if key not in self._suites:
+            os.environ["HORIZONRL_DATA_DIR"] = cfg.data_dir  # where suites cache generated games
             self._suites[key] = make_suite(*key)
         return self._suites[key]
 
@@ -53,6 +55,13 @@ class PolicyRuntime:
         if key not in self._pools:
             self._pools[key] = self.suite(cfg).tasks(split, cfg.env.tier, n)
         return self._pools[key]
+
+    def sampling(self, cfg: TrainConfig, seed: int) -> dict:
+        """Keyword arguments of ``rollout.collect`` from the config (shared by collect and evaluate)."""
+        r = cfg.rollout
+        return dict(action_mode=r.action_mode, context=r.context, history_turns=r.history_turns,
+                    max_turns=cfg.env.max_turns or self.suite(cfg).max_turns(cfg.env.tier),
+                    max_action_tokens=r.max_action_tokens, temperature=r.temperature, seed=seed)
 
     def initial_model_dir(self, cfg: TrainConfig) -> Path:
         """The starting weights: ``model.path`` or the tiny model built for this environment."""

@@ -9,14 +9,13 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from horizonrl import store
-from horizonrl.checkpoint import CheckpointRef
-from horizonrl.evaluation import episode_metrics
 from horizonrl.branching import plan_branches
-from horizonrl.evaluation import branch_metrics
+from horizonrl.checkpoint import CheckpointRef
+from horizonrl.evaluation import branch_metrics, episode_metrics
 from horizonrl.rollout import collect, collect_branches
-from methods.appo import BranchingParams
 from horizonrl.runtime import sample_tasks
 from horizonrl.seeding import derive_seed
+from methods.appo import BranchingParams
 from tasks.context import RUNTIME, RunContext
 from tasks.tracking import log_stage
 
@@ -40,16 +39,7 @@ def collect_rollouts(ctx: RunContext, iteration: int, policy: CheckpointRef) -> 
     if (d / "episodes.parquet").is_file() and (d / "turns.parquet").is_file():
         get_run_logger().info("iteration %d: rollouts already stored, reused", iteration)
     else:
-        loaded = RUNTIME.get(cfg, policy)
-        suite = RUNTIME.suite(cfg)
-        pool = RUNTIME.task_pool(cfg, "train", cfg.env.train_pool)
-        r = cfg.rollout
-        sampling = dict(action_mode=r.action_mode, context=r.context, history_turns=r.history_turns,
-                        max_turns=cfg.env.max_turns or suite.max_turns(cfg.env.tier), max_action_tokens=r.max_action_tokens,
-                        temperature=r.temperature, seed=derive_seed(cfg.seed, "collect", iteration))
-        records = collect(suite, sample_tasks(pool, r.tasks_per_iteration, cfg.seed, iteration), r.group_size, loaded.engine, loaded.fmt, **sampling)
-        if cfg.method == "appo":
-            records += _branches(ctx, records, loaded, suite, sampling, iteration)
+        records = _play(ctx, iteration, policy)
         store.write_table(store.turns_table(records), ref.turns, "turns")
         store.write_table(store.episodes_table(records, cfg.run_name, iteration, policy.iteration), ref.episodes, "episodes")
     episodes = store.read_table(ref.episodes, "episodes")
@@ -64,11 +54,16 @@ def collect_rollouts(ctx: RunContext, iteration: int, policy: CheckpointRef) -> 
     return ref
 
 
-def _branches(ctx: RunContext, initial: list, loaded, suite, sampling: dict, iteration: int) -> list:
-    """APPO: plan branch points over the initial rollouts and play the branches in one batch."""
+def _play(ctx: RunContext, iteration: int, policy: CheckpointRef) -> list:
+    """K rollouts of the iteration's tasks; for APPO also the branches, planned over them and played in one batch."""
     cfg = ctx.cfg
-    budget = cfg.rollout.branch_budget or cfg.rollout.group_size
-    starts, _, stats = plan_branches(initial, budget, BranchingParams(), loaded.tokenizer)
-    branches = collect_branches(suite, starts, loaded.engine, loaded.fmt, first_rollout_id=len(initial), **sampling)
-    log_stage(ctx, "collect/appo", stats, iteration)
-    return branches
+    loaded, suite = RUNTIME.get(cfg, policy), RUNTIME.suite(cfg)
+    sampling = RUNTIME.sampling(cfg, derive_seed(cfg.seed, "collect", iteration))
+    tasks = sample_tasks(RUNTIME.task_pool(cfg, "train", cfg.env.train_pool), cfg.rollout.tasks_per_iteration, cfg.seed, iteration)
+    records = collect(suite, tasks, cfg.rollout.group_size, loaded.engine, loaded.fmt, **sampling)
+    if cfg.method == "appo":
+        budget = cfg.rollout.branch_budget or cfg.rollout.group_size
+        starts, _, stats = plan_branches(records, budget, BranchingParams(), loaded.tokenizer)
+        records += collect_branches(suite, starts, loaded.engine, loaded.fmt, first_rollout_id=len(records), **sampling)
+        log_stage(ctx, "collect/appo", stats, iteration)
+    return records

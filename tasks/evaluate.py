@@ -18,14 +18,8 @@ from tasks.tracking import log_stage, logged
 def play(ctx: RunContext, policy: CheckpointRef, samples: int, greedy: bool, seed: int) -> list[EpisodeRecord]:
     cfg = ctx.cfg
     loaded = RUNTIME.get(cfg, policy)
-    suite = RUNTIME.suite(cfg)
-    r = cfg.rollout
-    return collect(
-        suite, RUNTIME.task_pool(cfg, cfg.eval.split, cfg.eval.n_tasks), samples, loaded.engine, loaded.fmt,
-        action_mode=r.action_mode, context=r.context, history_turns=r.history_turns,
-        max_turns=cfg.env.max_turns or suite.max_turns(cfg.env.tier), max_action_tokens=r.max_action_tokens,
-        temperature=r.temperature, seed=seed, greedy=greedy,
-    )
+    tasks = RUNTIME.task_pool(cfg, cfg.eval.split, cfg.eval.n_tasks)
+    return collect(RUNTIME.suite(cfg), tasks, samples, loaded.engine, loaded.fmt, greedy=greedy, **RUNTIME.sampling(cfg, seed))
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=1, cache_policy=NONE)

@@ -35,10 +35,11 @@ def test_every_shipped_yaml_validates_and_sets_only_what_it_says(path):
 
 def test_main_config_values_and_derived_values():
     cfg = load_config(CONFIG_DIR / "loop_household_easy.yaml")
-    assert (cfg.method, cfg.rollout.group_size, cfg.update.lr, cfg.time_budget_s) == ("loop", 8, 1e-3, 600.0)
+    assert (cfg.method, cfg.rollout.group_size, cfg.update.lr, cfg.time_budget_s) == ("loop", 8, 2e-3, 600.0)
     name, params = cfg.loss_spec()
     assert name == "ppo_clip" and (params.clip_mode, params.eps) == ("loop", 0.2)  # file overrides the preset's 0.1
-    assert cfg.epochs == 2  # LOOP's preset, since update.epochs is not set
+    assert cfg.epochs == 4  # the file overrides LOOP's preset of 2
+    assert load_config(None, ["method=grpo"]).epochs == 1  # the preset, when update.epochs is not set
 
 
 def _write(tmp_path: Path, text: str) -> Path:

@@ -3,6 +3,7 @@ the gold path, and agent-side keys and labels."""
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from pathlib import Path
@@ -18,24 +19,39 @@ from horizonrl.envs.scienceworld_env import (  # noqa: E402
 )
 
 
-def scienceworld_jvms() -> set[int]:
-    """Pids of running JVMs that serve ScienceWorld (any owner process)."""
+def scienceworld_jvms(parents: set[int] | None = None) -> set[int]:
+    """Pids of running ScienceWorld JVMs started by ``parents`` (default: this process), so that JVMs of
+    other processes on the machine do not count."""
+    parents = parents or {os.getpid()}
     pids = set()
     for proc in Path("/proc").iterdir():
         try:
             cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
+            ppid = int((proc / "stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        if proc.name.isdigit() and cmdline[0].endswith(b"java") and any(b"scienceworld" in a for a in cmdline):
+        if ppid in parents and cmdline[0].endswith(b"java") and any(b"scienceworld" in a for a in cmdline):
             pids.add(int(proc.name))
     return pids
 
 
+def running(pids: set[int]) -> set[int]:
+    """Those of ``pids`` still running (zombies count as gone)."""
+    alive = set()
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+                alive.add(pid)
+        except OSError:
+            pass
+    return alive
+
+
 def wait_until_gone(pids: set[int], timeout_s: float = 15.0) -> set[int]:
     deadline = time.monotonic() + timeout_s
-    while pids & scienceworld_jvms() and time.monotonic() < deadline:
+    while running(pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return pids & scienceworld_jvms()
+    return running(pids)
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +185,7 @@ def test_no_jvm_is_left_when_the_python_process_dies():
             "e.reset(s.tasks('train','easy',1)[0]); print(s.host.pids[0], flush=True); import time; time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     pid = int(child.stdout.readline())
-    assert pid in scienceworld_jvms()
+    assert pid in scienceworld_jvms({child.pid})
     child.kill()
     child.wait()
     assert not wait_until_gone({pid})

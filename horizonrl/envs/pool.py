@@ -15,7 +15,10 @@ Failures end one episode, not the batch:
 * an environment that crashes its worker or runs past the timeout: that episode ends as an error, the
   worker is killed and restarted, and the worker's other episodes are rebuilt on the new worker by
   replaying their tasks and actions (environments replay deterministically);
-* a worker found dead between batches: restarted, all its episodes rebuilt, no episode lost.
+* a worker found dead between batches: restarted, all its episodes rebuilt, no episode lost (a worker
+  that dies while a batch is in flight is blamed on the episode it was stepping).
+
+Not thread-safe: one caller at a time.
 
 ``close()`` stops every worker (killing any that does not exit), and with it their environments'
 JVMs or games.
@@ -111,10 +114,7 @@ class EnvPool:
     def close(self) -> None:
         """Stop every worker: ask, wait, then kill; afterwards no worker process is left."""
         for w in range(len(self._workers)):
-            try:
-                self._send(w, "close", [])
-            except OSError:
-                pass
+            self._send(w, "close", [])
         for worker in self._workers:
             worker.process.join(timeout=15)
             _kill(worker)
@@ -134,13 +134,17 @@ class EnvPool:
                 pass
 
     def _dispatch(self, op: str, items: Mapping[int, Any], timeout_s: float) -> dict[int, tuple[bool, Any]]:
-        """Send each worker its share of ``items`` and gather one result per slot, handling failures."""
+        """Send each worker its share of ``items`` and gather one (ok, value) per slot, handling failures.
+
+        A worker times out when no result of its share arrives for ``timeout_s``; time spent rebuilding
+        a failed worker does not count against the others.
+        """
         n = len(self._workers)
         queues = {w: deque(s for s in items if s % n == w) for w in range(n)}
         for w, queue in queues.items():
             if queue:
                 self._send(w, op, [(s, items[s]) for s in queue])
-        deadlines = {w: time.monotonic() + timeout_s for w in queues}
+        deadlines = dict.fromkeys(queues, time.monotonic() + timeout_s)
         results: dict[int, tuple[bool, Any]] = {}
         while any(queues.values()):
             waiting = {self._workers[w].conn: w for w, q in queues.items() if q}
@@ -151,14 +155,17 @@ class EnvPool:
                     slot, ok, value = conn.recv()
                 except (EOFError, OSError):
                     self._recover(w, queues[w], op, items, results, "worker process died")
-                else:
-                    queues[w].popleft()
-                    results[slot] = (ok, value)
-                    self._record(op, slot, items[slot], ok, value)
+                    deadlines = dict.fromkeys(queues, time.monotonic() + timeout_s)
+                    continue
+                queues[w].popleft()
+                results[slot] = (ok, value)
+                self._record(op, slot, items[slot], ok, value)
                 deadlines[w] = time.monotonic() + timeout_s
-            for w in [w for w in waiting.values() if queues[w] and time.monotonic() > deadlines[w]]:
-                self._recover(w, queues[w], op, items, results, f"no answer within {timeout_s:g} s")
-                deadlines[w] = time.monotonic() + timeout_s
+            for w in waiting.values():
+                conn = self._workers[w].conn
+                if queues[w] and time.monotonic() > deadlines[w] and not conn.poll(0):
+                    self._recover(w, queues[w], op, items, results, f"no answer within {timeout_s:g} s")
+                    deadlines = dict.fromkeys(queues, time.monotonic() + timeout_s)
         return results
 
     def _record(self, op: str, slot: int, payload: Any, ok: bool, value: Any) -> None:

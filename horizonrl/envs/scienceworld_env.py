@@ -14,10 +14,10 @@ even if the process is killed), and stops it when its environment closes. One JV
 simulator objects (``PythonInterface``, about 10 MB of heap each), but they share one random stream
 that every ``load`` reseeds: an episode loaded after another changes the other's dynamics (measured),
 which breaks replay. So each environment gets its own JVM (``SIMULATORS_PER_JVM = 1``; measured
-about 0.23 GB resident each); ``JvmHost(per_jvm=n)`` trades that determinism for memory. Steps go
-through the benchmark's own ``ScienceWorldEnv.step``, whose ``info["valid"]`` lists the valid
-action-object combinations (26-29 ms a step on an idle core); the full enumeration
-``get_possible_action_object_combinations`` is never called.
+0.23 GB resident after 60 steps of ``boil``); ``JvmHost(per_jvm=n)`` trades that determinism for
+memory. Steps go through the benchmark's own ``ScienceWorldEnv.step``, whose ``info["valid"]`` lists
+the valid action-object combinations (26-29 ms a step on an idle core, STACK.md); the full
+enumeration ``get_possible_action_object_combinations`` is never called.
 
 Score is ScienceWorld's 0-100 sub-goal score (negative when the task failed, e.g. focusing on the
 wrong object); ``info["score"] = max(score, 0) / 100``, won iff score reaches 100, reward 1 on that
