@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 import methods
+from horizonrl.engines.base import allowed_log_softmax
 from horizonrl.sequences import TrainRow
 
 
@@ -56,15 +57,7 @@ def policy_logprobs(model: torch.nn.Module, rows: list[TrainRow], temperature: f
     b_idx = torch.tensor([i for i, r in enumerate(rows) for _ in r.positions])
     p_idx = torch.tensor([p for r in rows for p in r.positions])
     logits = model.get_output_embeddings()(hidden[b_idx, p_idx - 1]).float() / temperature  # (n, V)
-    allowed = [a for r in rows for a in r.allowed]
-    if any(allowed):
-        bias = torch.zeros_like(logits)
-        for j, ids_j in enumerate(allowed):
-            if ids_j:
-                bias[j].fill_(float("-inf"))
-                bias[j, ids_j] = 0.0
-        logits = logits + bias
-    logp_all = torch.log_softmax(logits, dim=-1)  # (n, V)
+    logp_all = allowed_log_softmax(logits, [a for r in rows for a in r.allowed])  # (n, V)
     logp = logp_all.gather(1, ids[b_idx, p_idx][:, None]).squeeze(1)  # (n,)
     entropy = -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)  # (n,)
     return logp, entropy.detach()

@@ -79,3 +79,49 @@ def test_appo_run_through_the_flow(prefect_harness, tmp_path, tracking_uri):
     with_tokens = adv.dropna(subset=["adv_tokens"])
     assert set(with_tokens.rollout_id) >= set(episodes[episodes.kind == "initial"].rollout_id)
     assert torch.isfinite(torch.tensor([v for row in with_tokens.adv_tokens for v in row])).all()
+
+
+def _replay_on(suite, tmp_path, n_tasks: int, tier: str, max_turns: int) -> None:
+    """Initial rollouts and their branches on ``suite`` with a tiny model built from its own corpus;
+    every branch must see its parent's observations up to the split (``_branch_live`` also checks each
+    replayed observation and raises on divergence)."""
+    from horizonrl.config import ModelConfig, TinyModelConfig
+    from horizonrl.engines.hf import TransformersEngine
+    from horizonrl.models import load_policy, tiny_model_dir
+    from horizonrl.prompting import ChatFormat
+
+    tiny = TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
+    model, tokenizer = load_policy(tiny_model_dir(tmp_path, suite.name, ModelConfig(tiny=tiny), suite.corpus(n_tasks=n_tasks)))
+    fmt = ChatFormat.for_tokenizer(tokenizer)
+    engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id])
+    sampling = dict(action_mode="admissible", context="full", history_turns=2, max_turns=max_turns, max_action_tokens=32, temperature=1.0, seed=2)
+    initial = collect(suite, suite.tasks("train", tier, n_tasks), 2, engine, fmt, **sampling)
+    starts, _, _ = plan_branches(initial, 2, BranchingParams(), tokenizer)
+    branches = collect_branches(suite, starts, engine, fmt, first_rollout_id=10, **sampling)
+    assert len(branches) == 2 * n_tasks
+    for b, start in zip(branches, starts):
+        assert _flat_tokens(b)[: start.split + 1] == _flat_tokens(start.parent)[: start.split + 1]
+        turn = next(t for t in range(len(start.parent.turns)) if sum(len(x.gen.token_ids) for x in start.parent.turns[: t + 1]) > start.split)
+        assert [x.observation for x in b.turns[: turn + 1]] == [x.observation for x in start.parent.turns[: turn + 1]]
+
+
+@pytest.mark.slow
+def test_branch_replay_on_textworld(tmp_path):
+    pytest.importorskip("textworld")
+    from horizonrl.envs.textworld_env import TextWorldSuite
+
+    suite = TextWorldSuite("textworld-coin", root=tmp_path / "games")
+    suite.prepare(suite.tasks("train", "easy", 1))
+    _replay_on(suite, tmp_path, 1, "easy", 6)
+
+
+@pytest.mark.slow
+def test_branch_replay_on_scienceworld(tmp_path):
+    pytest.importorskip("scienceworld")
+    from horizonrl.envs.scienceworld_env import ScienceWorldSuite
+
+    suite = ScienceWorldSuite("boil")
+    try:
+        _replay_on(suite, tmp_path, 1, "easy", 5)
+    finally:
+        assert not suite.host.pids, "every environment (JVM) was closed"

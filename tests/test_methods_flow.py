@@ -31,7 +31,7 @@ def test_step_level_methods_run_through_the_flow(prefect_harness, tmp_path, trac
     train(config=method_config(tmp_path, tracking_uri, method, method, 2))
     c = MlflowClient(tracking_uri)
     run = run_of(c, method)
-    assert steps(c, run.info.run_id, "advantage/zero_group_fraction") == [1, 2]
+    assert steps(c, run.info.run_id, "advantage/kept_fraction") == [1, 2]
     assert steps(c, run.info.run_id, "update/steps") == [1, 2]
     if method == "blpo":
         assert steps(c, run.info.run_id, "advantage/blpo/memory_keys") == [1, 2]

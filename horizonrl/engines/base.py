@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 
 class TokenTrie:
     """Prefix tree over token-id sequences; constrains decoding to a set of commands.
@@ -21,6 +23,20 @@ class TokenTrie:
                 node = node.setdefault(t, {})
             if texts is not None:
                 self.texts[tuple(seq)] = texts[k]
+
+
+def allowed_log_softmax(logits: torch.Tensor, allowed: list[list[int]]) -> torch.Tensor:
+    """log-softmax of (n, V) ``logits`` over the full vocabulary, or over row i's ``allowed[i]`` ids where
+    that list is non-empty (admissible mode). The sampler and the learner both call this, so the
+    recorded and the recomputed log-probs are of the same distribution."""
+    if any(allowed):
+        bias = torch.zeros_like(logits)
+        for i, ids in enumerate(allowed):
+            if ids:
+                bias[i].fill_(float("-inf"))
+                bias[i, ids] = 0.0
+        logits = logits + bias
+    return torch.log_softmax(logits, dim=-1)
 
 
 @dataclass

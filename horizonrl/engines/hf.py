@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from horizonrl.engines.base import Generation, TokenTrie
+from horizonrl.engines.base import Generation, TokenTrie, allowed_log_softmax
 
 
 class TransformersEngine:
@@ -100,7 +100,7 @@ class Session:
         active = torch.ones(R, dtype=torch.bool)
         for _ in range(max_new_tokens):
             allowed = [sorted(n.keys()) if n is not None else [] for n in nodes]
-            logp = _log_probs(logits / temperature, allowed)  # (R, V)
+            logp = allowed_log_softmax(logits / temperature, allowed)  # (R, V)
             tok = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
             ent = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
             chosen = logp.gather(1, tok[:, None]).squeeze(-1)
@@ -124,15 +124,3 @@ class Session:
         for i, r in enumerate(results):
             r.finished = not bool(active[i])
         return results
-
-
-def _log_probs(scaled: torch.Tensor, allowed: list[list[int]]) -> torch.Tensor:
-    """log-softmax over the full vocabulary, or over each row's allowed ids where it has some."""
-    if any(allowed):
-        bias = torch.zeros_like(scaled)
-        for i, ids in enumerate(allowed):
-            if ids:
-                bias[i].fill_(float("-inf"))
-                bias[i, ids] = 0.0
-        scaled = scaled + bias
-    return torch.log_softmax(scaled, dim=-1)
