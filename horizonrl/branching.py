@@ -52,7 +52,7 @@ def plan_branches(initial: list[EpisodeRecord], budget: int, params: BranchingPa
         for key, n in selection.counts.items():
             counts[key] += n
         for p in selection.points:
-            starts.append(BranchStart(eps[p.rollout], int(tokens[p.rollout][0][p.split])))
+            starts.append(BranchStart(eps[p.rollout], int(tokens[p.rollout][0][p.split]), float(p.score)))
             scores.append(p.score)
     n_groups = max(len(groups), 1)
     stats = {f"branch_{k}": v / n_groups for k, v in counts.items()}

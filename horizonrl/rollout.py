@@ -49,6 +49,7 @@ class EpisodeRecord:
     turns: list[TurnRecord] = field(default_factory=list)
     status: str = "running"  # "won" | "done" (ended without winning) | "truncated" (horizon) | "error"
     error: str = ""
+    branch_score: float = 0.0  # APPO branching score BS at the split (branches only)
 
     @property
     def episode_return(self) -> float:
@@ -80,6 +81,7 @@ class BranchStart:
 
     parent: EpisodeRecord
     split: int
+    score: float = 0.0  # branching score at the split
 
 
 def collect(
@@ -149,7 +151,8 @@ def _branch_live(suite: EnvSuite, b: BranchStart, fmt: ChatFormat, context: str,
     if obs != parent.turns[turn].observation:
         raise RuntimeError(f"replay of rollout {parent.rollout_id} diverged at turn {turn}: the environment is not deterministic")
     rec = EpisodeRecord(rollout_id, parent.group_id, parent.task, context, derive_seed(seed, "sample", rollout_id),
-                        kind="branch", parent_rollout=parent.rollout_id, branch_token=b.split, turns=list(parent.turns[:turn]))
+                        kind="branch", parent_rollout=parent.rollout_id, branch_token=b.split, branch_score=b.score,
+                        turns=list(parent.turns[:turn]))
     g = parent.turns[turn].gen
     k = offset + 1
     pending = Generation(g.token_ids[:k], g.logprobs[:k], g.entropy[:k], g.policy_mask[:k], g.allowed[:k])

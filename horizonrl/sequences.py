@@ -122,4 +122,5 @@ def step_batch(episodes: pa.Table, turns: pa.Table, update_index: int) -> StepBa
         kind=np.asarray([1 if k == "branch" else 0 for k in ep_col("kind", object)], dtype=np.int8),
         parent_traj=ep_col("parent_rollout", np.int64),
         branch_token=ep_col("branch_token", np.int64),
+        extras={"branch_score": ep_col("branch_score", np.float64)},  # APPO's reward-scale factor M
     )

@@ -73,6 +73,7 @@ def test_appo_run_through_the_flow(prefect_harness, tmp_path, tracking_uri):
     lineage = branches.merge(episodes[episodes.kind == "initial"], left_on="parent_rollout", right_on="rollout_id", suffixes=("", "_parent"))
     assert len(lineage) == len(branches) and (lineage.group_id == lineage.group_id_parent).all()
     assert (lineage.branch_token < lineage.gen_tokens_parent).all()
+    assert (branches.branch_score > 0).any(), "strict branch points carry their (positive) branching score"
     adv = store.read_table(d / "advantages-appo.parquet", "advantages").to_pandas()
     branch_rows = adv[adv.rollout_id.isin(branches.rollout_id)]
     assert not branch_rows.keep.any() and (branch_rows.adv == 0).all(), "branch rows never enter the loss"

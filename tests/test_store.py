@@ -50,7 +50,7 @@ def test_episodes_table_fields_are_derived_from_the_records():
     assert t[0] == dict(
         run_name="run-a", iteration=3, policy_version=2, rollout_id=10, group_id=3, task_id="household/easy/train/7",
         env="household", split="train", tier="easy", family="pick_and_place", task_seed=2**62 + 3, kind="branch",
-        parent_rollout=4, branch_token=17, context="window", sample_seed=12345, n_turns=2, episode_return=10.0,
+        parent_rollout=4, branch_token=17, branch_score=0.0, context="window", sample_seed=12345, n_turns=2, episode_return=10.0,
         won=True, score=0.5, n_invalid=1, gen_tokens=5, status="won", error="",
     )
     assert (t[1]["n_turns"], t[1]["episode_return"], t[1]["won"], t[1]["score"], t[1]["gen_tokens"], t[1]["error"]) == (0, 0.0, False, 0.0, 0, "boom")
