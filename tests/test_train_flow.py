@@ -75,7 +75,7 @@ def test_kill_during_iteration_then_resume(tmp_path, tracking_uri):
     cfg = tiny_config(tmp_path, tracking_uri, "killed", iterations=3)
     sets = [f"--set={k}={v}" for k, v in flat(cfg).items()]
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    cmd = [sys.executable, "-m", "horizonrl.cli", "train", *sets]
+    cmd = [sys.executable, "-m", "flows.cli", "train", *sets]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     marker = store.iteration_dir(tmp_path / "data", "test", "killed", 2) / "turns.parquet"
     deadline = time.time() + 240
