@@ -9,6 +9,7 @@ can be computed over the same rollouts.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -112,6 +113,20 @@ def write_table(table: pa.Table, path: str | Path, kind: str) -> str:
     finally:
         tmp.unlink(missing_ok=True)
     return file_digest(path)
+
+
+def write_json(obj: dict, path: str | Path) -> None:
+    """Write ``obj`` as JSON atomically (temporary file, fsync, rename), e.g. an estimator's state."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_table(path: str | Path, kind: str, columns: list[str] | None = None) -> pa.Table:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,9 +68,7 @@ def advantages(ctx: RunContext, iteration: int, rollouts: RolloutRef, policy: Ch
     state_path = None
     if state is not None:
         state_path = d / f"estimator_state-{cfg.method}.json"
-        tmp = state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, sort_keys=True))
-        tmp.replace(state_path)
+        store.write_json(state, state_path)
     kept = table["keep"].to_numpy(zero_copy_only=False)
     stats.setdefault("kept_fraction", float(kept.mean()) if len(kept) else 0.0)
     stats = {(k if k in SHARED_FIGURES else f"{cfg.method}/{k}"): v for k, v in stats.items()}
@@ -96,5 +93,5 @@ def recompute_iteration(iteration_dir: str, method: str, params: dict, state_in:
     path = d / f"advantages-{method}.parquet"
     store.write_table(table, path, "advantages")
     if state is not None:
-        (d / f"estimator_state-{method}.json").write_text(json.dumps(state, sort_keys=True))
+        store.write_json(state, d / f"estimator_state-{method}.json")
     return str(path), state, stats

@@ -38,17 +38,18 @@ def collect_rollouts(ctx: RunContext, iteration: int, policy: CheckpointRef) -> 
     ref = RolloutRef(iteration, str(d / "episodes.parquet"), str(d / "turns.parquet"))
     if (d / "episodes.parquet").is_file() and (d / "turns.parquet").is_file():
         get_run_logger().info("iteration %d: rollouts already stored, reused", iteration)
+        digests = {"turns": store.file_digest(ref.turns), "episodes": store.file_digest(ref.episodes)}
     else:
         records = _play(ctx, iteration, policy)
-        store.write_table(store.turns_table(records), ref.turns, "turns")
-        store.write_table(store.episodes_table(records, cfg.run_name, iteration, policy.iteration), ref.episodes, "episodes")
+        digests = {"turns": store.write_table(store.turns_table(records), ref.turns, "turns")}
+        digests["episodes"] = store.write_table(store.episodes_table(records, cfg.run_name, iteration, policy.iteration), ref.episodes, "episodes")
     episodes = store.read_table(ref.episodes, "episodes")
     metrics = episode_metrics(episodes)
     if cfg.method == "appo":
         metrics.update(branch_metrics(episodes))
     timings = store.read_table(ref.turns, "turns", columns=["gen_s", "env_s"])
     metrics.update(gen_s=float(pc.sum(timings["gen_s"]).as_py() or 0.0), env_s=float(pc.sum(timings["env_s"]).as_py() or 0.0))
-    inputs = {f"iter={iteration}/{name}": (path, store.file_digest(path)) for name, path in (("turns", ref.turns), ("episodes", ref.episodes))}
+    inputs = {f"iter={iteration}/{name}": (path, digests[name]) for name, path in (("turns", ref.turns), ("episodes", ref.episodes))}
     log_stage(ctx, "collect", metrics, iteration, inputs=inputs)
     get_run_logger().info("iteration %d collect: success %.3f, mixed groups %.2f", iteration, metrics["success_rate"], metrics["mixed_group_fraction"])
     return ref
