@@ -168,11 +168,10 @@ def test_scienceworld_pool_leaves_no_jvm_behind():
             time.sleep(0.05)
         results = pool.step_many({slot: info["admissible_commands"][0] for slot, info in enumerate(infos)})
         errors = [results[slot][3].get("error", "") for slot in range(3)]
-        assert errors[1] == ""  # the other worker's episode goes on untouched
-        # Known issue (#5, open): now and then the replacement worker dies while its rebuilt episodes'
-        # JVMs start, so those episodes end as errors instead of being rebuilt; the batch still goes on.
-        assert all(e in ("", "step failed: worker process died") for e in errors), errors
-        assert pool.restarts >= 1
+        # No episode is lost: the killed worker had not started on this batch (even if its threads were
+        # still exiting when the batch was sent), so its episodes are rebuilt, not blamed.
+        assert errors == ["", "", ""], errors
+        assert pool.restarts == 1
         jvms |= scienceworld_jvms(set(pool.pids))
-        assert len(jvms) >= 5  # the killed worker's two JVMs, then two more on its replacement
+        assert len(jvms) == 5  # the killed worker's two JVMs, then two more on its replacement
     assert not wait_until_gone(jvms)

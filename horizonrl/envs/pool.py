@@ -15,8 +15,9 @@ Failures end one episode, not the batch:
 * an environment that crashes its worker or runs past the timeout: that episode ends as an error, the
   worker is killed and restarted, and the worker's other episodes are rebuilt on the new worker by
   replaying their tasks and actions (environments replay deterministically);
-* a worker found dead between batches: restarted, all its episodes rebuilt, no episode lost (a worker
-  that dies while a batch is in flight is blamed on the episode it was stepping).
+* a worker that dies before it starts on an episode (killed between batches, even if it still looks
+  alive when the batch is sent): restarted, all its episodes rebuilt, no episode lost. The worker
+  announces each slot before it touches the environment, so only the episode it was playing is blamed.
 
 Not thread-safe: one caller at a time.
 
@@ -145,6 +146,8 @@ class EnvPool:
             if queue:
                 self._send(w, op, [(s, items[s]) for s in queue])
         deadlines = dict.fromkeys(queues, time.monotonic() + timeout_s)
+        started: dict[int, int | None] = dict.fromkeys(queues)  # the slot each worker has begun playing
+        innocent_restarts = dict.fromkeys(queues, 0)
         results: dict[int, tuple[bool, Any]] = {}
         while any(queues.values()):
             waiting = {self._workers[w].conn: w for w, q in queues.items() if q}
@@ -154,8 +157,17 @@ class EnvPool:
                 try:
                     slot, ok, value = conn.recv()
                 except (EOFError, OSError):
-                    self._recover(w, queues[w], op, items, results, "worker process died")
+                    if started[w] != queues[w][0] and innocent_restarts[w] == 0:
+                        innocent_restarts[w] += 1  # died before this episode began: rebuild, resend, blame none
+                        self._restart(w)
+                        self._send(w, op, [(s, items[s]) for s in queues[w]])
+                    else:
+                        self._recover(w, queues[w], op, items, results, "worker process died")
+                    started[w] = None
                     deadlines = dict.fromkeys(queues, time.monotonic() + timeout_s)
+                    continue
+                if ok is None:
+                    started[w] = slot
                     continue
                 queues[w].popleft()
                 results[slot] = (ok, value)
@@ -212,10 +224,12 @@ class EnvPool:
     def _receive(self, w: int, deadline: float) -> tuple[bool, Any]:
         """One (ok, value) from worker ``w`` by ``deadline``; a timeout or a dead worker is a failure."""
         conn = self._workers[w].conn
+        ok: bool | None = None
         try:
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
-                return False, "restore timed out"
-            _, ok, value = conn.recv()
+            while ok is None:  # skip the worker's "started" notice; the result follows
+                if not conn.poll(max(0.0, deadline - time.monotonic())):
+                    return False, "restore timed out"
+                _, ok, value = conn.recv()
         except (EOFError, OSError):
             return False, "worker process died while restoring"
         return ok, value
@@ -254,7 +268,8 @@ def _kill(worker: _Worker) -> None:
 
 
 def serve(conn: Connection, suite_ref: SuiteRef, seed: int) -> None:
-    """Worker loop: build the suite, then answer (op, [(slot, payload), ...]) one result per slot."""
+    """Worker loop: build the suite, then answer (op, [(slot, payload), ...]) with, per slot, a
+    ``(slot, None, None)`` notice as it starts and then ``(slot, ok, value)``."""
     _die_with_parent()
     from horizonrl.envs import make_suite
 
@@ -272,6 +287,7 @@ def serve(conn: Connection, suite_ref: SuiteRef, seed: int) -> None:
             spare += envs.values()
             envs.clear()
         for slot, payload in items:
+            conn.send((slot, None, None))  # "started": from here on, dying is this episode's fault
             try:
                 if slot not in envs:
                     envs[slot] = spare.pop() if spare else suite.make()
