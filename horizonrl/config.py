@@ -71,12 +71,38 @@ class TinyModelConfig(Strict):
     max_positions: int = Field(4096, ge=64)
 
 
+class LoraConfig(Strict):
+    """LoRA adapters (peft) on a frozen base: only the adapters train, and only they are checkpointed."""
+
+    rank: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    """Scale of the update is alpha / rank."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    """Names of the Linear modules that get adapters (Qwen2/Llama naming)."""
+
+
 class ModelConfig(Strict):
     path: str | None = None
     """Local directory or hub id of a causal LM; None builds the tiny Qwen2 model from ``tiny``."""
     tiny: TinyModelConfig = TinyModelConfig()
     init_seed: int = 0
-    """Seed of the tiny model's initial weights."""
+    """Seed of the tiny model's initial weights (and of the LoRA adapters' initialisation)."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters instead of all weights; None trains the full model."""
+    device: str = "auto"
+    """Where the policy trains and the transformers engine samples: auto (cuda if available), cpu, cuda, cuda:N."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights' dtype; auto = bfloat16 on CUDA, float32 on CPU."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """transformers attention kernel (flash_attention_2 needs the flash-attn package and a GPU)."""
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ValueError(f"model.device = {v!r}: expected auto, cpu, cuda or cuda:N")
+        return v
 
     @field_validator("path")
     @classmethod
@@ -103,6 +129,11 @@ class RolloutConfig(Strict):
     max_action_tokens: int = Field(24, ge=1)
     branch_budget: int | None = Field(None, ge=1)
     """APPO: branch rollouts per task group (B); None = group_size (N_init = B, as in the released 8 + 8)."""
+    env_workers: int = Field(0, ge=0)
+    """Worker processes that step the environments (kept warm across iterations); 0 steps them in this
+    process. Results are the same either way; workers pay off when stepping is slow (TextWorld, ScienceWorld)."""
+    step_timeout_s: float = Field(60.0, gt=0)
+    """With env_workers: an environment step that takes longer ends its episode as an error."""
 
 
 class UpdateConfig(Strict):
@@ -132,6 +163,30 @@ class EvalConfig(Strict):
     """Also evaluate greedy decoding."""
 
 
+class VLLMConfig(Strict):
+    """vLLM's OpenAI-compatible server, in its own virtual environment (``make vllm-venv``)."""
+
+    url: str | None = None
+    """Base URL of a running server (e.g. http://127.0.0.1:8000); None starts one on 127.0.0.1."""
+    python: str = ".venv-vllm/bin/python"
+    """Interpreter of vLLM's environment, used to start the server."""
+    port: int = Field(8011, ge=1, le=65535)
+    gpu_memory_utilization: float = Field(0.45, gt=0, le=1)
+    """Share of GPU memory vLLM takes; the trainer shares the GPU on a one-GPU machine."""
+    top_logprobs: int = Field(64, ge=1)
+    """Log-probs returned per token: the entropy is exact over at most this many tokens (see engines/vllm.py)."""
+    max_concurrency: int = Field(64, ge=1)
+    """HTTP requests in flight at once (the server batches them)."""
+    startup_timeout_s: float = Field(900.0, gt=0)
+    request_timeout_s: float = Field(300.0, gt=0)
+
+
+class EngineConfig(Strict):
+    name: Literal["transformers", "vllm"] = "transformers"
+    """Sampler for rollouts: transformers in this process, or a vLLM server (GPU)."""
+    vllm: VLLMConfig = VLLMConfig()
+
+
 class TrainConfig(Strict):
     run_name: str = "loop-household-easy"
     experiment: str = "horizonrl"
@@ -148,6 +203,7 @@ class TrainConfig(Strict):
     rollout: RolloutConfig = RolloutConfig()
     update: UpdateConfig = UpdateConfig()
     eval: EvalConfig = EvalConfig()
+    engine: EngineConfig = EngineConfig()
     data_dir: str = "data"
     tracking_uri: str | None = None
     """MLflow tracking URI; None takes $MLFLOW_TRACKING_URI, else sqlite:///mlflow/mlflow.db."""

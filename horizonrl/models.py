@@ -96,10 +96,31 @@ def _load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def load_policy(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer from a directory or hub id (safetensors only)."""
+def load_policy(path: str | Path, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa") -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer from a directory or hub id (safetensors only).
+
+    A LoRA policy directory (``horizonrl.lora``) loads as its base model with the adapter attached."""
+    from horizonrl import lora
+
     tokenizer = _load_tokenizer(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, use_safetensors=True)
+    if lora.is_adapter_dir(path):
+        base, _ = load_policy(lora.base_model_path(path), dtype, attn_implementation)
+        return lora.load_adapter_policy(path, base), tokenizer
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, use_safetensors=True, attn_implementation=attn_implementation)
     return model, tokenizer
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is the first CUDA device when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` is bfloat16 on CUDA (half the memory, full-range exponent) and float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)

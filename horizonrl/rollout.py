@@ -1,17 +1,21 @@
 """The multi-turn rollout loop: every active episode of a batch advances one turn per engine call.
 
 ``collect`` plays K rollouts of each task in lockstep: build each episode's prompt, one batched
-``generate``, step every environment, repeat until all are done or the horizon is reached. It returns
-plain records (``EpisodeRecord``/``TurnRecord``) that the store writes as Parquet.
+``generate``, step every environment (one ``step_many`` on an ``EpisodeBatch``: in this process or in
+worker processes), repeat until all are done or the horizon is reached. It returns plain records
+(``EpisodeRecord``/``TurnRecord``) that the store writes as Parquet. An environment that fails ends its
+episode with status ``error`` and the reason; the rest of the batch goes on.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 from horizonrl.engines.base import Engine, Generation, Session, TokenTrie
-from horizonrl.envs.base import Env, EnvSuite, Task
+from horizonrl.envs.base import EnvSuite, Task
+from horizonrl.envs.batch import EpisodeBatch, InProcess, StepResult, error_info
 from horizonrl.prompting import ChatFormat, full_delta, window_prompt
 from horizonrl.seeding import derive_seed
 
@@ -65,7 +69,7 @@ class _Live:
     """Per-episode rollout state that is not stored."""
 
     record: EpisodeRecord
-    env: Env
+    slot: int  # the episode's slot in the EpisodeBatch
     obs: str
     info: dict
     goal_ids: list[int]
@@ -85,7 +89,7 @@ class BranchStart:
 
 
 def collect(
-    suite: EnvSuite,
+    envs: EpisodeBatch | EnvSuite,
     tasks: list[Task],
     group_size: int,
     engine: Engine,
@@ -101,20 +105,28 @@ def collect(
     greedy: bool = False,
     first_rollout_id: int = 0,
 ) -> list[EpisodeRecord]:
-    """Play ``group_size`` rollouts of every task; rollout r of task g has group_id g."""
+    """Play ``group_size`` rollouts of every task; rollout r of task g has group_id g. ``envs`` is an
+    ``EpisodeBatch`` (kept open for the caller) or a suite, played in this process."""
+    if isinstance(envs, EnvSuite):
+        with InProcess(envs) as batch:
+            return collect(batch, tasks, group_size, engine, fmt, action_mode=action_mode, context=context, history_turns=history_turns,
+                           max_turns=max_turns, max_action_tokens=max_action_tokens, temperature=temperature, seed=seed, greedy=greedy,
+                           first_rollout_id=first_rollout_id)
+    starts = envs.reset_many([task for task in tasks for _ in range(group_size)])
     live: list[_Live] = []
-    for g, task in enumerate(tasks):
-        for k in range(group_size):
-            rid = first_rollout_id + g * group_size + k
-            env = suite.make()
-            obs, info = env.reset(task)
-            rec = EpisodeRecord(rid, g, task, context, derive_seed(seed, "sample", rid))
-            live.append(_Live(rec, env, obs, info, fmt.system(env.goal())))
-    return _run(live, engine, fmt, action_mode, history_turns, max_turns, max_action_tokens, temperature, greedy, seed)
+    for slot, (obs, info) in enumerate(starts):
+        g = slot // group_size
+        rid = first_rollout_id + slot
+        rec = EpisodeRecord(rid, g, tasks[g], context, derive_seed(seed, "sample", rid))
+        ep = _Live(rec, slot, obs, info, fmt.system(info.get("goal", "")))
+        if "error" in info:
+            _end_with_error(ep, info["error"])
+        live.append(ep)
+    return _run(live, envs, engine, fmt, action_mode, history_turns, max_turns, max_action_tokens, temperature, greedy, seed)
 
 
 def collect_branches(
-    suite: EnvSuite,
+    envs: EpisodeBatch | EnvSuite,
     starts: list[BranchStart],
     engine: Engine,
     fmt: ChatFormat,
@@ -130,56 +142,80 @@ def collect_branches(
 ) -> list[EpisodeRecord]:
     """Play APPO branches: each continues its parent from the token prefix up to and including the split
     token (within that turn), in an environment brought to the parent's state at that turn by replaying
-    the parent's earlier actions. All branches are generated in one lockstep batch."""
-    live = [_branch_live(suite, b, fmt, context, first_rollout_id + k, seed) for k, b in enumerate(starts)]
-    return _run(live, engine, fmt, action_mode, history_turns, max_turns, max_action_tokens, temperature, False, derive_seed(seed, "branches"))
+    the parent's earlier actions (all replays step together). All branches are generated in one lockstep
+    batch. A replay whose observations differ from the parent's raises: the environment is not
+    deterministic, and a branch from a different state would get the wrong credit."""
+    if isinstance(envs, EnvSuite):
+        with InProcess(envs) as batch:
+            return collect_branches(batch, starts, engine, fmt, action_mode=action_mode, context=context, history_turns=history_turns,
+                                    max_turns=max_turns, max_action_tokens=max_action_tokens, temperature=temperature, seed=seed,
+                                    first_rollout_id=first_rollout_id)
+    split_turns = [_split_turn(b) for b in starts]
+    resets = envs.reset_many([b.parent.task for b in starts])
+    replayed: list[tuple[str, dict]] = []
+    for b, (obs, info) in zip(starts, resets):
+        _check_replay(b.parent, 0, obs, info)
+        replayed.append((obs, info))
+    for t in range(max((turn for turn, _ in split_turns), default=0)):
+        todo = {i: b.parent.turns[t].action for i, b in enumerate(starts) if t < split_turns[i][0] and "error" not in replayed[i][1]}
+        for i, (obs, _, _, info) in envs.step_many(todo).items():
+            _check_replay(starts[i].parent, t + 1, obs, info)
+            replayed[i] = (obs, info)
+    live = []
+    for i, (b, (turn, offset)) in enumerate(zip(starts, split_turns)):
+        live.append(_branch_live(b, turn, offset, i, *replayed[i], fmt, context, first_rollout_id + i, seed))
+    return _run(live, envs, engine, fmt, action_mode, history_turns, max_turns, max_action_tokens, temperature, False, derive_seed(seed, "branches"))
 
 
-def _branch_live(suite: EnvSuite, b: BranchStart, fmt: ChatFormat, context: str, rollout_id: int, seed: int) -> _Live:
-    parent = b.parent
-    lengths = [len(t.gen.token_ids) for t in parent.turns]
+def _split_turn(b: BranchStart) -> tuple[int, int]:
+    """(turn, offset in that turn's action tokens) of the flat split index."""
+    lengths = [len(t.gen.token_ids) for t in b.parent.turns]
     turn, offset = 0, b.split
     while offset >= lengths[turn]:
         offset -= lengths[turn]
         turn += 1
-    env = suite.make()
-    obs, info = env.reset(parent.task)
-    for t in parent.turns[:turn]:
-        if obs != t.observation:
-            raise RuntimeError(f"replay of rollout {parent.rollout_id} diverged at turn {t.turn}: the environment is not deterministic")
-        obs, _, _, info = env.step(t.action)
-    if obs != parent.turns[turn].observation:
+    return turn, offset
+
+
+def _check_replay(parent: EpisodeRecord, turn: int, obs: str, info: dict) -> None:
+    if "error" not in info and obs != parent.turns[turn].observation:
         raise RuntimeError(f"replay of rollout {parent.rollout_id} diverged at turn {turn}: the environment is not deterministic")
+
+
+def _branch_live(b: BranchStart, turn: int, offset: int, slot: int, obs: str, info: dict, fmt: ChatFormat, context: str, rollout_id: int, seed: int) -> _Live:
+    parent = b.parent
     rec = EpisodeRecord(rollout_id, parent.group_id, parent.task, context, derive_seed(seed, "sample", rollout_id),
                         kind="branch", parent_rollout=parent.rollout_id, branch_token=b.split, branch_score=b.score,
                         turns=list(parent.turns[:turn]))
     g = parent.turns[turn].gen
     k = offset + 1
     pending = Generation(g.token_ids[:k], g.logprobs[:k], g.entropy[:k], g.policy_mask[:k], g.allowed[:k])
-    ep = _Live(rec, env, obs, info, fmt.system(env.goal()), [(fmt.user(t.observation), t.gen.token_ids) for t in rec.turns], pending=pending)
+    ep = _Live(rec, slot, obs, info, fmt.system(info.get("goal", "")), [(fmt.user(t.observation), t.gen.token_ids) for t in rec.turns], pending=pending)
     if context == "full":
         ep.engine_prefix = [i for t in rec.turns for i in t.prompt_ids + t.gen.token_ids]
+    if "error" in info:
+        _end_with_error(ep, info["error"])
     return ep
 
 
-def _run(live: list[_Live], engine: Engine, fmt: ChatFormat, action_mode: str, history_turns: int, max_turns: int, max_action_tokens: int, temperature: float, greedy: bool, seed: int) -> list[EpisodeRecord]:
+def _run(live: list[_Live], envs: EpisodeBatch, engine: Engine, fmt: ChatFormat, action_mode: str, history_turns: int, max_turns: int, max_action_tokens: int, temperature: float, greedy: bool, seed: int) -> list[EpisodeRecord]:
     """Step every live episode in lockstep until all are done or have ``max_turns`` turns."""
     session = engine.session() if live and live[0].record.context == "full" else None  # one KV cache across turns
     for step in range(max_turns):
         batch = [ep for ep in live if not ep.done and len(ep.record.turns) < max_turns]
         if not batch:
             break
-        _play_turn(batch, engine, session, fmt, action_mode, history_turns, max_action_tokens, temperature, greedy, derive_seed(seed, "turn", step))
+        _play_turn(batch, envs, engine, session, fmt, action_mode, history_turns, max_action_tokens, temperature, greedy, derive_seed(seed, "turn", step))
     for ep in live:
         if not ep.done:
             ep.record.status = "truncated"
-        ep.env.close()
     return [ep.record for ep in live]
 
 
-def _play_turn(batch: list[_Live], engine: Engine, session: Session | None, fmt: ChatFormat, action_mode: str, history_turns: int, max_action_tokens: int, temperature: float, greedy: bool, seed: int) -> None:
-    """One engine call for every active episode. ``deltas`` are what each turn row stores as prompt ids:
-    the whole prompt in window context, only the new ids in full context (the session holds the rest)."""
+def _play_turn(batch: list[_Live], envs: EpisodeBatch, engine: Engine, session: Session | None, fmt: ChatFormat, action_mode: str, history_turns: int, max_action_tokens: int, temperature: float, greedy: bool, seed: int) -> None:
+    """One engine call for every active episode, then one ``step_many``. ``deltas`` are what each turn row
+    stores as prompt ids: the whole prompt in window context, only the new ids in full context (the
+    session holds the rest)."""
     deltas, inputs, tries = [], [], []
     for ep in batch:
         obs_ids = fmt.user(ep.obs)
@@ -199,11 +235,19 @@ def _play_turn(batch: list[_Live], engine: Engine, session: Session | None, fmt:
     else:
         gens = session.extend([ep.record.rollout_id for ep in batch], inputs, tries, max_action_tokens, temperature, greedy, seed)
     gen_s = (time.perf_counter() - t0) / len(batch)
-    for ep, delta, gen, trie in zip(batch, deltas, gens, tries):
+    actions = []
+    for ep, gen, trie in zip(batch, gens, tries):
         if ep.pending is not None:
             gen = _join(ep.pending, gen)
             ep.pending = None
-        _step_env(ep, len(ep.record.turns), delta, gen, fmt, gen_s, trie)
+        actions.append((gen, _action_text(gen, trie, fmt)))
+    broken = {ep.slot: _engine_fault(gen) for ep, (gen, _) in zip(batch, actions)}
+    t0 = time.perf_counter()
+    results = envs.step_many({ep.slot: action for ep, (_, action) in zip(batch, actions) if not broken[ep.slot]})
+    env_s = (time.perf_counter() - t0) / len(batch)
+    results.update({ep.slot: ("", 0.0, True, error_info(ep.info, broken[ep.slot])) for ep in batch if broken[ep.slot]})
+    for ep, delta, (gen, action) in zip(batch, deltas, actions):
+        _record_turn(ep, len(ep.record.turns), delta, gen, action, results[ep.slot], gen_s, env_s)
 
 
 def _join(prefix: Generation, rest: Generation) -> Generation:
@@ -212,32 +256,45 @@ def _join(prefix: Generation, rest: Generation) -> Generation:
                       prefix.policy_mask + rest.policy_mask, prefix.allowed + rest.allowed, rest.finished)
 
 
-def _step_env(ep: _Live, turn: int, delta: list[int], gen: Generation, fmt: ChatFormat, gen_s: float, trie: TokenTrie | None) -> None:
+def _engine_fault(gen: Generation) -> str:
+    """Why a generation cannot be trained on or played ("" if it can): a non-finite sampling log-prob
+    would poison the PPO ratio, so the episode ends as an error before its action is played."""
+    bad = [i for i, (lp, m) in enumerate(zip(gen.logprobs, gen.policy_mask)) if m and not math.isfinite(lp)]
+    return f"engine returned a non-finite log-prob at action token {bad[0]}" if bad else ""
+
+
+def _action_text(gen: Generation, trie: TokenTrie | None, fmt: ChatFormat) -> str:
     """Admissible mode takes the command's own text from the trie; free mode parses decoded text."""
     if trie is not None and tuple(gen.token_ids) in trie.texts:
-        action = trie.texts[tuple(gen.token_ids)]
-    else:
-        ids = gen.token_ids[:-1] if gen.finished and gen.token_ids and gen.token_ids[-1] == fmt.end_id else gen.token_ids
-        action = fmt.tokenizer.decode(ids, skip_special_tokens=True).strip()
+        return trie.texts[tuple(gen.token_ids)]
+    ids = gen.token_ids[:-1] if gen.finished and gen.token_ids and gen.token_ids[-1] == fmt.end_id else gen.token_ids
+    return fmt.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+def _record_turn(ep: _Live, turn: int, delta: list[int], gen: Generation, action: str, result: StepResult, gen_s: float, env_s: float) -> None:
     format_valid = gen.finished and bool(action)
     admissible = ep.info["admissible_commands"]
-    progress_key = str(ep.info.get("progress_key", ""))
-    abstract = ep.env.abstract_action(action)
-    t0 = time.perf_counter()
-    obs, reward, done, info = ep.env.step(action)
-    env_s = time.perf_counter() - t0
+    obs, reward, done, info = result
     ep.history[-1] = (ep.history[-1][0], gen.token_ids)
     ep.record.turns.append(
         TurnRecord(
             turn, ep.obs, action, delta, gen, float(reward), bool(done), bool(info.get("won", False)),
             bool(info.get("valid", action in admissible)), format_valid, float(info.get("score", 0.0)),
-            progress_key, abstract, len(admissible), gen_s, env_s,
+            str(ep.info.get("progress_key", "")), str(info.get("abstract_action", "")), len(admissible), gen_s, env_s,
         )
     )
     ep.obs, ep.info = obs, info
-    if done:
+    if "error" in info:
+        _end_with_error(ep, info["error"])
+    elif done:
         ep.done = True
         ep.record.status = "won" if info.get("won") else "done"
+
+
+def _end_with_error(ep: _Live, why: str) -> None:
+    """The environment failed (raised, crashed, hung or answered garbage): the episode ends here."""
+    ep.done = True
+    ep.record.status, ep.record.error = "error", why
 
 
 def _trie(fmt: ChatFormat, commands: list[str], prefix: list[int]) -> TokenTrie:

@@ -14,13 +14,18 @@ from pathlib import Path
 
 import torch
 
-from horizonrl.checkpoint import CheckpointRef, checkpoint_dir, load_optimizer_state
+from horizonrl import lora
+from horizonrl.checkpoint import CheckpointRef, checkpoint_dir, load_optimizer_state, read_state
 from horizonrl.config import TrainConfig
+from horizonrl.engines.base import Engine
 from horizonrl.engines.hf import TransformersEngine
 from horizonrl.envs import EnvSuite, make_suite
-from horizonrl.models import load_policy, tiny_model_dir
+from horizonrl.envs.batch import EpisodeBatch, InProcess
+from horizonrl.envs.pool import EnvPool
+from horizonrl.models import load_policy, resolve_device, resolve_dtype, tiny_model_dir
 from horizonrl.prompting import ChatFormat
 from horizonrl.seeding import derive_seed
+from horizonrl.tracking import tracking_uri
 
 
 @dataclass
@@ -29,8 +34,9 @@ class Loaded:
     model: torch.nn.Module
     tokenizer: object
     fmt: ChatFormat
-    engine: TransformersEngine
+    engine: Engine
     optimizer: torch.optim.Optimizer
+    cfg: TrainConfig | None = None  # the run's config (where to publish a new checkpoint: engine, MLflow)
 
 
 class PolicyRuntime:
@@ -41,6 +47,8 @@ class PolicyRuntime:
         self._suites: dict[tuple[str, int], EnvSuite] = {}
         self._pools: dict[tuple, list] = {}
         self._reference: torch.nn.Module | None = None
+        self._vllm = None  # VLLMEngine: one server per process, kept across checkpoints (reloaded, not restarted)
+        self._episodes: tuple[tuple, EpisodeBatch] | None = None
 
     def suite(self, cfg: TrainConfig) -> EnvSuite:
         key = (cfg.env.name, cfg.env.suite_seed)
@@ -48,6 +56,24 @@ class PolicyRuntime:
             os.environ["HORIZONRL_DATA_DIR"] = cfg.data_dir  # where suites cache generated games
             self._suites[key] = make_suite(*key)
         return self._suites[key]
+
+    def episodes(self, cfg: TrainConfig) -> EpisodeBatch:
+        """Where the run's episodes step: ``rollout.env_workers`` worker processes, started once and kept
+        warm across iterations (JVMs, loaded games), or this process when it is 0."""
+        r = cfg.rollout
+        key = (cfg.env.name, cfg.env.suite_seed, r.env_workers, r.step_timeout_s)
+        if self._episodes is None or self._episodes[0] != key:
+            self.close_episodes()
+            suite = self.suite(cfg)  # also sets HORIZONRL_DATA_DIR, which the workers inherit
+            batch = EnvPool(cfg.env.name, cfg.env.suite_seed, r.env_workers, step_timeout_s=r.step_timeout_s) if r.env_workers else InProcess(suite)
+            self._episodes = (key, batch)
+        return self._episodes[1]
+
+    def close_episodes(self) -> None:
+        """Stop the environment workers (and with them their JVMs or games)."""
+        if self._episodes is not None:
+            self._episodes[1].close()
+            self._episodes = None
 
     def task_pool(self, cfg: TrainConfig, split: str, n: int) -> list:
         """The first ``n`` tasks of ``split`` at the configured tier (generated once per process)."""
@@ -64,35 +90,62 @@ class PolicyRuntime:
                     max_action_tokens=r.max_action_tokens, temperature=r.temperature, seed=seed)
 
     def initial_model_dir(self, cfg: TrainConfig) -> Path:
-        """The starting weights: ``model.path`` or the tiny model built for this environment."""
+        """The starting weights: ``model.path`` or the tiny model built for this environment; with
+        ``model.lora``, a directory of fresh adapters over that base."""
         if cfg.model.path is not None:
-            return Path(cfg.model.path)
-        suite = self.suite(cfg)
-        return tiny_model_dir(cfg.data_dir, cfg.env.name, cfg.model, suite.corpus())
+            base = Path(cfg.model.path)
+        else:
+            base = tiny_model_dir(cfg.data_dir, cfg.env.name, cfg.model, self.suite(cfg).corpus())
+        if cfg.model.lora is not None:  # fresh adapters over the base; checkpoints then hold adapters only
+            return lora.initial_adapter_dir(cfg.data_dir, base, cfg.model.lora, cfg.model.init_seed)
+        return base
 
     def get(self, cfg: TrainConfig, ref: CheckpointRef) -> Loaded:
         if self.current is not None and self.current.ref == ref:
             return self.current
         torch.set_num_threads(max(1, torch.get_num_threads()))
-        model, tokenizer = load_policy(ref.path)
+        device = resolve_device(cfg.model.device)
+        model, tokenizer = load_policy(ref.path, resolve_dtype(cfg.model.dtype, device), cfg.model.attn_implementation)
+        model.to(device)
         fmt = ChatFormat.for_tokenizer(tokenizer)
-        engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
+        end_ids = [fmt.end_id, tokenizer.eos_token_id]
+        engine = TransformersEngine(model, tokenizer.pad_token_id, end_ids, str(device)) if cfg.engine.name == "transformers" else self._vllm_engine(cfg, ref, end_ids)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay)
         load_optimizer_state(ref, optimizer)
-        self.current = Loaded(ref, model, tokenizer, fmt, engine, optimizer)
+        self.current = Loaded(ref, model, tokenizer, fmt, engine, optimizer, cfg)
         return self.current
+
+    def _vllm_engine(self, cfg: TrainConfig, ref: CheckpointRef, end_ids: list[int]):
+        """The process's vLLM engine (server started on first use), serving checkpoint ``ref``."""
+        from horizonrl.engines.vllm import engine_from_config
+
+        if self._vllm is None:
+            self._vllm = engine_from_config(cfg, ref.path, end_ids)
+        self._vllm.sync(ref.path)
+        return self._vllm
 
     def reference(self, cfg: TrainConfig, run_dir: Path) -> torch.nn.Module:
         """The frozen initial policy (checkpoint 0) for KL-to-reference losses; loaded once."""
         if self._reference is None:
-            model, _ = load_policy(checkpoint_dir(run_dir, 0))
-            self._reference = model.eval().requires_grad_(False)
+            device = resolve_device(cfg.model.device)
+            model, _ = load_policy(checkpoint_dir(run_dir, 0), resolve_dtype(cfg.model.dtype, device), cfg.model.attn_implementation)
+            self._reference = model.to(device).eval().requires_grad_(False)
         return self._reference
 
     def advance(self, ref: CheckpointRef) -> None:
         """The in-memory model now is checkpoint ``ref`` (just saved by the update)."""
         if self.current is not None:
             self.current.ref = ref
+            self._publish(ref)
+
+    def _publish(self, ref: CheckpointRef) -> None:
+        """A new checkpoint exists: a vLLM engine loads it (adapter hot-load or weight reload) and a LoRA
+        run logs the adapter to MLflow. The transformers engine shares the updated model: nothing to do."""
+        if self._vllm is not None:
+            self._vllm.sync(ref.path)
+        cfg = self.current.cfg
+        if cfg is not None and lora.is_adapter_dir(ref.path):
+            lora.log_adapter(tracking_uri(cfg.tracking_uri), read_state(ref)["mlflow_run_id"], ref.path, ref.iteration)
 
     def drop(self) -> None:
         self.current = None

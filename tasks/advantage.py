@@ -7,11 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 import methods
-from horizonrl import store
+from horizonrl import faults, store
 from horizonrl.checkpoint import CheckpointRef, read_estimator_state
 from horizonrl.sequences import step_batch
 from tasks.collect import RolloutRef
@@ -31,9 +32,16 @@ class AdvantageRef:
 
 
 def compute_advantages(rollouts: RolloutRef, name: str, params: object, state_in: dict | None, update_index: int) -> tuple[pa.Table, dict | None, dict[str, float]]:
-    """Run estimator ``name`` over one iteration's stored rollouts. Pure apart from reading Parquet."""
+    """Run estimator ``name`` over one iteration's stored rollouts. Pure apart from reading Parquet.
+
+    Episodes that ended in an environment error are left out of the estimate (their return says nothing
+    about the policy, and counting them as failures would bias their group); their rows get advantage 0
+    and ``keep=False``."""
     turns = store.read_table(rollouts.turns, "turns")
     episodes = store.read_table(rollouts.episodes, "episodes")
+    errored = pc.is_in(turns["rollout_id"], value_set=episodes.filter(pc.equal(episodes["status"], "error"))["rollout_id"])
+    left_out = turns.filter(errored)
+    turns = turns.filter(pc.invert(errored))
     batch = step_batch(episodes, turns, update_index)
     entry = methods.ADVANTAGES.get(name)
     state = methods.state_from_json(name, state_in, params)
@@ -52,6 +60,12 @@ def compute_advantages(rollouts: RolloutRef, name: str, params: object, state_in
         "rollout_id": batch.traj_id, "turn": batch.turn.astype(np.int32), "adv": result.adv, "keep": result.keep,
         "adv_tokens": pa.array(adv_tokens if adv_tokens is not None else [None] * len(batch), type=pa.list_(pa.float64())),
     }, schema=store.ADVANTAGES)
+    if left_out.num_rows:
+        n = left_out.num_rows
+        table = pa.concat_tables([table, pa.table({
+            "rollout_id": left_out["rollout_id"], "turn": left_out["turn"], "adv": np.zeros(n), "keep": np.zeros(n, dtype=bool),
+            "adv_tokens": pa.nulls(n, pa.list_(pa.float64())),
+        }, schema=store.ADVANTAGES)])
     return table, methods.state_to_json(result.state), dict(result.stats)
 
 
@@ -65,6 +79,7 @@ def advantages(ctx: RunContext, iteration: int, rollouts: RolloutRef, policy: Ch
     d = Path(rollouts.turns).parent
     path = d / f"advantages-{cfg.method}.parquet"
     digest = store.write_table(table, path, "advantages")
+    faults.kill_point("advantage", iteration)
     state_path = None
     if state is not None:
         state_path = d / f"estimator_state-{cfg.method}.json"

@@ -8,7 +8,7 @@ import pyarrow.compute as pc
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
-from horizonrl import store
+from horizonrl import faults, store
 from horizonrl.branching import plan_branches
 from horizonrl.checkpoint import CheckpointRef
 from horizonrl.evaluation import branch_metrics, episode_metrics
@@ -42,6 +42,7 @@ def collect_rollouts(ctx: RunContext, iteration: int, policy: CheckpointRef) -> 
     else:
         records = _play(ctx, iteration, policy)
         digests = {"turns": store.write_table(store.turns_table(records), ref.turns, "turns")}
+        faults.kill_point("collect", iteration)
         digests["episodes"] = store.write_table(store.episodes_table(records, cfg.run_name, iteration, policy.iteration), ref.episodes, "episodes")
     episodes = store.read_table(ref.episodes, "episodes")
     metrics = episode_metrics(episodes)
@@ -58,13 +59,13 @@ def collect_rollouts(ctx: RunContext, iteration: int, policy: CheckpointRef) -> 
 def _play(ctx: RunContext, iteration: int, policy: CheckpointRef) -> list:
     """K rollouts of the iteration's tasks; for APPO also the branches, planned over them and played in one batch."""
     cfg = ctx.cfg
-    loaded, suite = RUNTIME.get(cfg, policy), RUNTIME.suite(cfg)
+    loaded, envs = RUNTIME.get(cfg, policy), RUNTIME.episodes(cfg)
     sampling = RUNTIME.sampling(cfg, derive_seed(cfg.seed, "collect", iteration))
     tasks = sample_tasks(RUNTIME.task_pool(cfg, "train", cfg.env.train_pool), cfg.rollout.tasks_per_iteration, cfg.seed, iteration)
-    records = collect(suite, tasks, cfg.rollout.group_size, loaded.engine, loaded.fmt, **sampling)
+    records = collect(envs, tasks, cfg.rollout.group_size, loaded.engine, loaded.fmt, **sampling)
     if cfg.method == "appo":
         budget = cfg.rollout.branch_budget or cfg.rollout.group_size
         starts, _, stats = plan_branches(records, budget, BranchingParams(), loaded.tokenizer)
-        records += collect_branches(suite, starts, loaded.engine, loaded.fmt, first_rollout_id=len(records), **sampling)
+        records += collect_branches(envs, starts, loaded.engine, loaded.fmt, first_rollout_id=len(records), **sampling)
         log_stage(ctx, "collect/appo", stats, iteration)
     return records

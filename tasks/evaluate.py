@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
+from horizonrl import faults
 from horizonrl.checkpoint import CheckpointRef
 from horizonrl.evaluation import episode_metrics, sample_episodes
 from horizonrl.store import episodes_table
@@ -19,7 +20,7 @@ def play(ctx: RunContext, policy: CheckpointRef, samples: int, greedy: bool, see
     cfg = ctx.cfg
     loaded = RUNTIME.get(cfg, policy)
     tasks = RUNTIME.task_pool(cfg, cfg.eval.split, cfg.eval.n_tasks)
-    return collect(RUNTIME.suite(cfg), tasks, samples, loaded.engine, loaded.fmt, greedy=greedy, **RUNTIME.sampling(cfg, seed))
+    return collect(RUNTIME.episodes(cfg), tasks, samples, loaded.engine, loaded.fmt, greedy=greedy, **RUNTIME.sampling(cfg, seed))
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=1, cache_policy=NONE)
@@ -35,6 +36,7 @@ def evaluate(ctx: RunContext, policy: CheckpointRef, iteration: int) -> dict[str
         greedy = play(ctx, policy, 1, True, derive_seed(cfg.seed, "eval-greedy", iteration))
         greedy_metrics = episode_metrics(episodes_table(greedy, cfg.run_name, iteration, policy.iteration))
         metrics.update({f"greedy_{k}": greedy_metrics[k] for k in ("success_rate", "mean_return", "mean_turns", "invalid_rate")})
+    faults.kill_point("evaluate", iteration)
     if not logged(ctx, "eval/success_rate", iteration):
         log_table(ctx.mlflow(), ctx.mlflow_run_id, sample_episodes(sampled), f"episodes/eval_iter_{iteration:05d}.json")
     log_stage(ctx, "eval", metrics, iteration)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from horizonrl.envs.batch import InProcess
 from horizonrl.envs.household import HouseholdEnv, HouseholdSuite
 from horizonrl.envs.pool import EnvPool
 
@@ -67,8 +68,18 @@ def _reference(plan: list[dict[int, str]]) -> list[dict[int, tuple]]:
         for slot, action in actions.items():
             label = envs[slot].abstract_action(action)
             obs, reward, done, info = envs[slot].step(action)
-            turn[slot] = (obs, reward, done, {**info, "abstract_action": label})
+            turn[slot] = (obs, float(reward), done, {**info, "abstract_action": label})
         out.append(turn)
+    return out
+
+
+def _starts() -> list[tuple[str, dict]]:
+    """What reset_many answers: each episode's first observation, its goal added to the info."""
+    out = []
+    for task in _tasks():
+        env = HouseholdEnv()
+        obs, info = env.reset(task)
+        out.append((obs, {**info, "goal": env.goal()}))
     return out
 
 
@@ -89,13 +100,16 @@ def test_pool_matches_in_process_stepping_and_closes_cleanly(plan):
     pool = EnvPool("household", 0, n_workers=2)
     pids = pool.pids
     starts = pool.reset_many(_tasks())
-    assert starts == [HouseholdEnv().reset(t) for t in _tasks()]
+    assert starts == _starts()
     labels = pool.abstract_action_many(plan[0])
     assert labels == {slot: _label(t, plan[0][slot]) for slot, t in enumerate(_tasks())}
     assert [pool.step_many(actions) for actions in plan] == _reference(plan)
     assert pool.restarts == 0
     pool.close()
     assert not any(_alive(pid) for pid in pids)
+    with InProcess(HouseholdSuite(seed=0)) as local:  # the in-process batch answers the same
+        assert local.reset_many(_tasks()) == _starts()
+        assert [local.step_many(actions) for actions in plan] == _reference(plan)
 
 
 def _label(task, action: str) -> str:
@@ -147,7 +161,7 @@ def test_reset_many_reuses_workers_for_a_new_batch(plan):
         pool.reset_many(_tasks()[:3])
         pool.step_many({0: plan[0][0]})
         starts = pool.reset_many(_tasks())
-        assert starts == [HouseholdEnv().reset(t) for t in _tasks()]
+        assert starts == _starts()
         assert pool.step_many(plan[0]) == _reference(plan)[0]
 
 

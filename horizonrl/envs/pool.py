@@ -38,9 +38,9 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Mapping, Sequence
 
 from horizonrl.envs.base import EnvSuite, Task
+from horizonrl.envs.batch import StepResult, error_info, reset_episode, step_episode
 
 SuiteRef = str | Callable[[int], EnvSuite]
-StepResult = tuple[str, float, bool, dict[str, Any]]
 
 
 @dataclass
@@ -241,10 +241,9 @@ class EnvPool:
                 self._restart(w)
 
     def _fail(self, slot: int, why: str) -> dict[str, Any]:
-        """The info of an episode ended by an error: its last progress, no commands, ``error`` set."""
         episode = self._episodes[slot]
         episode.error = episode.error or why
-        return {**episode.info, "won": False, "admissible_commands": [], "valid": False, "error": episode.error}
+        return error_info(episode.info, episode.error)
 
     def _start(self) -> _Worker:
         parent, child = self._context.Pipe()
@@ -299,23 +298,17 @@ def serve(conn: Connection, suite_ref: SuiteRef, seed: int) -> None:
         _close_quietly(env)
 
 
-def _step(env: Any, action: str) -> StepResult:
-    label = env.abstract_action(action)
-    obs, reward, done, info = env.step(action)
-    return obs, float(reward), bool(done), {**info, "abstract_action": label}
-
-
 def _restore(env: Any, payload: tuple[Task, list[str]]) -> tuple[str, dict[str, Any]]:
     task, actions = payload
-    obs, info = env.reset(task)
+    obs, info = reset_episode(env, task)
     for action in actions:
-        obs, _, _, info = env.step(action)
+        obs, _, _, info = step_episode(env, action)
     return obs, info
 
 
 _OPS: dict[str, Callable[[Any, Any], Any]] = {
-    "reset": lambda env, task: env.reset(task),
-    "step": _step,
+    "reset": reset_episode,
+    "step": step_episode,
     "abstract": lambda env, action: env.abstract_action(action),
     "restore": _restore,
 }

@@ -1,0 +1,124 @@
+"""GPU check: a ~0.5 B-parameter Qwen2 (Qwen2.5-0.5B's shape, random weights built from a config, no
+download) runs rollouts through the transformers engine and one PPO update on one CUDA GPU, and prints
+generation and training throughput. Sized to finish within 8 minutes on one recent GPU.
+
+    .venv/bin/python scripts/gpu_check.py [--episodes 64] [--lora-rank 0]
+
+It checks the path the CPU tests cannot: bf16 weights, SDPA attention, the engine's KV cache and
+sampling on the device, and the learner's forward/backward there. On a machine without CUDA it stops
+with a message and exit status 2. The numbers are for random weights (actions are constrained to
+admissible commands, so episodes and token counts are realistic in shape, not in success).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DEADLINE_S = 8 * 60
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--episodes", type=int, default=64, help="rollouts collected (tasks x 4), the generation batch")
+    ap.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank instead of all weights (0: full)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_check needs a CUDA GPU and a CUDA build of torch; this machine has none (torch.cuda.is_available() is False).\n"
+              "The CPU paths are covered by `make test`; see README 'GPU and cluster set-ups'.", file=sys.stderr)
+        return 2
+
+    import methods
+    from horizonrl import store
+    from horizonrl.config import LoraConfig, ModelConfig
+    from horizonrl.engines.hf import TransformersEngine
+    from horizonrl.envs.household import HouseholdSuite
+    from horizonrl.lora import attach
+    from horizonrl.models import resolve_dtype, train_word_tokenizer
+    from horizonrl.prompting import ChatFormat
+    from horizonrl.rollout import collect
+    from horizonrl.sequences import train_rows
+    from horizonrl.trainer import UpdateSettings, ppo_update
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    t_start = time.perf_counter()
+    device = torch.device("cuda")
+    dtype = resolve_dtype(ModelConfig().dtype, device)  # the config's default: bf16 on CUDA
+    print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, dtype {dtype}, attention sdpa")
+
+    suite = HouseholdSuite(0)
+    tokenizer = train_word_tokenizer(suite.corpus(200))
+    fmt = ChatFormat.for_tokenizer(tokenizer)
+    config = Qwen2Config(  # Qwen2.5-0.5B's architecture; the vocabulary stays full size for a realistic LM head
+        vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, max_position_embeddings=32_768, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(dtype)
+    if args.lora_rank:
+        model = attach(model, LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank), seed=0)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"model: {n_params / 1e9:.3f} B parameters ({n_train / 1e6:.1f} M trained), built in {time.perf_counter() - t_start:.1f} s")
+
+    engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id], str(device))
+    n_tasks = max(1, args.episodes // 4)
+    warm = collect(suite, suite.tasks("train", "easy", 2), 2, engine, fmt, action_mode="admissible", context="full",
+                   history_turns=2, max_turns=2, max_action_tokens=24, temperature=1.0, seed=1)  # kernels, allocator
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    records = collect(suite, suite.tasks("train", "easy", n_tasks), 4, engine, fmt, action_mode="admissible", context="full",
+                      history_turns=2, max_turns=8, max_action_tokens=24, temperature=1.0, seed=0)
+    torch.cuda.synchronize()
+    t_gen = time.perf_counter() - t0
+    gen_tokens = sum(len(t.gen.token_ids) for r in records for t in r.turns)
+    turns = sum(len(r.turns) for r in records)
+    print(f"generation (admissible, full context, {len(records)} episodes, {turns} turns): {gen_tokens} action tokens in {t_gen:.1f} s "
+          f"= {gen_tokens / t_gen:.0f} tokens/s (environment steps included)")
+
+    prompts = [r.turns[0].prompt_ids for r in records]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    free = engine.generate(prompts, [None] * len(prompts), 64, 1.0, False, 0)
+    torch.cuda.synchronize()
+    t_free = time.perf_counter() - t0
+    free_tokens = sum(len(g.token_ids) for g in free)
+    print(f"generation (free decoding, batch {len(prompts)}, up to 64 new tokens): {free_tokens} tokens in {t_free:.1f} s = {free_tokens / t_free:.0f} tokens/s")
+    del warm, free
+
+    rows = [r for r in train_rows(store.turns_table(records), "full") if r.positions]
+    gen = torch.Generator().manual_seed(0)
+    for r in rows:  # random +-1 advantages: throughput does not depend on their values
+        r.adv = [float(torch.randint(0, 2, (1,), generator=gen)) * 2 - 1] * len(r.positions)
+    loss_name = "ppo_clip"
+    params = methods.LOSSES.get(loss_name).params_cls(clip_mode="asymmetric", eps_low=0.2, eps_high=0.2)
+    settings = UpdateSettings(loss_name, params, 1, max(1, len(rows) // 2), False, 1.0, 1e9, 1.0, 16_384, tokenizer.pad_token_id)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    try:
+        stats = ppo_update(model, optimizer, rows, settings, seed=0).stats
+    except RuntimeError as err:
+        if "device" in str(err):
+            print("update failed on a device mismatch: the learner (horizonrl/trainer.py) must build its tensors on the model's device", file=sys.stderr)
+        raise
+    torch.cuda.synchronize()
+    t_upd = time.perf_counter() - t0
+    real = sum(len(r.input_ids) for r in rows)
+    print(f"update (1 epoch, {int(stats['steps'])} optimizer steps, {len(rows)} trajectories, {real} tokens incl. pi_old recompute): "
+          f"{t_upd:.1f} s, trainer-reported {stats['tokens_per_s']:.0f} tokens/s, peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    total = time.perf_counter() - t_start
+    print(f"total {total:.0f} s (budget {DEADLINE_S} s)")
+    return 0 if total < DEADLINE_S else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,421 @@
+"""VLLMEngine without a GPU: request building and response parsing against a real HTTP server on
+127.0.0.1 (``http.server`` in a thread), so the engine's real client path runs.
+
+Two kinds of server stand in for vLLM (nothing in the engine is patched):
+
+* canned: answers with responses written by hand in vLLM's documented completion format
+  (``tokens`` as ``"token_id:<id>"``, ``token_logprobs``, ``top_logprobs``, ``token_ids``, -inf as -9999.0);
+* emulated: computes each answer with the tiny transformers policy the way vLLM's server does with
+  ``--logprobs-mode processed_logprobs`` (log-softmax after temperature and ``allowed_token_ids``; greedy
+  requests return temperature-1 log-probs). Against it the engine must produce what
+  ``TransformersEngine`` produces: same tokens, masks, allowed sets, and log-probs/entropies within 1e-4.
+
+The live test (a real vLLM server) is marked ``gpu`` and skipped without CUDA and ``.venv-vllm``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from horizonrl.engines.base import TokenTrie
+from horizonrl.engines.vllm import (
+    ServerSpec,
+    VLLMClient,
+    VLLMEngine,
+    VLLMError,
+    VLLMServer,
+    completion_body,
+    parse_completion,
+    server_command,
+    server_env,
+)
+
+END = 3
+TOL = 1e-4
+
+
+class Recorder:
+    """A loopback HTTP server: records each request (path, JSON body) and answers with ``answer``."""
+
+    def __init__(self, answer: Callable[[str, Any], tuple[int, Any]]) -> None:
+        self.requests: list[tuple[str, Any]] = []
+        self.lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with outer.lock:
+                    outer.requests.append((self.path, body))
+                status, payload = answer(self.path, body)
+                data = (payload if isinstance(payload, str) else json.dumps(payload)).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "text/plain" if isinstance(payload, str) else "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self.send_response(200 if self.path == "/health" else 404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def completions(self) -> list[dict]:
+        return [b for p, b in self.requests if p == "/v1/completions"]
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture()
+def serve():
+    servers: list[Recorder] = []
+
+    def start(answer: Callable[[str, Any], tuple[int, Any]]) -> Recorder:
+        servers.append(Recorder(answer))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def _choice(tokens: list[int], lps: list[float], tops: list[dict[int, float]], finish: str) -> dict:
+    """A completion response in vLLM's documented shape (what ``request_output_to_completion_response``
+    writes for logprobs=k, return_tokens_as_token_ids and return_token_ids)."""
+    return {
+        "id": "cmpl-0", "object": "text_completion", "created": 0, "model": "policy",
+        "choices": [{
+            "index": 0, "text": "",
+            "logprobs": {
+                "text_offset": [0] * len(tokens),
+                "token_logprobs": lps,
+                "tokens": [f"token_id:{t}" for t in tokens],
+                "top_logprobs": [{f"token_id:{k}": v for k, v in top.items()} for top in tops],
+            },
+            "finish_reason": finish, "stop_reason": tokens[-1] if finish == "stop" else None,
+            "token_ids": tokens, "prompt_logprobs": None, "prompt_token_ids": None,
+        }],
+        "usage": {"prompt_tokens": 3, "completion_tokens": len(tokens), "total_tokens": 3 + len(tokens)},
+    }
+
+
+def _h(*ps: float) -> float:
+    return -sum(p * math.log(p) for p in ps)
+
+
+# ------------------------------------------------------------------------------- canned responses
+def test_request_body_has_vllms_documented_fields():
+    body = completion_body("policy", [1, 2, 3], 4, 0.7, False, 42, 5, [END, 9, END], allowed=[5, 8])
+    assert body["prompt"] == [1, 2, 3] and body["max_tokens"] == 4 and body["temperature"] == 0.7 and body["seed"] == 42
+    assert body["logprobs"] == 5 and body["return_tokens_as_token_ids"] is True and body["return_token_ids"] is True
+    assert body["stop_token_ids"] == [END, 9] and body["ignore_eos"] is True and body["allowed_token_ids"] == [5, 8]
+    assert (body["top_p"], body["top_k"], body["min_p"], body["repetition_penalty"]) == (1.0, 0, 0.0, 1.0)
+    assert completion_body("policy", [1], 1, 0.7, True, 0, 1, [END])["temperature"] == 0.0
+    assert "allowed_token_ids" not in completion_body("policy", [1], 1, 0.7, False, 0, 1, [END])
+
+
+def test_free_mode_parses_a_handwritten_response(serve):
+    """Three tokens, the last the end id; entropy is the top-k truncation -sum p log p."""
+    tops = [{11: math.log(0.5), 12: math.log(0.3)}, {13: math.log(0.9), 11: math.log(0.05)}, {END: math.log(0.6), 13: math.log(0.2)}]
+    canned = _choice([12, 13, END], [math.log(0.3), math.log(0.9), math.log(0.6)], tops, "stop")
+    srv = serve(lambda path, body: (200, canned))
+    engine = VLLMEngine(VLLMClient(srv.url), [END], top_logprobs=2)
+    gens = engine.generate([[1, 2, 3], [1, 2, 3]], [None, None], 8, 1.0, False, 7)
+    for g in gens:
+        assert g.token_ids == [12, 13, END] and g.finished
+        assert g.logprobs == pytest.approx([math.log(0.3), math.log(0.9), math.log(0.6)], abs=1e-12)
+        assert g.entropy == pytest.approx([_h(0.5, 0.3), _h(0.9, 0.05), _h(0.6, 0.2)], abs=1e-12)
+        assert g.policy_mask == [True] * 3 and g.allowed == [[], [], []]
+    reqs = srv.completions()
+    assert [r["prompt"] for r in reqs] == [[1, 2, 3]] * 2 and all(r["logprobs"] == 2 and r["max_tokens"] == 8 for r in reqs)
+    assert reqs[0]["seed"] != reqs[1]["seed"]  # K rollouts of one prompt must not share a seed
+
+
+def test_free_mode_cut_at_the_budget_is_unfinished_and_a_missing_stop_token_is_an_error(serve):
+    cut = _choice([12, 13], [math.log(0.3), math.log(0.9)], [{12: math.log(0.3)}, {13: math.log(0.9)}], "length")
+    srv = serve(lambda path, body: (200, cut))
+    g = VLLMEngine(VLLMClient(srv.url), [END], 1).generate([[1]], [None], 2, 1.0, False, 0)[0]
+    assert g.token_ids == [12, 13] and not g.finished
+    lost = _choice([12], [math.log(0.3)], [{12: math.log(0.3)}], "stop")
+    srv2 = serve(lambda path, body: (200, lost))
+    with pytest.raises(VLLMError, match="stop token"):
+        VLLMEngine(VLLMClient(srv2.url), [END], 1).generate([[1]], [None], 4, 1.0, False, 0)
+
+
+def test_admissible_mode_asks_only_at_branching_tokens(serve):
+    """Trie {5 6 END, 5 7 END, 8 END}: the server is asked at [5, 8] and at [6, 7]; END after 7 is forced
+    (no request, log-prob 0, entropy 0, policy_mask False). Allowed ids outside the set come back as
+    -9999.0 (vLLM's JSON for -inf) and weigh nothing."""
+    answers = {
+        (5, 8): _choice([5], [math.log(0.7)], [{5: math.log(0.7), 8: math.log(0.3)}], "length"),
+        (6, 7): _choice([7], [math.log(0.4)], [{6: math.log(0.6), 7: math.log(0.4), 99: -9999.0}], "length"),
+    }
+    srv = serve(lambda path, body: (200, answers[tuple(body["allowed_token_ids"])]))
+    trie = TokenTrie([[5, 6, END], [5, 7, END], [8, END]])
+    g = VLLMEngine(VLLMClient(srv.url), [END], top_logprobs=8).generate([[1, 2]], [trie], 6, 1.0, False, 3)[0]
+    assert g.token_ids == [5, 7, END] and g.finished
+    assert g.logprobs == pytest.approx([math.log(0.7), math.log(0.4), 0.0], abs=1e-12)
+    assert g.entropy == pytest.approx([_h(0.7, 0.3), _h(0.6, 0.4), 0.0], abs=1e-12)
+    assert g.policy_mask == [True, True, False] and g.allowed == [[5, 8], [6, 7], [END]]
+    reqs = srv.completions()
+    assert [r["prompt"] for r in reqs] == [[1, 2], [1, 2, 5]]
+    assert [r["allowed_token_ids"] for r in reqs] == [[5, 8], [6, 7]] and all(r["max_tokens"] == 1 and r["logprobs"] == 2 for r in reqs)
+    assert reqs[0]["seed"] != reqs[1]["seed"]
+
+
+def test_server_errors_and_foreign_tokens_raise(serve):
+    srv = serve(lambda path, body: (400, {"object": "error", "message": "max_tokens is too large", "type": "BadRequestError", "code": 400}))
+    with pytest.raises(VLLMError, match="HTTP 400.*max_tokens is too large"):
+        VLLMEngine(VLLMClient(srv.url), [END], 1).generate([[1]], [None], 4, 1.0, False, 0)
+    plain = _choice([12], [-0.1], [{12: -0.1}], "length")
+    plain["choices"][0]["logprobs"]["tokens"] = ["hello"]  # return_tokens_as_token_ids ignored
+    with pytest.raises(VLLMError, match="token_id"):
+        parse_completion(plain)
+    outside = serve(lambda path, body: (200, _choice([9], [-0.1], [{9: -0.1}], "length")))
+    with pytest.raises(VLLMError, match="outside allowed"):
+        VLLMEngine(VLLMClient(outside.url), [END], 4).generate([[1]], [TokenTrie([[5, END], [8, END]])], 4, 1.0, False, 0)
+
+
+def test_lora_checkpoints_are_hot_loaded_and_requests_use_the_new_adapter(serve, tmp_path):
+    srv = serve(lambda path, body: (200, "Success: LoRA adapter loaded.") if "lora" in path else (200, _choice([END], [-0.1], [{END: -0.1}], "stop")))
+    engine = VLLMEngine(VLLMClient(srv.url), [END], 1)
+    ckpts = []
+    for it in (1, 2):
+        d = tmp_path / "checkpoints" / f"iter={it:05d}"
+        d.mkdir(parents=True)
+        (d / "adapter_config.json").write_text("{}")
+        ckpts.append(str(d))
+    engine.sync(ckpts[0])
+    engine.generate([[1]], [None], 2, 1.0, False, 0)
+    engine.sync(ckpts[0])  # already served: no request
+    engine.sync(ckpts[1])
+    engine.generate([[1]], [None], 2, 1.0, False, 0)
+    calls = [(p, b) for p, b in srv.requests]
+    assert [p for p, _ in calls] == ["/v1/load_lora_adapter", "/v1/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/completions"]
+    first, second = calls[0][1]["lora_name"], calls[2][1]["lora_name"]
+    assert calls[0][1]["lora_path"] == str(Path(ckpts[0]).resolve()) and first != second
+    assert calls[1][1]["model"] == first and calls[3][1] == {"lora_name": first} and calls[4][1]["model"] == second
+    with pytest.raises(VLLMError, match="full-weight reload"):
+        engine.sync(str(tmp_path))  # no adapter: full weights, and this engine owns no server
+
+
+# ------------------------------------------------------------------------------- emulated server
+class Emulator:
+    """vLLM's completion semantics with ``--logprobs-mode processed_logprobs`` over the tiny model."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    @torch.no_grad()
+    def __call__(self, path: str, body: dict) -> tuple[int, dict]:
+        seq, T, k = list(body["prompt"]), body["temperature"], body["logprobs"]
+        gen = torch.Generator().manual_seed(body["seed"])
+        tokens, lps, tops, finish = [], [], [], "length"
+        for _ in range(body["max_tokens"]):
+            logits = self.model(input_ids=torch.tensor([seq])).logits[0, -1].float()
+            if body.get("allowed_token_ids"):
+                logits = torch.full_like(logits, -math.inf).index_copy(0, torch.tensor(body["allowed_token_ids"]), logits[body["allowed_token_ids"]])
+            lp = torch.log_softmax(logits / (T if T > 0 else 1.0), -1)  # greedy: temperature 1, as vLLM
+            tok = int(lp.argmax()) if T == 0 else int(torch.multinomial(lp.exp(), 1, generator=gen))
+            v, i = lp.topk(k)
+            tokens.append(tok)
+            lps.append(max(float(lp[tok]), -9999.0))
+            tops.append({int(a): max(float(b), -9999.0) for a, b in zip(i, v)})
+            seq.append(tok)
+            if tok in body["stop_token_ids"]:
+                finish = "stop"
+                break
+        return 200, _choice(tokens, lps, tops, finish)
+
+
+@pytest.fixture()
+def emulated(serve, tiny_policy):
+    model, tokenizer, fmt, hf = tiny_policy
+    srv = serve(Emulator(model))
+    engine = VLLMEngine(VLLMClient(srv.url), hf.end_ids, top_logprobs=len(tokenizer), max_concurrency=4)
+    yield engine, hf, fmt, srv
+    engine.close()
+
+
+def _prompts(fmt, suite, n: int = 3):
+    prompts, commands = [], []
+    for i, task in enumerate(suite.tasks("train", "easy", n)):
+        env = suite.make()
+        obs, info = env.reset(task)
+        prompts.append(fmt.system(env.goal()) + (fmt.user("nothing happens .") + fmt.command("inventory")) * i + fmt.user(obs))
+        commands.append(info["admissible_commands"])
+    return prompts, commands
+
+
+def _same(a, b) -> None:
+    assert a.token_ids == b.token_ids and a.policy_mask == b.policy_mask and a.allowed == b.allowed and a.finished == b.finished
+    assert a.logprobs == pytest.approx(b.logprobs, abs=TOL) and a.entropy == pytest.approx(b.entropy, abs=TOL)
+
+
+@pytest.mark.parametrize("admissible", [True, False])
+def test_greedy_generations_equal_the_transformers_engine(emulated, household_suite, admissible):
+    """Same tokens, masks, allowed sets, finished flags; log-probs and entropies at T = 0.7 within 1e-4
+    (the engine rescales vLLM's temperature-1 greedy log-probs; top_logprobs = V, so nothing is cut)."""
+    engine, hf, fmt, srv = emulated
+    prompts, commands = _prompts(fmt, household_suite)
+    tries = [TokenTrie([fmt.command(c) for c in cs], cs) if admissible else None for cs in commands]
+    for v, h in zip(engine.generate(prompts, tries, 6, 0.7, True, 0), hf.generate(prompts, tries, 6, 0.7, True, 0)):
+        _same(v, h)
+    if admissible:  # one request per branching token, never for a forced one
+        assert len(srv.completions()) == sum(1 for g in hf.generate(prompts, tries, 6, 0.7, True, 0) for m in g.policy_mask if m)
+
+
+def test_session_resends_whole_sequences_and_equals_the_transformers_session(emulated, household_suite):
+    engine, hf, fmt, srv = emulated
+    prompts, commands = _prompts(fmt, household_suite)
+    trie = lambda cs: TokenTrie([fmt.command(c) for c in cs], cs)
+    vs, hs, seq = engine.session(), hf.session(), {}
+    schedule = [([10, 11, 12], prompts), ([12, 10], [fmt.user("nothing happens ."), fmt.user("you see nothing .")])]
+    for slots, new_ids in schedule:
+        tries = [trie(commands[s - 10]) for s in slots]
+        before = len(srv.completions())
+        v_gens = vs.extend(slots, new_ids, tries, 5, 0.7, True, 0)
+        for s, ids, v, h in zip(slots, new_ids, v_gens, hs.extend(slots, new_ids, tries, 5, 0.7, True, 0)):
+            _same(v, h)
+            seq[s] = seq.get(s, []) + ids
+            assert any(r["prompt"] == seq[s] for r in srv.completions()[before:])  # the whole history went out
+            seq[s] += v.token_ids
+    assert set(vs.seqs) == {10, 12}  # slot 11 finished and left
+
+
+def test_sampled_entropy_is_a_top_k_lower_bound(serve, tiny_policy, household_suite):
+    """With top_logprobs = 4 the free-mode entropy is the truncated sum -sum p log p over the returned tokens
+    (the 4 most likely of the tempered distribution, and the sampled one): below the full entropy."""
+    model, tokenizer, fmt, hf = tiny_policy
+    srv = serve(Emulator(model))
+    engine = VLLMEngine(VLLMClient(srv.url), hf.end_ids, top_logprobs=4)
+    prompts, _ = _prompts(fmt, household_suite, 1)
+    g = engine.generate(prompts, [None], 1, 0.7, False, 5)[0]
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=torch.tensor(prompts)).logits[0, -1].float() / 0.7, -1)
+    top = lp[sorted({*lp.topk(4).indices.tolist(), g.token_ids[0]})]
+    assert g.entropy[0] == pytest.approx(float(-(top.exp() * top).sum()), abs=TOL)
+    assert g.entropy[0] < float(-(lp.exp() * lp).sum())
+    assert g.logprobs[0] == pytest.approx(float(lp[g.token_ids[0]]), abs=TOL)
+    engine.close()
+
+
+# ------------------------------------------------------------------------------- server process
+FAKE_SERVER = '''
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+open(sys.argv[0] + ".argv.json", "w").write(json.dumps(args))
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+HTTPServer((args[args.index("--host") + 1], port), H).serve_forever()
+'''
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_server_command_binds_loopback_with_prefix_caching_and_lora():
+    spec = ServerSpec(python="/venv/bin/python", model="/m", port=8011, gpu_memory_utilization=0.4, max_logprobs=64, max_lora_rank=12, dtype="bfloat16")
+    cmd = server_command(spec)
+    flag = lambda f: cmd[cmd.index(f) + 1]
+    assert cmd[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert flag("--host") == "127.0.0.1" and flag("--port") == "8011" and flag("--model") == "/m" and flag("--dtype") == "bfloat16"
+    assert "--enable-prefix-caching" in cmd and flag("--logprobs-mode") == "processed_logprobs" and flag("--max-logprobs") == "64"
+    assert "--enable-lora" in cmd and flag("--max-lora-rank") == "16"  # rounded up to a rank vLLM accepts
+    assert server_env(spec, {})["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    full = ServerSpec(python="p", model="/m", port=1, gpu_memory_utilization=0.4, max_logprobs=8)
+    assert "--enable-lora" not in server_command(full) and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in server_env(full, {})
+
+
+def test_owned_server_starts_restarts_on_new_weights_and_leaves_no_process(tmp_path, monkeypatch):
+    """A stand-in ``vllm.entrypoints.openai.api_server`` module (a health endpoint) on PYTHONPATH: the
+    engine's real start / wait-for-health / stop path runs, and full-weight sync restarts it."""
+    pkg = tmp_path / "fake" / "vllm" / "entrypoints" / "openai"
+    pkg.mkdir(parents=True)
+    for d in (pkg, pkg.parent, pkg.parent.parent):
+        (d / "__init__.py").write_text("")
+    (pkg / "api_server.py").write_text(FAKE_SERVER)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    spec = ServerSpec(python=sys.executable, model=str(tmp_path / "iter=0"), port=_free_port(), gpu_memory_utilization=0.4, max_logprobs=8)
+    server = VLLMServer(spec, tmp_path / "server.log", startup_timeout_s=30)
+    server.start()
+    pid = server.proc.pid
+    engine = VLLMEngine(VLLMClient(server.url), [END], 8, server=server)
+    assert engine.client.healthy()
+    engine.sync(spec.model)  # what it was started on: no restart
+    assert engine.server.proc.pid == pid
+    engine.sync(str(tmp_path / "iter=1"))
+    assert engine.server.proc.pid != pid and engine.client.healthy()
+    argv = json.loads((pkg / "api_server.py.argv.json").read_text())
+    assert argv[argv.index("--model") + 1] == str(tmp_path / "iter=1")
+    new_pid = engine.server.proc.pid
+    engine.close()
+    for p in (pid, new_pid):
+        with pytest.raises(ProcessLookupError):
+            os.kill(p, 0)
+
+
+def test_missing_vllm_environment_says_how_to_create_it(tmp_path):
+    spec = ServerSpec(python=str(tmp_path / "nope" / "python"), model="m", port=1, gpu_memory_utilization=0.4, max_logprobs=8)
+    with pytest.raises(VLLMError, match="make vllm-venv"):
+        VLLMServer(spec, tmp_path / "log", 1).start()
+
+
+# ------------------------------------------------------------------------------- live (GPU)
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not VLLM_PYTHON.is_file(), reason="needs a CUDA GPU and `make vllm-venv`")
+def test_live_vllm_server_matches_the_transformers_engine(tiny_policy, tiny_policy_dir, household_suite, tmp_path):
+    """A real server on the tiny policy (float32): greedy admissible actions equal the transformers
+    engine's, log-probs within 1e-3 (different kernels)."""
+    model, tokenizer, fmt, hf = tiny_policy
+    spec = ServerSpec(python=str(VLLM_PYTHON), model=str(tiny_policy_dir), port=_free_port(), gpu_memory_utilization=0.2, max_logprobs=len(tokenizer), dtype="float32")
+    server = VLLMServer(spec, tmp_path / "vllm.log", startup_timeout_s=600)
+    server.start()
+    engine = VLLMEngine(VLLMClient(server.url), hf.end_ids, len(tokenizer), server=server)
+    try:
+        prompts, commands = _prompts(fmt, household_suite)
+        tries = [TokenTrie([fmt.command(c) for c in cs], cs) for cs in commands]
+        t0 = time.perf_counter()
+        gens = engine.generate(prompts, tries, 6, 0.7, True, 0)
+        assert time.perf_counter() - t0 < 60
+        for v, h in zip(gens, hf.generate(prompts, tries, 6, 0.7, True, 0)):
+            assert v.token_ids == h.token_ids and v.policy_mask == h.policy_mask and v.allowed == h.allowed
+            assert v.logprobs == pytest.approx(h.logprobs, abs=1e-3)
+    finally:
+        engine.close()
