@@ -48,8 +48,11 @@ def collect_rollouts(ctx: RunContext, iteration: int, policy: CheckpointRef) -> 
     metrics = episode_metrics(episodes)
     if cfg.method == "appo":
         metrics.update(branch_metrics(episodes))
-    timings = store.read_table(ref.turns, "turns", columns=["gen_s", "env_s"])
-    metrics.update(gen_s=float(pc.sum(timings["gen_s"]).as_py() or 0.0), env_s=float(pc.sum(timings["env_s"]).as_py() or 0.0))
+    turns = store.read_table(ref.turns, "turns", columns=["gen_s", "env_s", "format_valid", "finished"])
+    metrics.update(gen_s=float(pc.sum(turns["gen_s"]).as_py() or 0.0), env_s=float(pc.sum(turns["env_s"]).as_py() or 0.0))
+    if turns.num_rows:  # generation faults: no parsable action, or cut at the token budget
+        metrics.update(format_invalid_rate=1.0 - float(pc.mean(turns["format_valid"].cast("float64")).as_py()),
+                       unfinished_action_rate=1.0 - float(pc.mean(turns["finished"].cast("float64")).as_py()))
     inputs = {f"iter={iteration}/{name}": (path, digests[name]) for name, path in (("turns", ref.turns), ("episodes", ref.episodes))}
     log_stage(ctx, "collect", metrics, iteration, inputs=inputs)
     get_run_logger().info("iteration %d collect: success %.3f, mixed groups %.2f", iteration, metrics["success_rate"], metrics["mixed_group_fraction"])

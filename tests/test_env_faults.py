@@ -169,6 +169,10 @@ def test_train_flow_steps_environments_in_workers_and_leaves_none(prefect_harnes
     assert not [p for p in kids if b"spawn" in (p / "cmdline").read_bytes()]
     run = run_of(MlflowClient(tracking_uri), "pooled")
     assert run.data.metrics["collect/error_rate"] == 0.0 and run.data.params["rollout.env_workers"] == "2"
+    turns = store.read_table(Path(cfg["data_dir"]) / "test" / "pooled" / "iter=00001" / "turns.parquet", "turns")
+    fv, fin = turns["format_valid"].to_pylist(), turns["finished"].to_pylist()
+    assert run.data.metrics["collect/format_invalid_rate"] == pytest.approx(1 - sum(fv) / len(fv))
+    assert run.data.metrics["collect/unfinished_action_rate"] == pytest.approx(1 - sum(fin) / len(fin))
 
 
 def _parent(proc: Path) -> int:
