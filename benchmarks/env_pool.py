@@ -1,6 +1,7 @@
 """Speed-up of ``EnvPool`` over stepping the same episodes one after another, measured side by side.
 
-Both sides play the same episodes (``episodes`` slots over the suite's first train tasks, as K rollouts
+Both sides go through the rollout loop's interface (``InProcess`` and ``EnvPool``, one ``step_many`` per
+turn) and play the same episodes (``episodes`` slots over the suite's first train tasks, as K rollouts
 of each task) with the same action script: at each turn slot s plays admissible command number
 ``rng(s, turn) mod len(admissible)``, so both sides see identical states (checked). After one untimed
 warm-up round (JVM start, game loading, worker start), rounds alternate sequential / pool and the
@@ -18,6 +19,7 @@ import statistics
 import time
 
 from horizonrl.envs import make_suite
+from horizonrl.envs.batch import EpisodeBatch, InProcess
 from horizonrl.envs.pool import EnvPool
 from horizonrl.seeding import derive_seed
 
@@ -26,32 +28,21 @@ def _choice(slot: int, turn: int, commands: list[str]) -> str:
     return commands[random.Random(derive_seed(0, "bench", slot, turn)).randrange(len(commands))] if commands else "look"
 
 
-def sequential(envs: list, tasks: list, turns: int) -> tuple[float, list[str]]:
-    """Reset and step every episode in this process, one after another; (seconds, last observations)."""
+def play(envs: EpisodeBatch, tasks: list, turns: int) -> tuple[float, float, list[str]]:
+    """Reset and step every episode through ``envs`` as the rollout loop does (one ``step_many`` per
+    turn); (reset seconds, step seconds, last observations)."""
     start = time.perf_counter()
-    states = [env.reset(task) for env, task in zip(envs, tasks)]
+    states = envs.reset_many(tasks)
+    reset_s = time.perf_counter() - start
     last, live = [obs for obs, _ in states], {slot: info for slot, (_, info) in enumerate(states)}
-    for turn in range(turns):
-        for slot, info in list(live.items()):
-            obs, _, done, info = envs[slot].step(_choice(slot, turn, info["admissible_commands"]))
-            last[slot], live[slot] = obs, info
-            if done:
-                del live[slot]
-    return time.perf_counter() - start, last
-
-
-def pooled(pool: EnvPool, tasks: list, turns: int) -> tuple[float, list[str]]:
-    """The same episodes through the pool: one ``step_many`` per turn."""
     start = time.perf_counter()
-    states = pool.reset_many(tasks)
-    last, live = [obs for obs, _ in states], {slot: info for slot, (_, info) in enumerate(states)}
     for turn in range(turns):
-        results = pool.step_many({slot: _choice(slot, turn, info["admissible_commands"]) for slot, info in live.items()})
+        results = envs.step_many({slot: _choice(slot, turn, info["admissible_commands"]) for slot, info in live.items()})
         for slot, (obs, _, done, info) in results.items():
             last[slot], live[slot] = obs, info
-            if done:
+            if done or "error" in info:
                 del live[slot]
-    return time.perf_counter() - start, last
+    return reset_s, time.perf_counter() - start, last
 
 
 def main() -> None:
@@ -70,26 +61,25 @@ def main() -> None:
     tasks = [distinct[i // args.group_size] for i in range(args.episodes)]
     if hasattr(suite, "prepare"):
         suite.prepare(distinct)  # TextWorld: generate the games before timing
-    envs = [suite.make() for _ in tasks]
     start = time.perf_counter()
+    local = InProcess(suite)
     pool = EnvPool(args.suite, 0, n_workers=args.workers)
-    _, seq_last = sequential(envs, tasks, args.turns)  # warm-up round, untimed
-    _, pool_last = pooled(pool, tasks, args.turns)
+    *_, seq_last = play(local, tasks, args.turns)  # warm-up round, untimed
+    *_, pool_last = play(pool, tasks, args.turns)
     warmup = time.perf_counter() - start
     assert seq_last == pool_last, "the pool and in-process stepping diverged"
-    times: dict[str, list[float]] = {"sequential": [], "pool": []}
+    times: dict[str, list[tuple[float, float]]] = {"sequential": [], "pool": []}
     for _ in range(args.rounds):
-        times["sequential"].append(sequential(envs, tasks, args.turns)[0])
-        times["pool"].append(pooled(pool, tasks, args.turns)[0])
+        times["sequential"].append(play(local, tasks, args.turns)[:2])
+        times["pool"].append(play(pool, tasks, args.turns)[:2])
     pool.close()
-    for env in envs:
-        env.close()
-    seq, par = statistics.median(times["sequential"]), statistics.median(times["pool"])
+    local.close()
     print(f"suite={args.suite} tier={args.tier} episodes={args.episodes} turns={args.turns} workers={args.workers} "
-          f"rounds={args.rounds} warm-up={warmup:.1f}s")
-    print(f"sequential: {seq:.2f}s  ({', '.join(f'{t:.2f}' for t in times['sequential'])})")
-    print(f"pool:       {par:.2f}s  ({', '.join(f'{t:.2f}' for t in times['pool'])})")
-    print(f"speed-up:   {seq / par:.2f}x")
+          f"rounds={args.rounds} warm-up={warmup:.1f}s (median of rounds; reset + steps)")
+    med = {side: [statistics.median(t[i] for t in rounds) for i in (0, 1)] for side, rounds in times.items()}
+    for side in ("sequential", "pool"):
+        print(f"{side:<11} total {sum(med[side]):6.2f}s  reset {med[side][0]:6.2f}s  steps {med[side][1]:6.2f}s")
+    print(f"speed-up:   total {sum(med['sequential']) / sum(med['pool']):.2f}x  steps {med['sequential'][1] / med['pool'][1]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -64,7 +64,9 @@ def error_info(last_info: Mapping[str, Any], why: str) -> dict[str, Any]:
 
 
 class InProcess:
-    """Episodes stepped one after another in this process; a fresh environment per episode."""
+    """Episodes stepped one after another in this process. Environments are kept between batches and
+    reset to the next task (as the pool's workers do), so JVMs and loaded games stay warm; one that
+    failed is closed and replaced."""
 
     def __init__(self, suite: EnvSuite) -> None:
         self.suite = suite
@@ -73,16 +75,21 @@ class InProcess:
         self._errors: dict[int, str] = {}
 
     def reset_many(self, tasks: Sequence[Task]) -> list[tuple[str, dict[str, Any]]]:
-        self.close()
+        for slot in self._errors:
+            close_quietly(self._envs.pop(slot, None))
+        spare = list(self._envs.values())
+        self._envs, self._infos, self._errors = {}, {}, {}
         out = []
         for slot, task in enumerate(tasks):
             try:
-                self._envs[slot] = self.suite.make()
+                self._envs[slot] = spare.pop() if spare else self.suite.make()
                 obs, info = reset_episode(self._envs[slot], task)
             except Exception:
                 obs, info = "", self._fail(slot, f"reset failed: {traceback.format_exc(limit=3)}")
             self._infos[slot] = info
             out.append((obs, info))
+        for env in spare:
+            close_quietly(env)
         return out
 
     def step_many(self, actions: Mapping[int, str]) -> dict[int, StepResult]:
@@ -100,10 +107,7 @@ class InProcess:
 
     def close(self) -> None:
         for env in self._envs.values():
-            try:
-                env.close()
-            except Exception:
-                pass
+            close_quietly(env)
         self._envs, self._infos, self._errors = {}, {}, {}
 
     def _fail(self, slot: int, why: str) -> dict[str, Any]:
@@ -115,6 +119,14 @@ class InProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def close_quietly(env: Env | None) -> None:
+    try:
+        if env is not None:
+            env.close()
+    except Exception:
+        pass
 
 
 def _checked_info(info: dict[str, Any]) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Mapping, Sequence
 
 from horizonrl.envs.base import EnvSuite, Task
-from horizonrl.envs.batch import StepResult, error_info, reset_episode, step_episode
+from horizonrl.envs.batch import StepResult, close_quietly, error_info, reset_episode, step_episode
 
 SuiteRef = str | Callable[[int], EnvSuite]
 
@@ -293,9 +293,9 @@ def serve(conn: Connection, suite_ref: SuiteRef, seed: int) -> None:
                 conn.send((slot, True, _OPS[op](envs[slot], payload)))
             except Exception:
                 conn.send((slot, False, traceback.format_exc(limit=3)))
-                _close_quietly(envs.pop(slot, None))
+                close_quietly(envs.pop(slot, None))
     for env in [*envs.values(), *spare]:
-        _close_quietly(env)
+        close_quietly(env)
 
 
 def _restore(env: Any, payload: tuple[Task, list[str]]) -> tuple[str, dict[str, Any]]:
@@ -312,14 +312,6 @@ _OPS: dict[str, Callable[[Any, Any], Any]] = {
     "abstract": lambda env, action: env.abstract_action(action),
     "restore": _restore,
 }
-
-
-def _close_quietly(env: Any) -> None:
-    try:
-        if env is not None:
-            env.close()
-    except Exception:
-        pass
 
 
 def _die_with_parent() -> None:
