@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 
+from horizonrl.faults import kill_point
+
 STATE_FILE = "state.json"
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (e.g. the disk is full); the message names its folder. The
+    temporary folder is removed and earlier checkpoints are untouched."""
 
 
 @dataclass(frozen=True)
@@ -32,19 +39,27 @@ def checkpoint_dir(run_dir: Path, iteration: int) -> Path:
 
 
 def save_checkpoint(run_dir: Path, iteration: int, model: torch.nn.Module, tokenizer: Any, optimizer: torch.optim.Optimizer | None, state: dict[str, Any], estimator_state: dict | None = None, keep_last: int = 2) -> CheckpointRef:
-    """Write checkpoint ``iteration`` atomically; older ones beyond ``keep_last`` are removed (not 0)."""
+    """Write checkpoint ``iteration`` atomically; older ones beyond ``keep_last`` are removed (not 0).
+
+    A failed write (safetensors and torch raise their own error types on a full disk) removes the
+    temporary folder, so it cannot fill the disk further, and raises ``CheckpointWriteError``."""
     final = checkpoint_dir(run_dir, iteration)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    if optimizer is not None:
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    if estimator_state is not None:
-        (tmp / "estimator_state.json").write_text(json.dumps(estimator_state, sort_keys=True))
-    (tmp / STATE_FILE).write_text(json.dumps({"iteration": iteration, **state}, indent=1, sort_keys=True))
-    _fsync_dir(tmp)
+    try:
+        tmp.mkdir(parents=True)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if estimator_state is not None:
+            (tmp / "estimator_state.json").write_text(json.dumps(estimator_state, sort_keys=True))
+        (tmp / STATE_FILE).write_text(json.dumps({"iteration": iteration, **state}, indent=1, sort_keys=True))
+        _fsync_dir(tmp)
+    except Exception as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(f"could not write checkpoint {final}: {err}; earlier checkpoints are untouched") from err
+    kill_point("checkpoint", iteration)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

@@ -110,6 +110,9 @@ def write_table(table: pa.Table, path: str | Path, kind: str) -> str:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as err:  # pyarrow's message (e.g. on a full disk) does not name the file
+        message = f"could not write {path}: {err.strerror or err}; the previous file, if any, is unchanged"
+        raise (OSError(err.errno, message) if err.errno else OSError(message)) from err
     finally:
         tmp.unlink(missing_ok=True)
     return file_digest(path)

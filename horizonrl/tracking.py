@@ -6,6 +6,8 @@ explicit run id and uses ``MlflowClient``. Metric names are ``<stage>/<name>`` w
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import json
 import os
 import subprocess
@@ -32,7 +34,21 @@ def tracking_uri(configured: str | None = None) -> str:
 
 
 def client(uri: str) -> MlflowClient:
+    _create_sqlite_store_once(uri)
     return MlflowClient(tracking_uri=uri)
+
+
+@functools.cache
+def _create_sqlite_store_once(uri: str) -> None:
+    """Open a SQLite store first under a file lock: MLflow creates its tables on first use, and two runs
+    starting at once on a new store collide ("table _alembic_tmp_experiments already exists")."""
+    if not uri.startswith("sqlite:///"):
+        return
+    lock = Path(uri.removeprefix("sqlite:///") + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
 
 
 def experiment_id(c: MlflowClient, name: str) -> str:
@@ -84,6 +100,11 @@ def log_parquet_input(c: MlflowClient, run_id: str, name: str, path: str | Path,
 
 
 def log_table(c: MlflowClient, run_id: str, frame: pd.DataFrame, artifact_file: str) -> None:
+    """Log ``frame`` as a table artifact, once: MLflow appends to a table that exists, so a retried
+    stage logging it again would double its rows."""
+    folder = os.path.dirname(artifact_file) or None
+    if any(a.path == artifact_file for a in c.list_artifacts(run_id, folder)):
+        return
     c.log_table(run_id, data=frame, artifact_file=artifact_file)
 
 

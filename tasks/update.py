@@ -8,7 +8,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
-from horizonrl import store
+from horizonrl import faults, store
 from horizonrl.checkpoint import CheckpointRef, read_state, save_checkpoint
 from horizonrl.seeding import derive_seed
 from horizonrl.sequences import attach_advantages, train_rows
@@ -42,7 +42,9 @@ def update(ctx: RunContext, iteration: int, rollouts: RolloutRef, adv: Advantage
         rows = attach_advantages(train_rows(store.read_table(rollouts.turns, "turns"), cfg.rollout.context), store.read_table(adv.table, "advantages"))
         s = settings(ctx, loaded.tokenizer.pad_token_id)
         ref_model = RUNTIME.reference(cfg, ctx.path) if getattr(s.loss_params, "kl_coef", 0.0) > 0 else None
-        result = ppo_update(loaded.model, loaded.optimizer, rows, s, derive_seed(cfg.seed, "update", iteration), ref_model) if rows else None
+        with faults.nan_gradients(loaded.model, iteration):
+            result = ppo_update(loaded.model, loaded.optimizer, rows, s, derive_seed(cfg.seed, "update", iteration), ref_model) if rows else None
+        faults.kill_point("update", iteration)
         prev = read_state(policy)
         nonfinite = prev.get("nonfinite_steps", 0) + (result.nonfinite_steps if result else 0)
         if nonfinite > cfg.update.max_nan_skips:

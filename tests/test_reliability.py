@@ -1,0 +1,327 @@
+"""What survives what: SIGKILL at every stage, Prefect retries, non-finite steps, concurrent runs, a full disk.
+
+Crashes are real: the train CLI runs as its own process and kills itself with SIGKILL at a named point
+(``HORIZONRL_FAULT``, the documented fault-injection facility in ``horizonrl/faults.py``). CLI processes
+share the session's Prefect test server, so none of them starts its own.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from mlflow import MlflowClient
+from safetensors.torch import load_file
+
+from flowkit import flat, run_of, steps, tiny_config
+from horizonrl import faults, store
+from horizonrl.checkpoint import CheckpointWriteError, checkpoint_dir, latest_checkpoint, load_optimizer_state, save_checkpoint
+from horizonrl.models import load_policy
+
+REPO = Path(__file__).resolve().parents[1]
+RUN = "r"
+
+
+def config(root: Path, run_name: str = RUN, iterations: int = 2, **changes) -> dict:
+    """The tiny run, with a constant advantage (LOOP's kl_lambda) so every update takes real steps: with
+    an untrained policy no episode is won, every advantage would be 0 and the weights would never move."""
+    cfg = tiny_config(root, f"sqlite:///{root}/mlflow.db", run_name, iterations)
+    cfg["advantage_params"] = {"kl_lambda": 0.5}
+    cfg["eval"] = {"every": 1, "n_tasks": 2, "greedy": False}
+    return {**cfg, **changes}
+
+
+def run_dir(root: Path, run_name: str = RUN) -> Path:
+    return root / "data" / "test" / run_name
+
+
+@pytest.fixture(scope="module")
+def api_url(prefect_harness) -> str:
+    """The session's Prefect test server, passed to CLI processes so none starts its own (~20 s each)."""
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value()
+
+
+def start_cli(cfg: dict, api_url: str, log: Path, fault: str | None = None) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != faults.ENV}
+    env.update(PREFECT_API_URL=api_url, PREFECT_HOME=str(log.parent / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    if fault:
+        env[faults.ENV] = fault
+    sets = [f"--set={k}={v}" for k, v in flat(cfg).items()]
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "flows.cli", "train", *sets], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> int:
+    """Wait for the CLI, then kill whatever it left in its session (a killed process cleans up nothing)."""
+    rc = proc.wait(timeout=timeout)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return rc
+
+
+def metric_steps(tracking_uri: str, run_name: str) -> dict[str, list[int]]:
+    c = MlflowClient(tracking_uri)
+    run = run_of(c, run_name)
+    return {k: sorted(m.step for m in c.get_metric_history(run.info.run_id, k)) for k in run.data.metrics}
+
+
+def logged_at(root: Path, key: str, step: int) -> bool:
+    return step in metric_steps(f"sqlite:///{root}/mlflow.db", RUN).get(key, [])
+
+
+def files(d: Path) -> set[str]:
+    return {str(p.relative_to(d)) for p in d.rglob("*") if p.is_file()}
+
+
+def assert_same_tensors(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
+
+
+def test_fault_spec_is_checked(monkeypatch):
+    """A misspelt fault must fail loudly: a test meaning to inject it would otherwise pass without it."""
+    monkeypatch.setenv(faults.ENV, "collect:2,nan-grad:1")
+    assert faults.active("collect", 2) and faults.active("nan-grad", 1)
+    assert not faults.active("collect", 1) and not faults.active("update", 2)
+    monkeypatch.setenv(faults.ENV, "colect:2")
+    with pytest.raises(ValueError, match="'colect:2' is not <point>:<iteration>"):
+        faults.active("collect", 2)
+
+
+# (fault, newest complete checkpoint after the kill, metric the kill kept from being logged, what the
+# restarted process says). Each fault lies later in the run than the one before, so each restart
+# resumes the killed one and then is killed itself; a last start without a fault finishes the run.
+CYCLE = [
+    ("advantage:1", 0, ("advantage/kept_fraction", 1), "iteration 1: rollouts already stored, reused"),
+    ("update:1", 0, ("update/steps", 1), "iteration 1: rollouts already stored, reused"),
+    ("checkpoint:1", 0, ("update/steps", 1), "removed a partial file left by an interrupted run"),
+    ("evaluate:1", 1, ("eval/success_rate", 1), "resumed at iteration 1"),
+    ("collect:2", 1, ("collect/success_rate", 2), "resumed at iteration 1"),
+]
+
+
+@pytest.mark.slow
+def test_sigkill_at_every_stage_resumes_to_the_same_run(api_url, tmp_path):
+    """A run killed in each stage in turn (one CLI process per kill) ends bit-identical to one never
+    killed: the same rollouts, advantages, weights and optimizer state, and the same MLflow steps, once."""
+    straight_root, killed_root = tmp_path / "straight", tmp_path / "killed"
+    for root in (straight_root, killed_root):
+        root.mkdir()
+    straight = start_cli(config(straight_root), api_url, straight_root / "cli.log")  # runs alongside the kills
+    logs = []
+    for n, (fault, completed, (key, step), _) in enumerate(CYCLE):
+        logs.append(killed_root / f"cli-{n}.log")
+        rc = finish(start_cli(config(killed_root), api_url, logs[-1], fault))
+        assert rc == -signal.SIGKILL, f"{fault}: the process was not killed (rc {rc}):\n{logs[-1].read_text()[-3000:]}"
+        d = run_dir(killed_root)
+        assert latest_checkpoint(d).iteration == completed, fault
+        assert not logged_at(killed_root, key, step), f"{fault}: {key} was logged before the kill"
+        if fault == "checkpoint:1":
+            assert list((d / "checkpoints").glob(".iter=00001.tmp-*/model.safetensors")), "the kill did not land inside the checkpoint write"
+        if fault == "collect:2":
+            it2 = store.iteration_dir(killed_root / "data", "test", RUN, 2)
+            assert (it2 / "turns.parquet").is_file() and not (it2 / "episodes.parquet").exists()
+    logs.append(killed_root / "cli-final.log")
+    assert finish(start_cli(config(killed_root), api_url, logs[-1])) == 0, logs[-1].read_text()[-3000:]
+    assert finish(straight) == 0, (straight_root / "cli.log").read_text()[-3000:]
+    for (fault, *_, says), restart_log in zip(CYCLE, logs[1:]):
+        assert says in restart_log.read_text(), f"the start after the kill at {fault} did not resume from the last completed stage"
+    assert "iteration 2: rollouts already stored" not in logs[-1].read_text(), "half-stored rollouts were taken as complete"
+
+    a, b = run_dir(straight_root), run_dir(killed_root)
+    assert files(b) == files(a), "the killed run holds other files than the uninterrupted one"
+    assert not [p for p in b.rglob("*") if ".tmp-" in p.name], "a temporary (partial) file was left behind"
+    for it in (1, 2):
+        da, db = (store.iteration_dir(r / "data", "test", RUN, it) for r in (straight_root, killed_root))
+        assert pq.read_table(db / "advantages-loop.parquet").equals(pq.read_table(da / "advantages-loop.parquet")), it
+        assert pq.read_table(db / "episodes.parquet").equals(pq.read_table(da / "episodes.parquet")), it
+        timing = ["gen_s", "env_s"]  # wall-clock columns, the only ones allowed to differ
+        assert pq.read_table(db / "turns.parquet").drop_columns(timing).equals(pq.read_table(da / "turns.parquet").drop_columns(timing)), it
+        assert store.read_table(db / "episodes.parquet", "episodes").num_rows == 4  # every rollout once
+    ca, cb = checkpoint_dir(a, 2), checkpoint_dir(b, 2)
+    assert_same_tensors(load_file(cb / "model.safetensors"), load_file(ca / "model.safetensors"), "weights")
+    w0, w2 = load_file(checkpoint_dir(a, 0) / "model.safetensors"), load_file(ca / "model.safetensors")
+    assert any(not torch.equal(w0[k], w2[k]) for k in w0), "the updates moved no weight, so equal weights would prove nothing"
+    opt_a, opt_b = (torch.load(c / "optimizer.pt", weights_only=True)["state"] for c in (ca, cb))
+    assert opt_a.keys() == opt_b.keys()
+    for k in opt_a:
+        assert_same_tensors(opt_b[k], opt_a[k], f"optimizer state of parameter {k}")
+    model, _ = load_policy(cb)  # the resumed run's checkpoint loads, with its optimizer
+    assert load_optimizer_state(latest_checkpoint(b), torch.optim.AdamW(model.parameters()))
+
+    killed_steps = metric_steps(f"sqlite:///{killed_root}/mlflow.db", RUN)
+    assert all(len(s) == len(set(s)) for s in killed_steps.values()), "a metric step was logged twice"
+    assert killed_steps == metric_steps(f"sqlite:///{straight_root}/mlflow.db", RUN)
+    assert run_of(MlflowClient(f"sqlite:///{killed_root}/mlflow.db"), RUN).info.status == "FINISHED"
+
+
+def fail_once(fn: Callable[..., Any], failed: list[str], name: str, when: Callable[..., bool]) -> Callable[..., Any]:
+    """``fn``, except that its first call for which ``when(*args)`` holds raises an I/O error."""
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if name not in failed and when(*args):
+            failed.append(name)
+            raise OSError(errno.EIO, f"injected {name} failure")
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+@pytest.mark.slow
+def test_collect_and_evaluate_are_retried_and_write_once(prefect_harness, tmp_path, monkeypatch):
+    """Each retried task's first attempt fails half-way through its writes; Prefect's retry finishes the
+    run with every file, table row and metric step once. Mocked: the episodes.parquet write and the
+    evaluation's metric logging each fail once (after turns.parquet and the episode table are written)."""
+    import tasks.evaluate
+    from flows.train import train
+
+    failed: list[str] = []
+    monkeypatch.setattr(store, "write_table", fail_once(store.write_table, failed, "collect", lambda table, path, kind: kind == "episodes"))
+    monkeypatch.setattr(tasks.evaluate, "log_stage", fail_once(tasks.evaluate.log_stage, failed, "evaluate", lambda ctx, stage, *rest: stage == "eval"))
+    train(config=config(tmp_path, iterations=1))
+    assert failed == ["evaluate", "collect"]
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    assert metric_steps(uri, RUN)["collect/success_rate"] == [1]
+    assert metric_steps(uri, RUN)["eval/success_rate"] == [0, 1]
+    d = store.iteration_dir(tmp_path / "data", "test", RUN, 1)
+    assert sorted(p.name for p in d.iterdir()) == ["advantages-loop.parquet", "episodes.parquet", "turns.parquet"]
+    episodes, turns = store.read_table(d / "episodes.parquet", "episodes"), store.read_table(d / "turns.parquet", "turns")
+    assert episodes.num_rows == 4 and sum(episodes["n_turns"].to_pylist()) == turns.num_rows  # the retry's pair
+    c = MlflowClient(uri)
+    run = run_of(c, RUN)
+    table = c.load_table(run.info.experiment_id, "episodes/eval_iter_00000.json", run_ids=[run.info.run_id])
+    assert len(table) > 0 and not table.duplicated(subset=["rollout_id", "turn"]).any(), "the retried evaluation logged its episode table twice"
+
+
+@pytest.mark.slow
+def test_nonfinite_steps_are_skipped_and_counted_and_too_many_abort(prefect_harness, tmp_path, monkeypatch):
+    """NaN gradients (fault point ``nan-grad``) skip every step of iteration 1, counted; at iteration 2
+    the count passes ``update.max_nan_skips`` and the run stops, naming the limit, with checkpoint 1
+    left byte for byte as it was."""
+    from flows.train import train
+    from tasks.update import TooManyNonFiniteSteps
+
+    cfg = config(tmp_path, iterations=1, update={"minibatch_size": 2, "max_nan_skips": 4}, eval={"every": 10, "n_tasks": 2, "greedy": False})
+    monkeypatch.setenv(faults.ENV, "nan-grad:1")
+    train(config=cfg)
+    d = run_dir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    c = MlflowClient(uri)
+    metrics = run_of(c, RUN).data.metrics
+    assert metrics["update/steps"] == 0 and 3 <= metrics["update/nonfinite_steps"] <= 4  # 2 epochs x 2 minibatches
+    w0, w1 = (load_file(checkpoint_dir(d, i) / "model.safetensors") for i in (0, 1))
+    assert_same_tensors(w1, w0, "weights after skipped steps")
+    before = {p: store.file_digest(p) for p in checkpoint_dir(d, 1).iterdir()}
+
+    monkeypatch.setenv(faults.ENV, "nan-grad:2")
+    with pytest.raises(TooManyNonFiniteSteps, match=r"update\.max_nan_skips = 4\); last good checkpoint: .*iter=00001"):
+        train(config={**cfg, "iterations": 2})
+    assert latest_checkpoint(d).iteration == 1 and not checkpoint_dir(d, 2).exists()
+    assert {p: store.file_digest(p) for p in checkpoint_dir(d, 1).iterdir()} == before
+    assert not [p for p in d.rglob("*") if ".tmp-" in p.name]
+    assert steps(c, run_of(c, RUN).info.run_id, "update/steps") == [1]
+
+
+@pytest.mark.slow
+def test_two_runs_at_once_share_data_and_mlflow_store(api_url, tmp_path):
+    """Two train CLIs with distinct run names start together on one data folder and one new SQLite
+    MLflow store (tables, experiment and tiny model all created concurrently) and both finish whole."""
+    names = ("left", "right")
+    procs = [start_cli(config(tmp_path, name), api_url, tmp_path / f"{name}.log") for name in names]
+    rcs = [finish(p) for p in procs]
+    for name, rc in zip(names, rcs):
+        out = (tmp_path / f"{name}.log").read_text()
+        assert rc == 0, out[-3000:]
+        assert "locked" not in out and "Traceback" not in out, out[-3000:]
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    for name in names:
+        got = metric_steps(uri, name)
+        for key in ("collect/success_rate", "advantage/kept_fraction", "update/steps", "time/iteration_s"):
+            assert got[key] == [1, 2], (name, key)
+        assert got["eval/success_rate"] == [0, 1, 2], name
+        for it in (1, 2):
+            episodes = store.read_table(store.iteration_dir(tmp_path / "data", "test", name, it) / "episodes.parquet", "episodes")
+            assert episodes.num_rows == 4 and set(episodes["run_name"].to_pylist()) == {name}
+        assert latest_checkpoint(run_dir(tmp_path, name)).iteration == 2
+
+
+@pytest.fixture(params=["tmpfs", "fsync"])
+def full_disk(request, tmp_path: Path, monkeypatch) -> Iterator[tuple[Path, Callable[[], None]]]:
+    """(folder, fill): after ``fill()`` every write into the folder fails with ENOSPC.
+
+    tmpfs: a real 4 MiB tmpfs filled up with a file (needs root to mount; skipped otherwise).
+    fsync: mocked, ``os.fsync`` raises ENOSPC, as it does where a filesystem allocates on flush."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if request.param == "fsync":
+        def fill() -> None:
+            def no_space(fd: int) -> None:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            monkeypatch.setattr(os, "fsync", no_space)
+        yield disk, fill
+        return
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+
+    def fill() -> None:
+        with open(disk / "filler", "wb", buffering=0) as f:  # unbuffered: nothing left to flush on close
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+            except OSError as err:
+                assert err.errno == errno.ENOSPC
+
+    try:
+        yield disk, fill
+    finally:
+        gc.collect()  # a failed writer's frame, kept by the exception's traceback, holds a file open there
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_full_disk_while_writing_parquet_keeps_the_previous_file(full_disk):
+    disk, fill = full_disk
+    path = disk / "iter=00001" / "advantages-loop.parquet"
+    n = 50_000
+
+    def table(rows: int) -> pa.Table:
+        return pa.table({"rollout_id": pa.array(range(rows), pa.int64()), "turn": pa.array([0] * rows, pa.int32()),
+                         "adv": pa.array([i / 7 for i in range(rows)]), "keep": pa.array([True] * rows),
+                         "adv_tokens": pa.array([None] * rows, pa.list_(pa.float64()))}, schema=store.ADVANTAGES)
+
+    store.write_table(table(3), path, "advantages")
+    before = path.read_bytes()
+    fill()
+    with pytest.raises(OSError) as err:
+        store.write_table(table(n), path, "advantages")
+    assert err.value.errno == errno.ENOSPC and str(path) in str(err.value) and "is unchanged" in str(err.value)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in path.parent.iterdir()) == ["advantages-loop.parquet"]
+    assert store.read_table(path, "advantages").num_rows == 3
+
+
+def test_full_disk_while_writing_a_checkpoint_keeps_the_previous_one(full_disk, tiny_policy):
+    disk, fill = full_disk
+    model, tokenizer, *_ = tiny_policy
+    save_checkpoint(disk, 1, model, tokenizer, None, {})
+    first = checkpoint_dir(disk, 1)
+    before = {p.name: store.file_digest(p) for p in first.iterdir()}
+    fill()
+    with pytest.raises(CheckpointWriteError) as err:
+        save_checkpoint(disk, 2, model, tokenizer, None, {})
+    assert str(checkpoint_dir(disk, 2)) in str(err.value) and "No space left on device" in str(err.value)
+    assert {p.name: store.file_digest(p) for p in first.iterdir()} == before
+    assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["iter=00001"]  # no partial folder
+    assert latest_checkpoint(disk).iteration == 1
