@@ -1,4 +1,5 @@
-# Two entry points (README): `make run` trains the default LOOP run; `make test` runs the test suite.
+# Entry points (README): `make run` trains the default LOOP run; `make test` runs the test suite;
+# `make bench` runs the benchmark suite (issue 8).
 # Both create or reuse .venv, install torch 2.13.0 (CPU build) first, then the project.
 PY ?= python3
 VENV ?= .venv
@@ -7,11 +8,12 @@ HASH := $(shell sha256sum pyproject.toml | cut -c1-12)
 CONFIG ?= configs/loop_household_easy.yaml
 
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export RAY_USAGE_STATS_ENABLED := 0
 export PREFECT_HOME ?= $(CURDIR)/.prefect
 export TOKENIZERS_PARALLELISM := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
-.PHONY: setup setup-test run test clean-venv
+.PHONY: setup setup-test run test bench clean-venv vllm-venv gpu-check
 
 $(VENV)/.base-$(HASH): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,11 +24,13 @@ $(VENV)/.base-$(HASH): pyproject.toml
 
 # The tests also exercise the optional environments (TextWorld builds jericho from source: minutes, once).
 $(VENV)/.test-$(HASH): $(VENV)/.base-$(HASH)
-	$(BIN)/pip install -q -e ".[dev,textworld,scienceworld]"
+	$(BIN)/pip install -q -e ".[dev,textworld,scienceworld,ray]"
 	touch $@
 
 setup: $(VENV)/.base-$(HASH)
+# The browser test (tests/test_stack.py) drives Debian's chromium headless; installed only if missing.
 setup-test: $(VENV)/.test-$(HASH)
+	command -v chromium >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q chromium)
 
 run: setup
 	$(BIN)/horizonrl train --config $(CONFIG) $(ARGS)
@@ -34,6 +38,25 @@ run: setup
 test: setup-test
 	$(BIN)/python -m pytest -q $(ARGS)
 
+bench: setup
+	$(BIN)/python -m benchmarks $(ARGS)
+
+# vLLM's own environment (it cannot share one with Prefect, ../shared/STACK.md); needs a CUDA GPU to run.
+# vllm 0.32.0 is the release that pins torch 2.13.0, the project's torch.
+VLLM_VENV ?= .venv-vllm
+VLLM_VERSION ?= 0.32.0
+
+$(VLLM_VENV)/.vllm-$(VLLM_VERSION):
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q "vllm==$(VLLM_VERSION)"
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.vllm-$(VLLM_VERSION)
+
+# One CUDA GPU: transformers engine + one PPO update on a ~0.5 B model, throughput printed (< 8 min).
+gpu-check: setup
+	$(BIN)/python scripts/gpu_check.py $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -25,9 +25,28 @@ def main(argv: list[str] | None = None) -> int:
     rc.add_argument("--run-dir", required=True, help="data/<experiment>/<run_name>")
     rc.add_argument("--method", required=True, help="method (loop, grpo, gigpo, blpo, ...) or estimator name")
     rc.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="estimator parameter override")
+    sw = sub.add_parser("sweep", help="run a sweep file's grid as child train runs, then the comparison report")
+    sw.add_argument("sweep_file", help="sweep YAML (configs/sweeps/)")
+    sw.add_argument("--here", action="store_true", help="run the cells in this process even if the file names a deployment")
+    rp = sub.add_parser("report", help="compare the finished cells of a sweep (MLflow parent run + Prefect artifacts)")
+    rp.add_argument("sweep_file", help="sweep YAML the sweep ran from")
+    ev = sub.add_parser("evaluate", help="evaluate a logged policy on a split, in a new MLflow run")
+    ev.add_argument("--source", required=True, help="MLflow run id, runs:/<run id>, or models:/<name>/<version>")
+    ev.add_argument("--split", default="test", help="environment split (default test)")
+    ev.add_argument("--n-tasks", type=int, help="tasks evaluated (default: the source run's eval.n_tasks)")
+    ev.add_argument("--samples", type=int, help="sampled attempts per task (default: the source run's eval.samples)")
+    st = sub.add_parser("stack", help="local prefect server + process worker + mlflow server on 127.0.0.1")
+    st.add_argument("action", choices=["up", "down", "status"])
+    st.add_argument("--home", default=".stack", help="pid files and logs (default .stack/)")
+    st.add_argument("--store", default="mlflow", help="MLflow store folder (default mlflow/)")
+    st.add_argument("--prefect-port", type=int, default=4200)
+    st.add_argument("--mlflow-port", type=int, default=5000)
+    st.add_argument("--pool", default="horizonrl", help="process work pool (prefect.yaml deploys to 'horizonrl')")
     args = parser.parse_args(argv)
     if args.command == "recompute":
         return _recompute(args)
+    if args.command in ("sweep", "report", "evaluate", "stack"):
+        return _SWEEP_COMMANDS[args.command](args)
 
     from horizonrl.config import load_config
 
@@ -66,6 +85,63 @@ def _recompute(args: argparse.Namespace) -> int:
     for it, path in sorted(written.items()):
         print(f"iteration {it}: {path}")
     return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from flows.sweep import load_sweep, sweep
+
+    try:
+        load_sweep(args.sweep_file)
+    except ValueError as err:
+        print(f"horizonrl: bad sweep: {err}", file=sys.stderr)
+        return 2
+    sweep(args.sweep_file, in_process=args.here)
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from flows.sweep import load_sweep, sweep_report
+    from horizonrl.tracking import tracking_uri
+
+    try:
+        spec, cells = load_sweep(args.sweep_file)
+    except ValueError as err:
+        print(f"horizonrl: bad sweep: {err}", file=sys.stderr)
+        return 2
+    sweep_report(spec.name, cells[0].config.experiment, tracking_uri(cells[0].config.tracking_uri))
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from flows.evaluate import evaluate_policy
+
+    evaluate_policy(args.source, args.split, args.n_tasks, args.samples)
+    return 0
+
+
+def _stack(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from horizonrl import stack
+
+    s = stack.Stack(Path(args.home), Path(args.store), args.prefect_port, args.mlflow_port, args.pool)
+    if args.action == "up":
+        try:
+            urls = stack.up(s)
+        except (RuntimeError, TimeoutError) as err:
+            print(f"horizonrl: stack up: {err}", file=sys.stderr)
+            return 1
+        print(f"prefect UI {urls['prefect_ui']}, MLflow UI {urls['mlflow']}, work pool {s.pool!r}; logs in {s.home}/")
+        print(f"export PREFECT_API_URL={s.prefect_api} MLFLOW_TRACKING_URI={s.mlflow_uri}")
+    elif args.action == "down":
+        print("stopped:", ", ".join(stack.down(s)) or "nothing was running")
+    else:
+        for name, pgid in stack.status(s).items():
+            print(f"{name}: {'running, process group ' + str(pgid) if pgid else 'not running'}")
+    return 0
+
+
+_SWEEP_COMMANDS = {"sweep": _sweep, "report": _report, "evaluate": _evaluate, "stack": _stack}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,202 @@
+"""End-to-end on the real local stack: ``prefect server`` + a process worker + ``mlflow server`` on
+loopback (free ports, PREFECT_HOME and the MLflow store in a temporary folder), ``prefect deploy --all``
+from the project's ``prefect.yaml``, and the sweep deployment run with ``prefect deployment run`` on a
+tiny grid (loop, grpo x 2 seeds, 1 iteration) fanned out to the train deployment. Nothing is mocked.
+
+One stack serves the module's tests; the fixture takes it down and checks that no process is left.
+The browser test needs Debian's chromium (``make setup-test`` installs it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from flowkit import tiny_config
+from horizonrl import stack
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+SWEEP = "tiny-sweep"
+MODEL = "tiny-sweep-best"
+T_975_DF1 = 12.706204736174704  # Student t quantile 0.975 with 1 degree of freedom (two seeds)
+HISTORIES = ("eval/success_rate", "collect/episodes", "collect/mean_turns", "collect/tokens_per_episode", "time/train_s")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prefect(s: stack.Stack, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    env = {**s.environ(), "PWD": str(REPO)}  # prefect.yaml's pull step runs flows in {{ $PWD }}
+    done = subprocess.run([str(Path(sys.executable).parent / "prefect"), "--no-prompt", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"prefect {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+def _leftovers(marker: str) -> list[str]:
+    """Processes whose environment holds ``marker`` (the stack's unique PREFECT_HOME)."""
+    found = []
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in env.read_bytes():
+                cmdline = (env.parent / "cmdline").read_bytes().replace(b"\0", b" ")[:200]
+                found.append(f"{env.parent.name}: {cmdline!r}")
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    """The stack, up; the sweep deployment run to completion. Yields (stack, root, timings)."""
+    root = tmp_path_factory.mktemp("stack")
+    prefect_home = root / "prefect-home"
+    s = stack.Stack(home=root / ".stack", store=root / "mlflow", prefect_port=_free_port(), mlflow_port=_free_port(),
+                    env={"PREFECT_HOME": str(prefect_home), "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_UI_ENABLED": "false",
+                         "TOKENIZERS_PARALLELISM": "false"})
+    base = tiny_config(root, s.mlflow_uri, iterations=1)
+    for key in ("run_name", "method", "seed"):
+        base.pop(key)
+    (root / "base.yaml").write_text(yaml.safe_dump(base))
+    sweep_file = root / "sweep.yaml"
+    sweep_file.write_text(yaml.safe_dump({"name": SWEEP, "base": "base.yaml", "grid": {"method": ["loop", "grpo"], "seed": [0, 1]},
+                                          "deployment": "train/train", "concurrency": 2, "register_best": MODEL}))
+    timings = {}
+    t0 = time.perf_counter()
+    stack.up(s)
+    timings["stack_up_s"] = time.perf_counter() - t0
+    try:
+        t0 = time.perf_counter()
+        _prefect(s, "deploy", "--all", timeout=180)
+        timings["deploy_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        _prefect(s, "deployment", "run", "sweep/sweep", "--param", f"sweep_path={sweep_file}", "--watch", "--watch-timeout", "300", timeout=330)
+        timings["sweep_run_s"] = time.perf_counter() - t0
+        yield s, root, timings
+    finally:
+        t0 = time.perf_counter()
+        stack.down(s)
+        timings["stack_down_s"] = time.perf_counter() - t0
+        print("\nstack timings:", {k: round(v, 1) for k, v in timings.items()})
+    assert not _leftovers(str(prefect_home)), f"processes left after stack down: {_leftovers(str(prefect_home))}"
+    assert all(v is None for v in stack.status(s).values())
+
+
+def _parent_and_children(c: MlflowClient):
+    exp = c.get_experiment_by_name("test")
+    parents = c.search_runs([exp.experiment_id], filter_string=f"tags.`horizonrl.run_name` = '{SWEEP}'")
+    assert len(parents) == 1, "one parent run per sweep"
+    parent = parents[0]
+    children = c.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    return exp, parent, children
+
+
+def test_sweep_deployment_logs_parent_children_metrics_and_report(swept):
+    s, root, _ = swept
+    c = MlflowClient(s.mlflow_uri)
+    _, parent, children = _parent_and_children(c)
+    assert parent.info.status == "FINISHED" and parent.data.tags["horizonrl.kind"] == "sweep"
+    cells = sorted((r.data.tags["cell.method"], r.data.tags["cell.seed"]) for r in children)
+    assert cells == [("grpo", "0"), ("grpo", "1"), ("loop", "0"), ("loop", "1")]
+    for run in children:
+        assert run.info.status == "FINISHED"
+        assert json.loads(run.data.tags["horizonrl.cell"]) == {"method": run.data.tags["cell.method"], "seed": int(run.data.tags["cell.seed"])}
+        assert run.data.params["method"] == run.data.tags["cell.method"] and run.data.tags["seed"] == run.data.tags["cell.seed"]
+        assert sorted(m.step for m in c.get_metric_history(run.info.run_id, "eval/success_rate")) == [0, 1]
+        for key in ("collect/success_rate", "advantage/kept_fraction", "update/steps"):
+            assert [m.step for m in c.get_metric_history(run.info.run_id, key)] == [1], key
+    report_files = {a.path for a in c.list_artifacts(parent.info.run_id, "report")}
+    assert report_files == {"report/comparison.json", "report/report.md", "report/success_vs_iterations.png", "report/success_vs_env_steps.png"}
+    png = Path(c.download_artifacts(parent.info.run_id, "report/success_vs_env_steps.png", str(root / "dl")))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    versions = c.search_model_versions(f"name = '{MODEL}'")
+    assert len(versions) == 1 and versions[0].run_id == parent.data.tags["horizonrl.best_run_id"]
+    assert versions[0].run_id in {r.info.run_id for r in children}
+    import httpx
+
+    keys = [f"{SWEEP}-report", f"{SWEEP}-summary"]
+    found = httpx.post(f"{s.prefect_api}/artifacts/filter", json={"artifacts": {"key": {"any_": keys}}}).json()
+    assert sorted((a["key"], a["type"]) for a in found) == [(keys[0], "table"), (keys[1], "markdown")]
+    # the cells ran as flow runs of the train deployment, never more than `concurrency: 2` at once
+    flow_runs = httpx.post(f"{s.prefect_api}/flow_runs/filter", json={"flow_runs": {"name": {"like_": f"{SWEEP}--"}}}).json()
+    assert sorted(r["name"] for r in flow_runs) == sorted(r.info.run_name for r in children)
+    assert all(r["state_type"] == "COMPLETED" and r["deployment_id"] for r in flow_runs)
+    spans = [(r["start_time"], r["end_time"]) for r in flow_runs]
+    assert max(sum(a <= t < b for a, b in spans) for t, _ in spans) <= 2
+
+
+def test_report_numbers_match_mlflow_metrics(swept):
+    """Every figure of the parent's comparison table, recomputed here from the children's metrics."""
+    s, root, _ = swept
+    c = MlflowClient(s.mlflow_uri)
+    _, parent, children = _parent_and_children(c)
+    table = json.loads(Path(c.download_artifacts(parent.info.run_id, "report/comparison.json", str(root / "dl2"))).read_text())
+    rows = {r["variant"]: r for r in (dict(zip(table["columns"], d)) for d in table["data"])}
+    assert sorted(rows) == ["grpo", "loop"]
+    for method, row in rows.items():
+        per_seed = []
+        for run in (r for r in children if r.data.tags["cell.method"] == method):
+            h = {k: {m.step: m.value for m in c.get_metric_history(run.info.run_id, k)} for k in HISTORIES}
+            success = [h["eval/success_rate"][i] for i in sorted(h["eval/success_rate"])]
+            steps = sorted(h["eval/success_rate"])
+            auc = sum((success[i] + success[i + 1]) / 2 * (steps[i + 1] - steps[i]) for i in range(len(steps) - 1)) / (steps[-1] - steps[0])
+            tokens = sum(h["collect/episodes"][i] * h["collect/tokens_per_episode"][i] for i in h["collect/episodes"])
+            per_seed.append({"final": success[-1], "best": max(success), "auc": auc, "tokens": tokens, "train_s": h["time/train_s"][max(h["time/train_s"])]})
+        assert row["seeds"] == len(per_seed) == 2
+        for name in ("final", "best", "auc"):
+            x = np.array([p[name] for p in per_seed])
+            assert row[f"{name}_mean"] == pytest.approx(x.mean(), abs=1e-12)
+            assert row[f"{name}_ci95"] == pytest.approx(T_975_DF1 * x.std(ddof=1) / math.sqrt(2), abs=1e-12)
+        assert row["tokens"] == pytest.approx(np.mean([p["tokens"] for p in per_seed])) and row["tokens"] > 0
+        assert row["train_s"] == pytest.approx(np.mean([p["train_s"] for p in per_seed])) and row["train_s"] > 0
+
+
+def test_evaluate_deployment_logs_a_linked_run(swept):
+    """The registered best policy, evaluated on the train split through the evaluate deployment."""
+    s, _, _ = swept
+    _prefect(s, "deployment", "run", "evaluate/evaluate", "--param", f"source=models:/{MODEL}/1", "--param", "split=train",
+             "--param", "n_tasks=2", "--watch", "--watch-timeout", "120", timeout=150)
+    c = MlflowClient(s.mlflow_uri)
+    exp, parent, _ = _parent_and_children(c)
+    runs = c.search_runs([exp.experiment_id], filter_string="tags.`horizonrl.kind` = 'evaluation'")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert runs[0].data.tags["horizonrl.source_run_id"] == parent.data.tags["horizonrl.best_run_id"]
+    assert runs[0].data.params["eval.split"] == "train" and runs[0].data.params["eval.n_tasks"] == "2"
+    assert [m.step for m in c.get_metric_history(runs[0].info.run_id, "eval/success_rate")] == [1]
+
+
+def test_mlflow_ui_shows_the_sweep_runs(swept):
+    """Headless chromium renders the MLflow UI (a JavaScript app): the experiment page lists the sweep's
+    parent run, and the parent's page lists its four cell runs. Screenshots go to test-artifacts/."""
+    s, root, _ = swept
+    browser = shutil.which("chromium")
+    assert browser, "Debian's chromium is not installed: run `make setup-test` (or apt-get install -y chromium)"
+    c = MlflowClient(s.mlflow_uri)
+    exp, parent, children = _parent_and_children(c)
+    out = REPO / "test-artifacts"
+    out.mkdir(exist_ok=True)
+    pages = {"mlflow_experiment_page": (f"#/experiments/{exp.experiment_id}/runs", [SWEEP]),
+             "mlflow_sweep_run_page": (f"#/experiments/{exp.experiment_id}/runs/{parent.info.run_id}", [r.info.run_name for r in children])}
+    for name, (route, expected) in pages.items():
+        shot = out / f"{name}.png"
+        shot.unlink(missing_ok=True)
+        dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", f"--user-data-dir={root / 'chromium'}",
+                              "--window-size=1600,1000", "--virtual-time-budget=15000", f"--screenshot={shot}", "--dump-dom", f"{s.mlflow_uri}/{route}"],
+                             capture_output=True, text=True, timeout=120).stdout
+        missing = [run_name for run_name in expected if f">{run_name}<" not in dom]
+        assert not missing, f"{name}: runs not shown: {missing}"
+        assert shot.is_file() and shot.stat().st_size > 10_000, f"{name}: no screenshot"

@@ -1,0 +1,99 @@
+"""Sweep files (every shipped one loads; bad ones name the field), which cells count as finished (real
+MLflow on SQLite), and the evaluate flow's config rebuilt from a run's params. No flow runs here: the
+sweep and evaluate flows run end to end on the real stack in test_stack.py."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from flowkit import tiny_config
+from flows.evaluate import config_from_params
+from flows.sweep import artifact_key, finished, load_sweep
+from horizonrl import tracking
+from horizonrl.config import TrainConfig
+
+SWEEPS = sorted((Path(__file__).parents[1] / "configs" / "sweeps").glob("*.y*ml"))
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.name)
+def test_every_shipped_sweep_loads(path):
+    spec, cells = load_sweep(path)
+    assert len(cells) == math.prod(len(v) for v in spec.grid.values())
+    assert len({c.run_name for c in cells}) == len(cells)
+    for cell in cells:
+        for key, value in cell.coords.items():
+            node = cell.config.model_dump()
+            for part in key.split("."):
+                node = node[part]
+            assert node == value, f"{cell.run_name}: {key}"
+
+
+def _write(tmp_path: Path, sweep: dict, base: dict | None = None) -> Path:
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base if base is not None else {"iterations": 1}))
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"name": "s", "base": "base.yaml", **sweep}, sort_keys=False))
+    return path
+
+
+def test_cells_are_the_grid_product_with_overrides(tmp_path):
+    spec, cells = load_sweep(_write(tmp_path, {"set": ["eval.n_tasks=7"], "grid": {"method": ["loop", "grpo"], "loss_params.ratio_level": ["token", "turn"]}}))
+    assert [c.run_name for c in cells] == ["s--method=loop--loss_params.ratio_level=token", "s--method=loop--loss_params.ratio_level=turn",
+                                           "s--method=grpo--loss_params.ratio_level=token", "s--method=grpo--loss_params.ratio_level=turn"]
+    assert all(c.config.eval.n_tasks == 7 and c.config.iterations == 1 for c in cells)
+    assert cells[3].config.loss_spec()[1].ratio_level == "turn" and cells[3].config.method == "grpo"
+    assert spec.concurrency == 1 and spec.deployment is None
+
+
+@pytest.mark.parametrize("sweep, message", [
+    ({"grid": {}}, r"grid\n.*grid is empty"),
+    ({"grid": {"method": []}}, "grid.method has no values"),
+    ({"grid": {"method": ["loop", "sarsa"]}}, r"(?s)grid cell \{'method': 'sarsa'\}: .*unknown method 'sarsa'"),
+    ({"grid": {"update.lrr": [1]}}, r"(?s)grid cell \{'update.lrr': 1\}: .*update.lrr"),
+    ({"grid": {"seed": [0]}, "concurrency": 0}, "concurrency"),
+    ({"grid": {"seed": [0]}, "methods": ["loop"]}, "methods"),
+    ({"grid": {"experiment": ["a", "b"]}}, "grid varies 'experiment'"),
+])
+def test_bad_sweep_names_the_field(tmp_path, sweep, message):
+    with pytest.raises(ValueError, match=message):
+        load_sweep(_write(tmp_path, sweep))
+
+
+def test_missing_files_are_named(tmp_path):
+    with pytest.raises(ValueError, match="sweep file .*nope.yaml' does not exist"):
+        load_sweep(tmp_path / "nope.yaml")
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"name": "s", "base": "absent.yaml", "grid": {"seed": [0]}}))
+    with pytest.raises(ValueError, match="config file .*absent.yaml' does not exist"):
+        load_sweep(path)
+
+
+def test_finished_means_run_finished_after_all_iterations(tmp_path, tracking_uri):
+    _, cells = load_sweep(_write(tmp_path, {"grid": {"seed": [0]}}, tiny_config(tmp_path, tracking_uri, iterations=2)))
+    cell, c = cells[0], MlflowClient(tracking_uri)
+    assert not finished(c, cell)  # no run yet
+    run_id, _ = tracking.find_or_create_run(c, "test", cell.run_name, {})
+    tracking.log_metrics(c, run_id, "summary", {"iterations": 1.0}, 1)
+    c.set_terminated(run_id, "FINISHED")
+    assert not finished(c, cell), "a run finished with fewer iterations than the cell asks for resumes"
+    tracking.find_or_create_run(c, "test", cell.run_name, {})  # a resumed attempt: RUNNING again
+    tracking.log_metrics(c, run_id, "summary", {"iterations": 2.0}, 2)
+    assert not finished(c, cell), "a run still running (or killed) is not finished"
+    c.set_terminated(run_id, "FINISHED")
+    assert finished(c, cell)
+
+
+def test_config_rebuilt_from_mlflow_params(tmp_path, tracking_uri):
+    cfg = TrainConfig.model_validate({**tiny_config(tmp_path, tracking_uri), "loss_params": {"eps": 2e-5, "ratio_level": "turn"}, "time_budget_s": 30})
+    c = MlflowClient(tracking_uri)
+    run_id, _ = tracking.find_or_create_run(c, "test", "params", {})
+    tracking.log_params(c, run_id, cfg.flat())
+    assert config_from_params(c.get_run(run_id).data.params) == cfg
+
+
+def test_artifact_keys_are_prefect_safe():
+    assert artifact_key("Ablation_household.easy") == "ablation-household-easy"
