@@ -134,6 +134,12 @@ class RolloutConfig(Strict):
     process. Results are the same either way; workers pay off when stepping is slow (TextWorld, ScienceWorld)."""
     step_timeout_s: float = Field(60.0, gt=0)
     """With env_workers: an environment step that takes longer ends its episode as an error."""
+    shards: int = Field(1, ge=1)
+    """Blocks the iteration's tasks are split into, each played as one Prefect task with its own sampling
+    seed. Rollouts depend on the number of shards, not on ``runner``; 1 keeps the unsharded stream."""
+    runner: Literal["local", "ray"] = "local"
+    """Where shards play: local = one after another in the flow's process; ray = in parallel on a Ray
+    cluster (section ``ray``), each worker with its own engine and environments."""
 
 
 class UpdateConfig(Strict):
@@ -181,6 +187,18 @@ class VLLMConfig(Strict):
     request_timeout_s: float = Field(300.0, gt=0)
 
 
+class RayConfig(Strict):
+    """The Ray cluster of ``rollout.runner: ray`` (``pip install -e ".[ray]"``)."""
+
+    address: str | None = None
+    """A running cluster (``ray://<head>:10001``, or ``<head>:6379`` on one of its nodes); None starts a
+    local one on 127.0.0.1 for the run and stops it at the end."""
+    num_cpus: int | None = Field(None, ge=1)
+    """Local cluster only: CPUs it offers, one per shard in flight; None = all of this machine's."""
+    object_store_mb: int = Field(256, ge=80)
+    """Local cluster only: its shared-memory object store, through which shard results come back."""
+
+
 class EngineConfig(Strict):
     name: Literal["transformers", "vllm"] = "transformers"
     """Sampler for rollouts: transformers in this process, or a vLLM server (GPU)."""
@@ -204,6 +222,7 @@ class TrainConfig(Strict):
     update: UpdateConfig = UpdateConfig()
     eval: EvalConfig = EvalConfig()
     engine: EngineConfig = EngineConfig()
+    ray: RayConfig = RayConfig()
     data_dir: str = "data"
     tracking_uri: str | None = None
     """MLflow tracking URI; None takes $MLFLOW_TRACKING_URI, else sqlite:///mlflow/mlflow.db."""
@@ -231,6 +250,15 @@ class TrainConfig(Strict):
 
         if self.env.name not in SUITES:
             raise ValueError(f"env.name = {self.env.name!r} is unknown; known: {', '.join(sorted(SUITES))}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_shards(self) -> "TrainConfig":
+        r = self.rollout
+        if r.shards > r.tasks_per_iteration:
+            raise ValueError(f"rollout.shards = {r.shards}: more shards than rollout.tasks_per_iteration ({r.tasks_per_iteration})")
+        if r.runner == "ray" and self.engine.name != "transformers":
+            raise ValueError("rollout.runner = 'ray' needs engine.name = 'transformers': each Ray worker would start its own vLLM server")
         return self
 
     # derived values -------------------------------------------------------------------------------

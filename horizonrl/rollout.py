@@ -104,25 +104,57 @@ def collect(
     seed: int,
     greedy: bool = False,
     first_rollout_id: int = 0,
+    first_group_id: int = 0,
 ) -> list[EpisodeRecord]:
-    """Play ``group_size`` rollouts of every task; rollout r of task g has group_id g. ``envs`` is an
-    ``EpisodeBatch`` (kept open for the caller) or a suite, played in this process."""
+    """Play ``group_size`` rollouts of every task; rollout r of task g has group_id ``first_group_id + g``
+    (a shard numbers its groups where they sit in the iteration). ``envs`` is an ``EpisodeBatch`` (kept
+    open for the caller) or a suite, played in this process."""
     if isinstance(envs, EnvSuite):
         with InProcess(envs) as batch:
             return collect(batch, tasks, group_size, engine, fmt, action_mode=action_mode, context=context, history_turns=history_turns,
                            max_turns=max_turns, max_action_tokens=max_action_tokens, temperature=temperature, seed=seed, greedy=greedy,
-                           first_rollout_id=first_rollout_id)
+                           first_rollout_id=first_rollout_id, first_group_id=first_group_id)
     starts = envs.reset_many([task for task in tasks for _ in range(group_size)])
     live: list[_Live] = []
     for slot, (obs, info) in enumerate(starts):
         g = slot // group_size
         rid = first_rollout_id + slot
-        rec = EpisodeRecord(rid, g, tasks[g], context, derive_seed(seed, "sample", rid))
+        rec = EpisodeRecord(rid, first_group_id + g, tasks[g], context, derive_seed(seed, "sample", rid))
         ep = _Live(rec, slot, obs, info, fmt.system(info.get("goal", "")))
         if "error" in info:
             _end_with_error(ep, info["error"])
         live.append(ep)
     return _run(live, envs, engine, fmt, action_mode, history_turns, max_turns, max_action_tokens, temperature, greedy, seed)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A fixed part of an iteration's rollouts: a block of its tasks, their rollout ids and a sampling seed.
+
+    Fixed by the task list and the number of shards only, never by where a shard is played, so the
+    same seed gives the same rollouts in this process or on a cluster."""
+
+    index: int
+    tasks: list[Task]
+    first_group_id: int  # index of tasks[0] in the iteration's task list
+    first_rollout_id: int
+    seed: int
+
+
+def split_shards(tasks: list[Task], n_shards: int, group_size: int, seed: int) -> list[Shard]:
+    """Contiguous blocks of ``tasks`` (sizes differ by at most one; no empty shard), so the shards' records
+    concatenated in order number groups and rollouts exactly as one unsharded ``collect`` does. With
+    ``n_shards`` 1 the shard samples with ``seed`` itself (the unsharded stream); with more, shard s samples
+    with its own ``derive_seed(seed, "shard", s)``, because the engine draws one stream per batch and shards
+    sharing a seed would draw correlated actions."""
+    n = min(n_shards, len(tasks))
+    shards, start = [], 0
+    for s in range(n):
+        size = len(tasks) // n + (s < len(tasks) % n)
+        shard_seed = seed if n_shards == 1 else derive_seed(seed, "shard", s)
+        shards.append(Shard(s, tasks[start:start + size], start, start * group_size, shard_seed))
+        start += size
+    return shards
 
 
 def collect_branches(

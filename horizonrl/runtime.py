@@ -16,7 +16,7 @@ import torch
 
 from horizonrl import lora
 from horizonrl.checkpoint import CheckpointRef, checkpoint_dir, load_optimizer_state, read_state
-from horizonrl.config import TrainConfig
+from horizonrl.config import RayConfig, TrainConfig
 from horizonrl.engines.base import Engine
 from horizonrl.engines.hf import TransformersEngine
 from horizonrl.envs import EnvSuite, make_suite
@@ -49,6 +49,7 @@ class PolicyRuntime:
         self._reference: torch.nn.Module | None = None
         self._vllm = None  # VLLMEngine: one server per process, kept across checkpoints (reloaded, not restarted)
         self._episodes: tuple[tuple, EpisodeBatch] | None = None
+        self._ray: RayConfig | None = None  # the Ray cluster this process joined (rollout.runner: ray)
 
     def suite(self, cfg: TrainConfig) -> EnvSuite:
         key = (cfg.env.name, cfg.env.suite_seed)
@@ -74,6 +75,31 @@ class PolicyRuntime:
         if self._episodes is not None:
             self._episodes[1].close()
             self._episodes = None
+
+    def ray_cluster(self, cfg: TrainConfig) -> None:
+        """Join the run's Ray cluster once and stay, like the environment workers: ``ray.address``, or a
+        new local cluster bound to 127.0.0.1 (``address="local"``, so a ``RAY_ADDRESS`` in the environment
+        cannot redirect it), without the dashboard's modules (its API server stays, on 127.0.0.1)."""
+        if self._ray == cfg.ray:
+            return
+        self.close_ray()
+        import ray  # the optional "ray" extra
+
+        if cfg.ray.address is not None:
+            ray.init(address=cfg.ray.address, namespace="horizonrl")
+        else:
+            ray.init(address="local", num_cpus=cfg.ray.num_cpus, object_store_memory=cfg.ray.object_store_mb * 2**20,
+                     include_dashboard=False, _node_ip_address="127.0.0.1", namespace="horizonrl")
+        self._ray = cfg.ray
+
+    def close_ray(self) -> None:
+        """Leave the Ray cluster: a local one stops with all its processes (workers, raylet, GCS); a
+        cluster given by address keeps running."""
+        if self._ray is not None:
+            import ray
+
+            ray.shutdown()
+            self._ray = None
 
     def task_pool(self, cfg: TrainConfig, split: str, n: int) -> list:
         """The first ``n`` tasks of ``split`` at the configured tier (generated once per process)."""

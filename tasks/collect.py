@@ -1,4 +1,12 @@
-"""Stage 1: play the iteration's rollouts with the current policy and store them as Parquet."""
+"""Stage 1: play the iteration's rollouts with the current policy and store them as Parquet.
+
+The iteration's tasks are split into ``rollout.shards`` fixed shards (``horizonrl.rollout.split_shards``),
+each played by the ``collect-shard`` task: one after another in this process (``rollout.runner: local``)
+or in parallel on a Ray cluster through prefect-ray's task runner (``ray``), where each Ray worker keeps
+its own policy and environments in its ``RUNTIME``. The shards' records are joined in order, so the
+tables do not depend on where the shards ran. APPO's branches are planned over all initial rollouts and
+played here, after the shards.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +20,7 @@ from horizonrl import faults, store
 from horizonrl.branching import plan_branches
 from horizonrl.checkpoint import CheckpointRef
 from horizonrl.evaluation import branch_metrics, episode_metrics
-from horizonrl.rollout import collect, collect_branches
+from horizonrl.rollout import EpisodeRecord, Shard, collect, collect_branches, split_shards
 from horizonrl.runtime import sample_tasks
 from horizonrl.seeding import derive_seed
 from methods.appo import BranchingParams
@@ -59,16 +67,41 @@ def collect_rollouts(ctx: RunContext, iteration: int, policy: CheckpointRef) -> 
     return ref
 
 
-def _play(ctx: RunContext, iteration: int, policy: CheckpointRef) -> list:
-    """K rollouts of the iteration's tasks; for APPO also the branches, planned over them and played in one batch."""
+@task(name="collect-shard", task_run_name="collect-shard-{shard.index}", cache_policy=NONE)
+def play_shard(ctx: RunContext, policy: CheckpointRef, shard: Shard) -> list[EpisodeRecord]:
+    """K rollouts of the shard's tasks with this process's policy and environments (a Ray worker keeps
+    them between iterations and loads each new checkpoint from its path)."""
     cfg = ctx.cfg
     loaded, envs = RUNTIME.get(cfg, policy), RUNTIME.episodes(cfg)
-    sampling = RUNTIME.sampling(cfg, derive_seed(cfg.seed, "collect", iteration))
+    return collect(envs, shard.tasks, cfg.rollout.group_size, loaded.engine, loaded.fmt, first_rollout_id=shard.first_rollout_id,
+                   first_group_id=shard.first_group_id, **RUNTIME.sampling(cfg, shard.seed))
+
+
+def _play(ctx: RunContext, iteration: int, policy: CheckpointRef) -> list[EpisodeRecord]:
+    """K rollouts of the iteration's tasks, shard by shard; for APPO also the branches, planned over them and
+    played in one batch in this process."""
+    cfg = ctx.cfg
+    seed = derive_seed(cfg.seed, "collect", iteration)
     tasks = sample_tasks(RUNTIME.task_pool(cfg, "train", cfg.env.train_pool), cfg.rollout.tasks_per_iteration, cfg.seed, iteration)
-    records = collect(envs, tasks, cfg.rollout.group_size, loaded.engine, loaded.fmt, **sampling)
+    shards = split_shards(tasks, cfg.rollout.shards, cfg.rollout.group_size, seed)
+    records = [r for part in _play_shards(ctx, policy, shards) for r in part]
     if cfg.method == "appo":
+        loaded, envs, sampling = RUNTIME.get(cfg, policy), RUNTIME.episodes(cfg), RUNTIME.sampling(cfg, seed)
         budget = cfg.rollout.branch_budget or cfg.rollout.group_size
         starts, _, stats = plan_branches(records, budget, BranchingParams(), loaded.tokenizer)
         records += collect_branches(envs, starts, loaded.engine, loaded.fmt, first_rollout_id=len(records), **sampling)
         log_stage(ctx, "collect/appo", stats, iteration)
     return records
+
+
+def _play_shards(ctx: RunContext, policy: CheckpointRef, shards: list[Shard]) -> list[list[EpisodeRecord]]:
+    """Each shard's records, in shard order. On Ray the run's cluster is joined at the first collect and
+    kept until ``finish_run``; the task runner only submits to it."""
+    if ctx.cfg.rollout.runner == "local":
+        return [play_shard(ctx, policy, shard) for shard in shards]
+    from prefect_ray import RayTaskRunner  # the optional "ray" extra
+
+    RUNTIME.ray_cluster(ctx.cfg)
+    with RayTaskRunner() as runner:  # Ray is already initialised: the runner neither starts nor stops it
+        futures = [runner.submit(play_shard, {"ctx": ctx, "policy": policy, "shard": shard}) for shard in shards]
+        return [f.result() for f in futures]

@@ -54,13 +54,14 @@ def start_run(cfg: TrainConfig) -> RunStart:
 
 @task(name="finish-run", retries=1, retry_delay_seconds=2, cache_policy=NONE)
 def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
-    """Stop the environment workers; log the final policy as an MLflow model and the headline numbers;
-    close the run."""
+    """Stop the environment workers and leave the Ray cluster; log the final policy as an MLflow model and
+    the headline numbers; close the run."""
     import mlflow
 
     from horizonrl.policy_model import PolicyModel
 
     RUNTIME.close_episodes()
+    RUNTIME.close_ray()
     c = ctx.mlflow()
     history = c.get_metric_history(ctx.mlflow_run_id, "eval/success_rate")
     by_step = {m.step: m.value for m in history}
