@@ -173,6 +173,12 @@ class PolicyRuntime:
         if cfg is not None and lora.is_adapter_dir(ref.path):
             lora.log_adapter(tracking_uri(cfg.tracking_uri), read_state(ref)["mlflow_run_id"], ref.path, ref.iteration)
 
+    def __reduce__(self) -> tuple:
+        """A holder never travels: pickled (Ray ships a task's globals with it, and Prefect's context with
+        the flow's) it arrives empty, so a worker fills its own instead of receiving this process's model,
+        optimizer and environments."""
+        return (PolicyRuntime, ())
+
     def drop(self) -> None:
         self.current = None
 

@@ -71,6 +71,13 @@ def collect_rollouts(ctx: RunContext, iteration: int, policy: CheckpointRef) -> 
 def play_shard(ctx: RunContext, policy: CheckpointRef, shard: Shard) -> list[EpisodeRecord]:
     """K rollouts of the shard's tasks with this process's policy and environments (a Ray worker keeps
     them between iterations and loads each new checkpoint from its path)."""
+    return _shard_records(ctx, policy, shard)
+
+
+def _shard_records(ctx: RunContext, policy: CheckpointRef, shard: Shard) -> list[EpisodeRecord]:
+    """The shard task's body, apart so that Ray ships it by reference: cloudpickle sends a task's own
+    function by value (its module attribute is the Task, not the function) together with the globals it
+    uses, which would copy this process's RUNTIME (model, optimizer, environments) into every shard."""
     cfg = ctx.cfg
     loaded, envs = RUNTIME.get(cfg, policy), RUNTIME.episodes(cfg)
     return collect(envs, shard.tasks, cfg.rollout.group_size, loaded.engine, loaded.fmt, first_rollout_id=shard.first_rollout_id,

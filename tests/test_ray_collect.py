@@ -128,3 +128,20 @@ def _parent(pid: int) -> int:
         return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
     except (OSError, ValueError, IndexError):
         return -1
+
+
+def test_the_holder_never_travels_with_a_shard(tiny_policy_dir):
+    """Ray pickles a task's function with its globals, and Prefect's context with the flow's: the process's
+    holder must arrive empty (a worker fills its own), never carrying this process's model."""
+    import pickle
+
+    import cloudpickle
+
+    from horizonrl.runtime import PolicyRuntime
+    from tasks.collect import play_shard
+
+    holder = PolicyRuntime()
+    holder.current = object()  # stands for a loaded policy
+    copy = pickle.loads(pickle.dumps(holder))
+    assert isinstance(copy, PolicyRuntime) and copy.current is None
+    assert len(cloudpickle.dumps(play_shard)) < 20_000  # the task, not a model
