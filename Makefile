@@ -36,7 +36,7 @@ run: setup
 	$(BIN)/horizonrl train --config $(CONFIG) $(ARGS)
 
 test: setup-test
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile $(ARGS)
 
 bench: setup
 	$(BIN)/python -m benchmarks $(ARGS)
