@@ -7,13 +7,18 @@ it is several rows (one per turn) whose policy tokens are concatenated before th
 "every trajectory weighs the same" and per-turn / per-trajectory ratios mean the same in both layouts.
 Log-probs are computed only at policy positions: the decoder's hidden states are gathered there before
 the output head, and in admissible mode renormalised over the allowed ids, exactly as sampled.
+
+Rows are run through the decoder in length buckets (sorted by length, each bucket padded by at most
+``MAX_PAD`` of its positions): full-context trajectories of one iteration differ in length up to 2.5x,
+and one padded batch per micro-batch spent 12-14% of its positions on padding in the main run (7% with
+buckets). Each row's values are the same as in one batch up to float summation order.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -44,21 +49,50 @@ class UpdateResult:
     nonfinite_steps: int = 0
 
 
-def policy_logprobs(model: torch.nn.Module, rows: list[TrainRow], temperature: float, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+MAX_PAD = 0.08  # padding share allowed in one decoder batch (the issue's budget is 10% overall)
+
+
+def length_buckets(lengths: list[int], max_pad: float = MAX_PAD) -> list[list[int]]:
+    """Indices grouped into runs of similar length (ascending), each padded by at most ``max_pad`` of
+    its computed positions when right-padded to its longest member."""
+    buckets: list[list[int]] = []
+    real = 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        n = len(buckets[-1]) + 1 if buckets else 0
+        if not buckets or n * lengths[i] - (real + lengths[i]) > max_pad * n * lengths[i]:
+            buckets.append([])
+            real = 0
+        buckets[-1].append(i)
+        real += lengths[i]
+    return buckets
+
+
+def policy_logprobs(model: torch.nn.Module, rows: list[TrainRow], temperature: float, pad_id: int, counts: Counter | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(a_t | s_t) and the entropy of pi(. | s_t) at every policy token of ``rows``, flat (n,)
-    in row order. Each row is cut after its last policy token."""
+    in row order. Each row is cut after its last policy token. ``counts`` (if given) adds the real
+    and the computed (padded) decoder positions."""
     lengths = [r.positions[-1] + 1 if r.positions else len(r.input_ids) for r in rows]
-    ids = torch.full((len(rows), max(lengths)), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, : lengths[i]] = torch.tensor(r.input_ids[: lengths[i]])
-        attn[i, : lengths[i]] = 1
-    hidden = model.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state  # (b, L, H)
-    b_idx = torch.tensor([i for i, r in enumerate(rows) for _ in r.positions])
-    p_idx = torch.tensor([p for r in rows for p in r.positions])
-    logits = model.get_output_embeddings()(hidden[b_idx, p_idx - 1]).float() / temperature  # (n, V)
+    picked, start = [], [0] * len(rows)  # per bucket (n_b, H) states before each policy token; row offsets
+    n = 0
+    for bucket in length_buckets(lengths):
+        width = max(lengths[i] for i in bucket)
+        ids = torch.full((len(bucket), width), pad_id, dtype=torch.long)
+        for b, i in enumerate(bucket):
+            ids[b, : lengths[i]] = torch.tensor(rows[i].input_ids[: lengths[i]])
+            start[i], n = n, n + len(rows[i].positions)
+        # Right padding under a causal mask: no real position attends to a pad, so no padding mask is
+        # passed and attention takes the causal kernel (the explicit-mask path was 2x slower).
+        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state  # (b, L, H)
+        b_idx = torch.tensor([b for b, i in enumerate(bucket) for _ in rows[i].positions], dtype=torch.long)
+        p_idx = torch.tensor([p - 1 for i in bucket for p in rows[i].positions], dtype=torch.long)
+        picked.append(hidden[b_idx, p_idx])  # one gather per bucket: one scatter in backward
+        if counts is not None:
+            counts.update(real_tokens=sum(lengths[i] for i in bucket), computed_tokens=ids.numel())
+    order = torch.tensor([start[i] + j for i, r in enumerate(rows) for j in range(len(r.positions))], dtype=torch.long)
+    targets = torch.tensor([r.input_ids[p] for r in rows for p in r.positions], dtype=torch.long)
+    logits = model.get_output_embeddings()(torch.cat(picked)[order]).float() / temperature  # (n, V), row order
     logp_all = allowed_log_softmax(logits, [a for r in rows for a in r.allowed])  # (n, V)
-    logp = logp_all.gather(1, ids[b_idx, p_idx][:, None]).squeeze(1)  # (n,)
+    logp = logp_all.gather(1, targets[:, None]).squeeze(1)  # (n,)
     entropy = -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)  # (n,)
     return logp, entropy.detach()
 
@@ -106,13 +140,13 @@ def _unit_lists(units: list[list[int]], values: Callable[[int], list], dtype: to
 
 
 @torch.no_grad()
-def recompute_old_logprobs(model: torch.nn.Module, rows: list[TrainRow], s: UpdateSettings) -> list[list[float]]:
+def recompute_old_logprobs(model: torch.nn.Module, rows: list[TrainRow], s: UpdateSettings, counts: Counter | None = None) -> list[list[float]]:
     """pi_old with the training model, removing sampler/learner mismatch (ALGORITHMS.md 1.6)."""
     model.eval()
     old: list[list[float]] = []
     for start in range(0, len(rows), 256):
         batch = rows[start : start + 256]
-        logp, _ = policy_logprobs(model, batch, s.temperature, s.pad_id)
+        logp, _ = policy_logprobs(model, batch, s.temperature, s.pad_id, counts)
         for part in torch.split(logp, [len(r.positions) for r in batch]):
             old.append(part.tolist())
     model.train()
@@ -123,7 +157,8 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: l
     """Epochs of minibatch PPO over the trajectories of ``rows``; pi_old is frozen for the whole call.
 
     ``ref_model`` (frozen initial policy) is needed only by losses with a KL-to-reference term."""
-    old = recompute_old_logprobs(model, rows, s)
+    counts: Counter = Counter()  # decoder positions, real and computed (padding = the difference)
+    old = recompute_old_logprobs(model, rows, s, counts)
     units = trajectory_units(rows)
     gen = torch.Generator().manual_seed(seed)
     agg: dict[str, list[float]] = defaultdict(list)
@@ -133,7 +168,7 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: l
         perm = torch.randperm(len(units), generator=gen).tolist()
         for start in range(0, len(perm), s.minibatch_size):
             mb = [units[k] for k in perm[start : start + s.minibatch_size]]
-            step = _minibatch_step(model, optimizer, rows, old, mb, s, ref_model)
+            step = _minibatch_step(model, optimizer, rows, old, mb, s, ref_model, counts)
             tokens += step["tokens"]
             if abs(step["traj_kl"]) > s.high_kl_threshold:
                 stopped = True
@@ -150,11 +185,12 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: l
     elapsed = time.perf_counter() - t0
     result.stats = {k: float(sum(v) / len(v)) if v else 0.0 for k, v in agg.items()}
     result.stats.update(steps=steps, kl_stop=float(stopped), nonfinite_steps=result.nonfinite_steps, rows=len(rows), trajectories=len(units),
-                        policy_tokens=sum(len(r.positions) for r in rows), tokens_per_s=tokens / max(elapsed, 1e-9), seconds=elapsed)
+                        policy_tokens=sum(len(r.positions) for r in rows), tokens_per_s=tokens / max(elapsed, 1e-9), seconds=elapsed,
+                        pad_fraction=1.0 - counts["real_tokens"] / max(counts["computed_tokens"], 1))
     return result
 
 
-def _minibatch_step(model, optimizer, rows: list[TrainRow], old: list[list[float]], mb: list[list[int]], s: UpdateSettings, ref_model) -> dict[str, float]:
+def _minibatch_step(model, optimizer, rows: list[TrainRow], old: list[list[float]], mb: list[list[int]], s: UpdateSettings, ref_model, counts: Counter) -> dict[str, float]:
     """Forward/backward over micro-batches of whole trajectories, then one clipped AdamW step.
 
     The step is skipped (not taken) when the pre-step trajectory KL exceeds the threshold or any loss
@@ -167,7 +203,7 @@ def _minibatch_step(model, optimizer, rows: list[TrainRow], old: list[list[float
     n_tok = sum(len(rows[i].positions) for u in mb for i in u)
     for micro in _chunks(mb, rows, s.micro_batch_tokens):
         flat_rows = [i for u in micro for i in u]
-        logp_flat, ent_flat = policy_logprobs(model, [rows[i] for i in flat_rows], s.temperature, s.pad_id)
+        logp_flat, ent_flat = policy_logprobs(model, [rows[i] for i in flat_rows], s.temperature, s.pad_id, counts)
         where = {i: k for k, i in enumerate(flat_rows)}
         local = [[where[i] for i in u] for u in micro]
         sub = [rows[i] for i in flat_rows]

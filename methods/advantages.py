@@ -30,10 +30,21 @@ class _Trajectories(NamedTuple):
     group_size: np.ndarray  # (G,) int64: K_g, trajectories per group
 
 
+def _first_and_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_index=True, return_inverse=True)[1:]``: first row of each distinct
+    value (sorted) and each row's code. Sorted input (the store's rollout order) takes a linear pass
+    over runs instead of a sort, with the same result."""
+    values = np.asarray(values)
+    if len(values) and np.all(values[1:] >= values[:-1]):
+        new = np.concatenate(([True], values[1:] != values[:-1]))
+        return np.flatnonzero(new), np.cumsum(new) - 1
+    _, first, codes = np.unique(values, return_index=True, return_inverse=True)
+    return first, codes.reshape(-1)
+
+
 def _trajectories(batch: StepBatch) -> _Trajectories:
     """Collapse rows (N,) to trajectories (J,); raise if a trajectory's rows disagree on R or group."""
-    _, first, row_traj = np.unique(batch.traj_id, return_index=True, return_inverse=True)
-    row_traj = row_traj.reshape(-1)
+    first, row_traj = _first_and_codes(batch.traj_id)
     row_returns = np.asarray(batch.episode_return, dtype=np.float64)  # (N,)
     if not np.all(np.isfinite(row_returns)):
         raise ValueError("episode_return has non-finite values")
@@ -43,14 +54,13 @@ def _trajectories(batch: StepBatch) -> _Trajectories:
     row_group = np.asarray(batch.group_id)
     if np.any(row_group != row_group[first][row_traj]):
         raise ValueError("rows of one trajectory carry different group_id values")
-    _, group = np.unique(row_group[first], return_inverse=True)
-    group = group.reshape(-1)
+    _, group = _first_and_codes(row_group[first])
     return _Trajectories(row_traj, returns, group, np.bincount(group))
 
 
 def _group_deviation(traj: _Trajectories) -> np.ndarray:
     """R_j − mean_g R, (J,); exactly 0 for a group whose returns are all equal (§7.2)."""
-    _, group_first = np.unique(traj.group, return_index=True)
+    group_first, _ = _first_and_codes(traj.group)
     shifted = traj.returns - traj.returns[group_first][traj.group]  # 0 for every member of a tied group
     shifted_mean = np.bincount(traj.group, shifted, len(traj.group_size)) / traj.group_size
     return shifted - shifted_mean[traj.group]

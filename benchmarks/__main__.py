@@ -1,0 +1,71 @@
+"""The benchmark suite of issue 8: every figure with its target, as one table.
+
+    python -m benchmarks            # full sizes (2.5 minutes on 2 idle CPU cores, ~11 when they are shared)
+    python -m benchmarks --quick    # tiny sizes, a smoke run of every section (the test runs this)
+
+Targets are ratios measured side by side in one run, so that they hold on a noisy shared machine.
+Outputs go to ``--out`` (default benchmarks/out/, ignored by git): figures.json, figures.csv, the
+benchmark train run's log, data and MLflow store. The figures are also logged as one run of the
+``benchmarks`` MLflow experiment in the project's store (``MLFLOW_TRACKING_URI`` or ./mlflow).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+from benchmarks import advantages, pipeline, rollout, store, update
+from benchmarks.report import Figure, log_mlflow, save, table
+from horizonrl.config import load_config
+
+CONFIG = "configs/loop_household_easy.yaml"
+SECTIONS = ("advantages", "store", "rollout", "update", "pipeline")
+SIZES = {  # full, quick
+    "adv_rows": (1_000_000, 20_000), "adv_groups": (100_000, 2_000), "memory_keys": (100_000, 2_000),
+    "store_rows": (1_000_000, 20_000), "rollout_tasks": (8, 2), "rollout_group": (8, 2),
+    "update_tasks": (16, 2), "update_group": (8, 2), "pipeline_iterations": (2, 1),
+}
+QUICK_RUN = ["env.max_turns=3", "rollout.tasks_per_iteration=2", "rollout.group_size=2", "update.minibatch_size=2", "eval.n_tasks=2"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that every section runs, measures nothing")
+    parser.add_argument("--out", default="benchmarks/out", help="output folder (default benchmarks/out)")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="run these sections only")
+    parser.add_argument("--no-mlflow", action="store_true", help="do not log the figures to MLflow")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    n = {k: v[1] if args.quick else v[0] for k, v in SIZES.items()}
+    out = Path(args.out)
+    extra = QUICK_RUN if args.quick else []
+    cfg = load_config(CONFIG, [*extra, f"data_dir={out / 'data'}"])
+    started = time.perf_counter()
+    figures: list[Figure] = []
+    for section in args.only:
+        t0 = time.perf_counter()
+        if section == "advantages":
+            figures += advantages.run(n["adv_rows"], n["adv_groups"], n["memory_keys"])
+        elif section == "store":
+            figures += store.run(n["store_rows"])
+        elif section == "rollout":
+            figures += rollout.run(cfg, n["rollout_tasks"], n["rollout_group"])
+        elif section == "update":
+            figures += update.run(cfg, n["update_tasks"], n["update_group"])
+        else:
+            figures += pipeline.run(CONFIG, [*extra, f"iterations={n['pipeline_iterations']}"], out / "pipeline")
+        print(f"[{section}: {time.perf_counter() - t0:.0f} s]", flush=True)
+    figures.append(Figure("suite/seconds", time.perf_counter() - started, "s", "< 600", None if args.quick else time.perf_counter() - started < 600))
+    print(table(figures))
+    params = {"quick": args.quick, "sections": ",".join(args.only), **n}
+    files = save(figures, out, params)
+    if not args.no_mlflow:
+        print(f"MLflow run {log_mlflow(figures, params, files)} in experiment 'benchmarks'")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,149 @@
+"""Targets 5 and 6: the orchestration overhead of a train iteration, and the main run's peak memory.
+
+One subprocess runs the README's main run shortened to a few iterations (``horizonrl train --config
+configs/loop_household_easy.yaml --set iterations=N``, everything else as shipped, evaluation of 200
+held-out tasks included), in its own data folder and MLflow store. Its peak resident memory is read
+with ``getrusage(RUSAGE_CHILDREN)`` in a small launcher (the largest single process) and, sampled with
+psutil, as the sum over its process tree (the flow plus Prefect's temporary API server).
+
+Each iteration's time through Prefect tasks, MLflow logging and Parquet is what the flow itself logs
+as ``time/iteration_s``. The same iterations are then run here as plain library calls from the same
+initial weights with the same seeds (tables stay in memory; no checkpoint is written), and the two
+sums are compared. Evaluation and the flow's start-up are outside both.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pyarrow as pa
+import torch
+
+import methods
+from benchmarks.report import Figure
+from horizonrl import store, tracking
+from horizonrl.config import TrainConfig, load_config
+from horizonrl.engines.hf import TransformersEngine
+from horizonrl.models import load_policy
+from horizonrl.prompting import ChatFormat
+from horizonrl.rollout import collect
+from horizonrl.runtime import PolicyRuntime, sample_tasks
+from horizonrl.seeding import derive_seed
+from horizonrl.sequences import attach_advantages, step_batch, train_rows
+from horizonrl.trainer import ppo_update
+from tasks.context import RunContext
+from tasks.update import settings
+
+MEMORY_LIMIT_MB = 4096
+# The run is started from this small launcher, whose RUSAGE_CHILDREN then covers the run alone: a child
+# forked straight from the suite would count the suite's own pages (shared until exec) in its peak.
+_MAXRSS = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[2:]); "
+           "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); sys.exit(rc)")
+
+
+def _tree_rss(launcher: psutil.Process, helper_cpu: dict[int, float]) -> int:
+    """RSS summed over the launcher and its descendants; records the CPU seconds so far of every
+    process the run itself started (below the train process)."""
+    total, run = 0, {c.pid for c in launcher.children()}
+    for p in [launcher, *launcher.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+            if p.pid != launcher.pid and p.pid not in run:
+                times = p.cpu_times()
+                helper_cpu[p.pid] = times.user + times.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def train_subprocess(config: str, overrides: list[str], log: Path) -> tuple[float, float, float, float]:
+    """Run ``horizonrl train``; return (largest process peak MB, process-tree peak MB, wall seconds,
+    CPU seconds of its helper processes: Prefect's API server, which competes with torch for cores)."""
+    train = [str(Path(sys.executable).with_name("horizonrl")), "train", "--config", config, *(a for o in overrides for a in ("--set", o))]
+    cmd = [sys.executable, "-c", _MAXRSS, str(log.with_suffix(".maxrss")), *train]
+    peak, t0, helper_cpu = 0, time.perf_counter(), {}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        watched = psutil.Process(proc.pid)
+        done = threading.Event()
+
+        def sample() -> None:
+            nonlocal peak
+            while not done.wait(0.25):
+                try:
+                    peak = max(peak, _tree_rss(watched, helper_cpu))
+                except psutil.Error:
+                    return
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        rc = proc.wait()
+        done.set()
+        sampler.join()
+    if rc != 0:
+        raise RuntimeError(f"benchmark train run failed (exit {rc}); log: {log}")
+    largest = int(log.with_suffix(".maxrss").read_text()) / 1024  # KiB on Linux
+    return largest, peak / 2**20, time.perf_counter() - t0, sum(helper_cpu.values())
+
+
+def flow_iteration_seconds(cfg: TrainConfig) -> list[float]:
+    """``time/iteration_s`` of every iteration the flow logged, in order."""
+    c = tracking.client(cfg.tracking_uri)
+    exp = c.get_experiment_by_name(cfg.experiment)
+    run = c.search_runs([exp.experiment_id], filter_string=f"tags.`{tracking.RUN_NAME_TAG}` = '{cfg.run_name}'")[0]
+    return [m.value for m in sorted(c.get_metric_history(run.info.run_id, "time/iteration_s"), key=lambda m: m.step)]
+
+
+def plain_iterations(cfg: TrainConfig) -> list[float]:
+    """The flow's collect -> advantages -> update as plain calls (no Prefect, MLflow or Parquet)."""
+    rt = PolicyRuntime()
+    model, tokenizer = load_policy(rt.initial_model_dir(cfg))
+    fmt = ChatFormat.for_tokenizer(tokenizer)
+    engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay)
+    name, params = cfg.advantage_spec()
+    s = settings(RunContext(cfg, "", "", ""), tokenizer.pad_token_id)
+    suite = rt.suite(cfg)
+    collect(suite, rt.task_pool(cfg, "test", 1), 1, engine, fmt, **rt.sampling(cfg, 0))  # warm-up, as the flow's first evaluation is
+    state, times = None, []
+    for it in range(1, cfg.iterations + 1):
+        t0 = time.perf_counter()
+        pool = rt.task_pool(cfg, "train", cfg.env.train_pool)  # built on first use, as in the flow's first collect
+        tasks = sample_tasks(pool, cfg.rollout.tasks_per_iteration, cfg.seed, it)
+        records = collect(suite, tasks, cfg.rollout.group_size, engine, fmt, **rt.sampling(cfg, derive_seed(cfg.seed, "collect", it)))
+        turns, episodes = store.turns_table(records), store.episodes_table(records, cfg.run_name, it, it - 1)
+        batch = step_batch(episodes, turns, it - 1)
+        result = methods.ADVANTAGES.get(name).fn(batch, params, state)
+        state = result.state
+        adv = pa.table({"rollout_id": batch.traj_id, "turn": batch.turn.astype(np.int32), "adv": result.adv, "keep": result.keep,
+                        "adv_tokens": pa.nulls(len(batch), pa.list_(pa.float64()))}, schema=store.ADVANTAGES)
+        rows = attach_advantages(train_rows(turns, cfg.rollout.context), adv)
+        if rows:
+            ppo_update(model, optimizer, rows, s, derive_seed(cfg.seed, "update", it))
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def run(config: str, overrides: list[str], out_dir: Path) -> list[Figure]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    overrides = [*overrides, f"run_name=bench-{time.strftime('%Y%m%d-%H%M%S')}", "experiment=benchmarks-pipeline",
+                 f"data_dir={out_dir / 'data'}", f"tracking_uri=sqlite:///{(out_dir / 'mlflow.db').resolve()}"]
+    cfg = load_config(config, overrides)
+    largest, tree, wall, helper_cpu = train_subprocess(config, overrides, out_dir / "train.log")
+    flow = flow_iteration_seconds(cfg)
+    plain = plain_iterations(cfg)
+    ratio = sum(flow) / sum(plain)
+    return [
+        Figure("pipeline/flow_vs_plain", ratio, "x", "<= 1.10", ratio <= 1.10,
+               f"{len(flow)} iterations: flow {' + '.join(f'{t:.1f}' for t in flow)} s, plain {' + '.join(f'{t:.1f}' for t in plain)} s"),
+        Figure("pipeline/helper_cpu_s", helper_cpu, "s", "", None, f"CPU used by the run's helper processes (Prefect API server) over its {wall:.0f} s"),
+        Figure("memory/peak_rss_mb", largest, "MB", f"<= {MEMORY_LIMIT_MB}", largest <= MEMORY_LIMIT_MB,
+               f"largest process of the main run, {cfg.iterations} iterations ({wall:.0f} s incl. evaluation and start-up)"),
+        Figure("memory/peak_tree_rss_mb", tree, "MB", f"<= {MEMORY_LIMIT_MB}", tree <= MEMORY_LIMIT_MB, "sum over its process tree (Prefect API server incl.), sampled every 0.25 s"),
+    ]

@@ -1,0 +1,93 @@
+"""Target 1: multi-turn rollout generation, measured side by side on the README's main run settings
+(tiny Qwen2, household easy, admissible actions, full-history context with the KV cache carried).
+
+* batched: ``rollout.collect`` of ``tasks x group`` episodes in lockstep (the engine, the trie and the
+  environments all included);
+* one at a time: the same tasks and settings, each episode its own ``collect`` call;
+* one ``generate``: transformers' ``model.generate`` over the same number of prompts, each as long as
+  its episode's first prompt, producing the same number of new tokens in total (the upper bound of
+  what batching can give: no turns, no environment, no trie);
+* prefill: the positions the engine's session computed in prefill (left padding included) against
+  the observation tokens that were new, and the naive total of re-reading the whole history each turn.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from benchmarks.report import Figure
+from horizonrl.config import TrainConfig
+from horizonrl.engines.hf import TransformersEngine
+from horizonrl.models import load_policy
+from horizonrl.prompting import ChatFormat
+from horizonrl.rollout import EpisodeRecord, collect
+from horizonrl.runtime import PolicyRuntime
+
+
+def _new_tokens(records: list[EpisodeRecord]) -> int:
+    return sum(len(t.gen.token_ids) for r in records for t in r.turns)
+
+
+def _naive_prefill(records: list[EpisodeRecord]) -> int:
+    """Tokens prefilled if every turn re-read its episode's whole history (no cache carried)."""
+    total = 0
+    for r in records:
+        history = 0
+        for t in r.turns:
+            history += len(t.prompt_ids)
+            total += history
+            history += len(t.gen.token_ids)
+    return total
+
+
+def run(cfg: TrainConfig, tasks_n: int, group: int, seed: int = 0) -> list[Figure]:
+    rt = PolicyRuntime()
+    model, tokenizer = load_policy(rt.initial_model_dir(cfg))
+    fmt = ChatFormat.for_tokenizer(tokenizer)
+    engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
+    suite, sampling = rt.suite(cfg), rt.sampling(cfg, seed)
+    tasks = rt.task_pool(cfg, "train", tasks_n)
+    collect(suite, tasks[:1], 2, engine, fmt, **sampling)  # warm-up: first calls allocate and compile
+
+    engine.counts.clear()
+    t0 = time.perf_counter()
+    batched = collect(suite, tasks, group, engine, fmt, **sampling)
+    batched_s = time.perf_counter() - t0
+    counts = dict(engine.counts)
+
+    single_tokens, t0 = 0, time.perf_counter()
+    for g, task in enumerate(tasks):
+        for k in range(group):
+            single_tokens += _new_tokens(collect(suite, [task], 1, engine, fmt, first_rollout_id=g * group + k, **sampling))
+    single_s = time.perf_counter() - t0
+
+    prompts = [r.turns[0].prompt_ids for r in batched]
+    per_row = max(round(_new_tokens(batched) / len(prompts)), 1)
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], attn[i, width - len(p):] = torch.tensor(p), 1
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=per_row, min_new_tokens=per_row, do_sample=True,
+                       pad_token_id=tokenizer.pad_token_id)
+    generate_s = time.perf_counter() - t0
+
+    n = len(batched)
+    batched_tps = _new_tokens(batched) / batched_s
+    single_tps, generate_tps = single_tokens / single_s, n * per_row / generate_s
+    prefill, new, naive = counts["prefill_computed"], counts["prefill_real"], _naive_prefill(batched)
+    turns = sum(len(r.turns) for r in batched)
+    return [
+        Figure("rollout/batched_tokens_s", batched_tps, "tok/s", "", None, f"{n} episodes, {turns} turns, {_new_tokens(batched)} new tokens, {batched_s:.1f} s"),
+        Figure("rollout/vs_one_generate", batched_tps / generate_tps, "x", ">= 0.7", batched_tps / generate_tps >= 0.7, f"one generate call: {generate_tps:,.0f} tok/s ({n} x {per_row} tokens)"),
+        Figure("rollout/vs_one_at_a_time", batched_tps / single_tps, "x", ">= 8", batched_tps / single_tps >= 8, f"one at a time: {single_tps:,.0f} tok/s"),
+        Figure("rollout/prefill_vs_new", prefill / new, "x", "<= 1.5", prefill / new <= 1.5, f"prefilled {prefill:,} (padding incl.), new {new:,}"),
+        Figure("rollout/naive_prefill_vs_new", naive / new, "x", "", None, "re-reading the whole history each turn"),
+        Figure("rollout/decode_padding", 1 - counts["decode_real"] / counts["decode_computed"], "frac", "", None,
+               "decode positions fed for episodes whose action had ended"),
+    ]

@@ -1,0 +1,93 @@
+"""Target 2: the PPO update against a bare forward-and-backward loop, same model, same token count.
+
+The rows are one iteration of the main run (``tasks x group`` full-context episodes of the initial
+policy), with random advantages, all kept: an untrained policy rarely wins, so its LOO advantages are
+mostly filtered out, and the update's cost does not depend on the values. The PPO side is the whole
+``ppo_update`` call (pi_old recomputation included); its tokens are epochs x the real tokens of the
+rows. The bare side runs the same real tokens, cut into equal-length rows with no padding, through
+``model(...)`` with a next-token cross-entropy, backward, clipping and one AdamW step per minibatch.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import numpy as np
+import pyarrow as pa
+import torch
+import torch.nn.functional as F
+
+from benchmarks.report import Figure
+from horizonrl import store
+from horizonrl.config import TrainConfig
+from horizonrl.engines.hf import TransformersEngine
+from horizonrl.models import load_policy
+from horizonrl.prompting import ChatFormat
+from horizonrl.rollout import collect
+from horizonrl.runtime import PolicyRuntime
+from horizonrl.sequences import TrainRow, attach_advantages, train_rows
+from horizonrl.trainer import ppo_update
+from tasks.context import RunContext
+from tasks.update import settings
+
+
+def _rows(cfg: TrainConfig, model: torch.nn.Module, tokenizer, tasks_n: int, group: int) -> list[TrainRow]:
+    rt = PolicyRuntime()
+    fmt = ChatFormat.for_tokenizer(tokenizer)
+    engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
+    records = collect(rt.suite(cfg), rt.task_pool(cfg, "train", tasks_n), group, engine, fmt, **rt.sampling(cfg, 0))
+    turns = store.turns_table(records)
+    n = turns.num_rows
+    adv = pa.table({"rollout_id": turns["rollout_id"], "turn": turns["turn"], "adv": np.random.default_rng(0).normal(size=n),
+                    "keep": np.ones(n, bool), "adv_tokens": pa.nulls(n, pa.list_(pa.float64()))}, schema=store.ADVANTAGES)
+    return attach_advantages(train_rows(turns, cfg.rollout.context), adv)
+
+
+def bare_loop(model: torch.nn.Module, rows: list[TrainRow], epochs: int, steps: int, lr: float, clip: float) -> tuple[int, float]:
+    """Forward, backward and an AdamW step over the rows' real tokens (cut after the last policy
+    token, as the update does), packed into equal rows; returns (tokens, seconds)."""
+    stream = [t for r in rows for t in r.input_ids[: r.positions[-1] + 1]]
+    width = round(len(stream) / len(rows))
+    batch = torch.tensor(stream[: len(stream) // width * width]).view(-1, width)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    t0 = time.perf_counter()
+    for _ in range(epochs):
+        for part in torch.tensor_split(batch, steps):
+            logits = model(input_ids=part).logits
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), part[:, 1:].flatten())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return epochs * batch.numel(), time.perf_counter() - t0
+
+
+def run(cfg: TrainConfig, tasks_n: int, group: int, rounds: int = 2) -> list[Figure]:
+    """``rounds`` PPO updates and bare loops, in the order P B B P ..., each from the initial weights;
+    the ratio is of summed tokens over summed time (the alternation cancels drifting machine load)."""
+    initial, tokenizer = load_policy(PolicyRuntime().initial_model_dir(cfg))
+    rows = _rows(cfg, initial, tokenizer, tasks_n, group)
+    s = settings(RunContext(cfg, "", "", ""), tokenizer.pad_token_id)
+    real = sum(r.positions[-1] + 1 for r in rows)
+    ppo_s = bare_s = 0.0
+    bare_tokens = 0
+    for k in range(2 * rounds):
+        model = copy.deepcopy(initial)
+        if (k % 4) in (0, 3):
+            optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay)
+            t0 = time.perf_counter()
+            result = ppo_update(model, optimizer, rows, s, seed=0)
+            ppo_s += time.perf_counter() - t0
+        else:
+            steps_per_epoch = -(-len(rows) // s.minibatch_size)  # full context: one row per trajectory
+            tokens, seconds = bare_loop(model, rows, s.epochs, steps_per_epoch, cfg.update.lr, s.grad_clip)
+            bare_tokens, bare_s = bare_tokens + tokens, bare_s + seconds
+    ppo_tps, bare_tps = rounds * s.epochs * real / ppo_s, bare_tokens / bare_s
+    pad = result.stats["pad_fraction"]
+    return [
+        Figure("update/ppo_tokens_s", ppo_tps, "tok/s", "", None, f"{len(rows)} rows, {real:,} tokens x {s.epochs} epochs x {rounds} rounds, {ppo_s:.1f} s (pi_old recompute incl.)"),
+        Figure("update/vs_bare_loop", ppo_tps / bare_tps, "x", ">= 0.85", ppo_tps / bare_tps >= 0.85, f"bare forward+backward: {bare_tps:,.0f} tok/s"),
+        Figure("update/padding", pad, "frac", "<= 0.10", pad <= 0.10, "padded share of computed decoder positions"),
+    ]

@@ -1,0 +1,43 @@
+"""The benchmark suite (``python -m benchmarks``) in its ``--quick`` mode: every section runs and the
+table holds each of its figures with a number. Quick sizes measure nothing; pass/miss is not checked."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks.__main__ import main
+
+FIGURES = {
+    "advantages": [f"advantage/{m}_{k}" for m in ("loo", "grpo", "rloo", "gigpo", "blpo") for k in ("s", "speedup")],
+    "store": ["store/write_MB_s", "store/read_MB_s", "store/jsonl_vs_parquet_size", "store/one_column_read_share"],
+    "rollout": ["rollout/batched_tokens_s", "rollout/vs_one_generate", "rollout/vs_one_at_a_time", "rollout/prefill_vs_new",
+                "rollout/naive_prefill_vs_new", "rollout/decode_padding"],
+    "update": ["update/ppo_tokens_s", "update/vs_bare_loop", "update/padding"],
+    "pipeline": ["pipeline/flow_vs_plain", "pipeline/helper_cpu_s", "memory/peak_rss_mb", "memory/peak_tree_rss_mb"],
+}
+
+
+def run_quick(tmp_path, capsys, sections: list[str]) -> None:
+    assert main(["--quick", "--no-mlflow", "--out", str(tmp_path), "--only", *sections]) == 0
+    printed = capsys.readouterr().out
+    figures = {f["name"]: f for f in json.loads((tmp_path / "figures.json").read_text())["figures"]}
+    expected = [name for s in sections for name in FIGURES[s]] + ["suite/seconds"]
+    assert sorted(figures) == sorted(expected)
+    for name in expected:
+        assert math.isfinite(figures[name]["value"]), name
+        assert name in printed, f"{name} missing from the printed table"
+    assert (tmp_path / "figures.csv").is_file()
+
+
+def test_quick_suite_in_process_sections(tmp_path, capsys):
+    """Everything but the pipeline section (which starts a Prefect server: see the slow test)."""
+    run_quick(tmp_path, capsys, ["advantages", "store", "rollout", "update"])
+
+
+@pytest.mark.slow
+def test_quick_suite_every_section(tmp_path, capsys):
+    """The whole suite, including one shortened train run through Prefect and MLflow (a minute or more)."""
+    run_quick(tmp_path, capsys, list(FIGURES))
