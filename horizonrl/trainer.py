@@ -71,6 +71,7 @@ def policy_logprobs(model: torch.nn.Module, rows: list[TrainRow], temperature: f
     """log pi(a_t | s_t) and the entropy of pi(. | s_t) at every policy token of ``rows``, flat (n,)
     in row order. Each row is cut after its last policy token. ``counts`` (if given) adds the real
     and the computed (padded) decoder positions."""
+    device = next(model.parameters()).device  # index tensors are built on the CPU and moved once
     lengths = [r.positions[-1] + 1 if r.positions else len(r.input_ids) for r in rows]
     picked, start = [], [0] * len(rows)  # per bucket (n_b, H) states before each policy token; row offsets
     n = 0
@@ -82,14 +83,14 @@ def policy_logprobs(model: torch.nn.Module, rows: list[TrainRow], temperature: f
             start[i], n = n, n + len(rows[i].positions)
         # Right padding under a causal mask: no real position attends to a pad, so no padding mask is
         # passed and attention takes the causal kernel (the explicit-mask path was 2x slower).
-        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state  # (b, L, H)
-        b_idx = torch.tensor([b for b, i in enumerate(bucket) for _ in rows[i].positions], dtype=torch.long)
-        p_idx = torch.tensor([p - 1 for i in bucket for p in rows[i].positions], dtype=torch.long)
+        hidden = model.get_decoder()(input_ids=ids.to(device), use_cache=False).last_hidden_state  # (b, L, H)
+        b_idx = torch.tensor([b for b, i in enumerate(bucket) for _ in rows[i].positions], dtype=torch.long, device=device)
+        p_idx = torch.tensor([p - 1 for i in bucket for p in rows[i].positions], dtype=torch.long, device=device)
         picked.append(hidden[b_idx, p_idx])  # one gather per bucket: one scatter in backward
         if counts is not None:
             counts.update(real_tokens=sum(lengths[i] for i in bucket), computed_tokens=ids.numel())
-    order = torch.tensor([start[i] + j for i, r in enumerate(rows) for j in range(len(r.positions))], dtype=torch.long)
-    targets = torch.tensor([r.input_ids[p] for r in rows for p in r.positions], dtype=torch.long)
+    order = torch.tensor([start[i] + j for i, r in enumerate(rows) for j in range(len(r.positions))], dtype=torch.long, device=device)
+    targets = torch.tensor([r.input_ids[p] for r in rows for p in r.positions], dtype=torch.long, device=device)
     logits = model.get_output_embeddings()(torch.cat(picked)[order]).float() / temperature  # (n, V), row order
     logp_all = allowed_log_softmax(logits, [a for r in rows for a in r.allowed])  # (n, V)
     logp = logp_all.gather(1, targets[:, None]).squeeze(1)  # (n,)
@@ -127,16 +128,16 @@ def _unit_tensors(units: list[list[int]], rows: list[TrainRow], flat: torch.Tens
             k += len(rows[i].positions)
     index = [[offsets[i] + j for i in u for j in range(len(rows[i].positions))] for u in units]
     P = max(len(ix) for ix in index)
-    idx = torch.tensor([ix + [0] * (P - len(ix)) for ix in index])
-    mask = torch.tensor([[True] * len(ix) + [False] * (P - len(ix)) for ix in index])
+    idx = torch.tensor([ix + [0] * (P - len(ix)) for ix in index], device=flat.device)
+    mask = torch.tensor([[True] * len(ix) + [False] * (P - len(ix)) for ix in index], device=flat.device)
     return flat[idx], mask
 
 
-def _unit_lists(units: list[list[int]], values: Callable[[int], list], dtype: torch.dtype) -> torch.Tensor:
+def _unit_lists(units: list[list[int]], values: Callable[[int], list], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Per-row lists ``values(i)`` concatenated per unit and right-padded with 0 to (U, P)."""
     seqs = [[v for i in u for v in values(i)] for u in units]
     P = max(len(s) for s in seqs)
-    return torch.tensor([s + [0] * (P - len(s)) for s in seqs], dtype=dtype)
+    return torch.tensor([s + [0] * (P - len(s)) for s in seqs], dtype=dtype, device=device)
 
 
 @torch.no_grad()
@@ -209,9 +210,9 @@ def _minibatch_step(model, optimizer, rows: list[TrainRow], old: list[list[float
         sub = [rows[i] for i in flat_rows]
         logp, mask = _unit_tensors(local, sub, logp_flat)  # (U, P)
         ent, _ = _unit_tensors(local, sub, ent_flat)
-        old_lp = _unit_lists(micro, lambda i: old[i], torch.float32)
-        adv = _unit_lists(micro, lambda i: rows[i].adv, torch.float32)
-        turn_id = _unit_lists(micro, lambda i: rows[i].turn_id, torch.long).masked_fill(~mask, -1)
+        old_lp = _unit_lists(micro, lambda i: old[i], torch.float32, logp.device)
+        adv = _unit_lists(micro, lambda i: rows[i].adv, torch.float32, logp.device)
+        turn_id = _unit_lists(micro, lambda i: rows[i].turn_id, torch.long, logp.device).masked_fill(~mask, -1)
         ref_lp = None
         if ref_model is not None:
             with torch.no_grad():
