@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 
@@ -53,14 +54,15 @@ def api_url(prefect_harness) -> str:
     return PREFECT_API_URL.value()
 
 
-def start_cli(cfg: dict, api_url: str, log: Path, fault: str | None = None) -> subprocess.Popen:
+def start_cli(cfg: dict, api_url: str, log: Path, fault: str | None = None, command: list[str] | None = None) -> subprocess.Popen:
+    """``horizonrl train`` with ``cfg`` as --set overrides (or ``horizonrl <command>``), in its own session."""
     env = {k: v for k, v in os.environ.items() if k != faults.ENV}
     env.update(PREFECT_API_URL=api_url, PREFECT_HOME=str(log.parent / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
     if fault:
         env[faults.ENV] = fault
-    sets = [f"--set={k}={v}" for k, v in flat(cfg).items()]
+    args = command or ["train", *(f"--set={k}={v}" for k, v in flat(cfg).items())]
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "flows.cli", "train", *sets], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> int:
@@ -236,18 +238,24 @@ def test_nonfinite_steps_are_skipped_and_counted_and_too_many_abort(prefect_harn
 
 
 @pytest.mark.slow
-def test_two_runs_at_once_share_data_and_mlflow_store(api_url, tmp_path):
-    """Two train CLIs with distinct run names start together on one data folder and one new SQLite
-    MLflow store (tables, experiment and tiny model all created concurrently) and both finish whole."""
+def test_two_runs_and_a_sweep_at_once_share_data_and_mlflow_store(api_url, tmp_path):
+    """Two train CLIs and a sweep CLI (one cell, run in its process) with distinct run names start together
+    on one data folder and one new SQLite MLflow store (tables, experiment and tiny model all created
+    concurrently) and all finish whole: no collision, no lost row, no lock error."""
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump(config(tmp_path, "unused")))
+    sweep_file = tmp_path / "trio.yaml"
+    sweep_file.write_text(yaml.safe_dump({"name": "trio", "base": "base.yaml", "grid": {"seed": [3]}}))
     names = ("left", "right")
     procs = [start_cli(config(tmp_path, name), api_url, tmp_path / f"{name}.log") for name in names]
+    procs.append(start_cli({}, api_url, tmp_path / "trio.log", command=["sweep", str(sweep_file), "--here"]))
     rcs = [finish(p) for p in procs]
-    for name, rc in zip(names, rcs):
+    for name, rc in zip((*names, "trio"), rcs):
         out = (tmp_path / f"{name}.log").read_text()
         assert rc == 0, out[-3000:]
         assert "locked" not in out and "Traceback" not in out, out[-3000:]
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    for name in names:
+    for name in (*names, "trio--seed=3"):
         got = metric_steps(uri, name)
         for key in ("collect/success_rate", "advantage/kept_fraction", "update/steps", "time/iteration_s"):
             assert got[key] == [1, 2], (name, key)
