@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -59,11 +60,16 @@ def make_batch(rows: int, groups: int, keys: int, update_index: int, seed: int =
     )
 
 
+def _group_by(idx: Iterable[int], keys: list) -> dict[Any, list[int]]:
+    """The rows ``idx`` grouped by ``keys[i]`` in first-seen order: every grouping step of the plain loops."""
+    out: dict[Any, list[int]] = defaultdict(list)
+    for i in idx:
+        out[keys[i]].append(i)
+    return out
+
+
 def _members(batch: StepBatch) -> dict[int, list[int]]:
-    members: dict[int, list[int]] = defaultdict(list)
-    for i, g in enumerate(batch.group_id.tolist()):
-        members[g].append(i)
-    return members
+    return _group_by(range(len(batch)), batch.group_id.tolist())
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -78,9 +84,7 @@ def loop_trajectory(name: str, batch: StepBatch) -> list[float]:
     ret, traj = batch.episode_return.tolist(), batch.traj_id.tolist()
     out = [0.0] * len(batch)
     for idx in _members(batch).values():
-        by_traj: dict[int, list[int]] = defaultdict(list)
-        for i in idx:
-            by_traj[traj[i]].append(i)
+        by_traj = _group_by(idx, traj)
         r = {t: ret[rows[0]] for t, rows in by_traj.items()}
         k = len(r)
         m, s = _mean_std(list(r.values()))
@@ -121,10 +125,7 @@ def loop_gigpo(batch: StepBatch, p: GiGPOParams) -> list[float]:
     for idx in _members(batch).values():
         m, s = _mean_std([score[i] for i in idx]) if len(idx) > 1 else (0.0, 1.0)
         g = _returns(idx, traj, reward, p.gamma)
-        anchors: dict[str, list[int]] = defaultdict(list)
-        for i in idx:
-            anchors[obs[i]].append(i)
-        for rows in anchors.values():
+        for rows in _group_by(idx, obs).values():
             am, asd = _mean_std([g[i] for i in rows])
             for i in rows:
                 out[i] = (score[i] - m) / (s + p.eps) + ((g[i] - am) / (asd + p.eps) if len(rows) > 1 else 0.0)
@@ -149,10 +150,7 @@ def loop_blpo(batch: StepBatch, p: BLPOParams, memory: BLPOMemory) -> tuple[list
             for i in idx:
                 episode[i] = (score[i] - m) / (s + p.eps)
         g = _returns(idx, traj, reward, p.gamma)
-        groups: dict[str, list[int]] = defaultdict(list)
-        for i in idx:
-            groups[obs[i]].append(i)
-        for rows in groups.values():
+        for rows in _group_by(idx, obs).values():
             m, s = _mean_std([g[i] for i in rows])
             per_action: dict[tuple, list[float]] = defaultdict(list)
             for i in rows:

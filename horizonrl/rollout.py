@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from horizonrl.engines.base import Engine, Generation, Session, TokenTrie
 from horizonrl.envs.base import EnvSuite, Task
-from horizonrl.envs.batch import EpisodeBatch, InProcess, StepResult, error_info
+from horizonrl.envs.batch import EpisodeBatch, StepResult, as_batch, error_info
 from horizonrl.prompting import ChatFormat, full_delta, window_prompt
 from horizonrl.seeding import derive_seed
 
@@ -109,22 +109,18 @@ def collect(
     """Play ``group_size`` rollouts of every task; rollout r of task g has group_id ``first_group_id + g``
     (a shard numbers its groups where they sit in the iteration). ``envs`` is an ``EpisodeBatch`` (kept
     open for the caller) or a suite, played in this process."""
-    if isinstance(envs, EnvSuite):
-        with InProcess(envs) as batch:
-            return collect(batch, tasks, group_size, engine, fmt, action_mode=action_mode, context=context, history_turns=history_turns,
-                           max_turns=max_turns, max_action_tokens=max_action_tokens, temperature=temperature, seed=seed, greedy=greedy,
-                           first_rollout_id=first_rollout_id, first_group_id=first_group_id)
-    starts = envs.reset_many([task for task in tasks for _ in range(group_size)])
-    live: list[_Live] = []
-    for slot, (obs, info) in enumerate(starts):
-        g = slot // group_size
-        rid = first_rollout_id + slot
-        rec = EpisodeRecord(rid, first_group_id + g, tasks[g], context, derive_seed(seed, "sample", rid))
-        ep = _Live(rec, slot, obs, info, fmt.system(info.get("goal", "")))
-        if "error" in info:
-            _end_with_error(ep, info["error"])
-        live.append(ep)
-    return _run(live, envs, engine, fmt, action_mode, history_turns, max_turns, max_action_tokens, temperature, greedy, seed)
+    with as_batch(envs) as envs:
+        starts = envs.reset_many([task for task in tasks for _ in range(group_size)])
+        live: list[_Live] = []
+        for slot, (obs, info) in enumerate(starts):
+            g = slot // group_size
+            rid = first_rollout_id + slot
+            rec = EpisodeRecord(rid, first_group_id + g, tasks[g], context, derive_seed(seed, "sample", rid))
+            ep = _Live(rec, slot, obs, info, fmt.system(info.get("goal", "")))
+            if "error" in info:
+                _end_with_error(ep, info["error"])
+            live.append(ep)
+        return _run(live, envs, engine, fmt, action_mode, history_turns, max_turns, max_action_tokens, temperature, greedy, seed)
 
 
 @dataclass(frozen=True)
@@ -177,26 +173,22 @@ def collect_branches(
     the parent's earlier actions (all replays step together). All branches are generated in one lockstep
     batch. A replay whose observations differ from the parent's raises: the environment is not
     deterministic, and a branch from a different state would get the wrong credit."""
-    if isinstance(envs, EnvSuite):
-        with InProcess(envs) as batch:
-            return collect_branches(batch, starts, engine, fmt, action_mode=action_mode, context=context, history_turns=history_turns,
-                                    max_turns=max_turns, max_action_tokens=max_action_tokens, temperature=temperature, seed=seed,
-                                    first_rollout_id=first_rollout_id)
-    split_turns = [_split_turn(b) for b in starts]
-    resets = envs.reset_many([b.parent.task for b in starts])
-    replayed: list[tuple[str, dict]] = []
-    for b, (obs, info) in zip(starts, resets):
-        _check_replay(b.parent, 0, obs, info)
-        replayed.append((obs, info))
-    for t in range(max((turn for turn, _ in split_turns), default=0)):
-        todo = {i: b.parent.turns[t].action for i, b in enumerate(starts) if t < split_turns[i][0] and "error" not in replayed[i][1]}
-        for i, (obs, _, _, info) in envs.step_many(todo).items():
-            _check_replay(starts[i].parent, t + 1, obs, info)
-            replayed[i] = (obs, info)
-    live = []
-    for i, (b, (turn, offset)) in enumerate(zip(starts, split_turns)):
-        live.append(_branch_live(b, turn, offset, i, *replayed[i], fmt, context, first_rollout_id + i, seed))
-    return _run(live, envs, engine, fmt, action_mode, history_turns, max_turns, max_action_tokens, temperature, False, derive_seed(seed, "branches"))
+    with as_batch(envs) as envs:
+        split_turns = [_split_turn(b) for b in starts]
+        resets = envs.reset_many([b.parent.task for b in starts])
+        replayed: list[tuple[str, dict]] = []
+        for b, (obs, info) in zip(starts, resets):
+            _check_replay(b.parent, 0, obs, info)
+            replayed.append((obs, info))
+        for t in range(max((turn for turn, _ in split_turns), default=0)):
+            todo = {i: b.parent.turns[t].action for i, b in enumerate(starts) if t < split_turns[i][0] and "error" not in replayed[i][1]}
+            for i, (obs, _, _, info) in envs.step_many(todo).items():
+                _check_replay(starts[i].parent, t + 1, obs, info)
+                replayed[i] = (obs, info)
+        live = []
+        for i, (b, (turn, offset)) in enumerate(zip(starts, split_turns)):
+            live.append(_branch_live(b, turn, offset, i, *replayed[i], fmt, context, first_rollout_id + i, seed))
+        return _run(live, envs, engine, fmt, action_mode, history_turns, max_turns, max_action_tokens, temperature, False, derive_seed(seed, "branches"))
 
 
 def _split_turn(b: BranchStart) -> tuple[int, int]:

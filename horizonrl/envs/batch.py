@@ -17,7 +17,8 @@ Results are identical between the two for deterministic environments, so the cho
 from __future__ import annotations
 
 import traceback
-from typing import Any, Mapping, Protocol, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Protocol, Sequence
 
 from horizonrl.envs.base import Env, EnvSuite, Task
 
@@ -119,6 +120,17 @@ class InProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextmanager
+def as_batch(envs: EpisodeBatch | EnvSuite) -> Iterator[EpisodeBatch]:
+    """``envs`` itself if it is a batch (the caller keeps it open), else its suite played ``InProcess`` for
+    the block and closed after it."""
+    if isinstance(envs, EnvSuite):
+        with InProcess(envs) as batch:
+            yield batch
+    else:
+        yield envs
 
 
 def close_quietly(env: Env | None) -> None:
