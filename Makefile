@@ -24,13 +24,15 @@ $(VENV)/.base-$(HASH): pyproject.toml
 
 # The tests also exercise the optional environments (TextWorld builds jericho from source: minutes, once).
 $(VENV)/.test-$(HASH): $(VENV)/.base-$(HASH)
-	$(BIN)/pip install -q -e ".[dev,textworld,scienceworld,ray]"
+	$(BIN)/pip install -q -e ".[dev,textworld,scienceworld,ray,postgres]"
 	touch $@
 
 setup: $(VENV)/.base-$(HASH)
-# The browser test (tests/test_stack.py) drives Debian's chromium headless; installed only if missing.
+# The browser test (tests/test_stack.py) drives Debian's chromium headless, the PostgreSQL stack test
+# (tests/test_stack_postgres.py) Debian's PostgreSQL server; each installed only if missing.
 setup-test: $(VENV)/.test-$(HASH)
 	command -v chromium >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q chromium)
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q postgresql)
 
 run: setup
 	$(BIN)/horizonrl train --config $(CONFIG) $(ARGS)

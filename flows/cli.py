@@ -38,10 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("stack", help="local prefect server + process worker + mlflow server on 127.0.0.1")
     st.add_argument("action", choices=["up", "down", "status"])
     st.add_argument("--home", default=".stack", help="pid files and logs (default .stack/)")
-    st.add_argument("--store", default="mlflow", help="MLflow store folder (default mlflow/)")
+    st.add_argument("--store", default="mlflow", help="MLflow store folder: artifacts, SQLite database or PostgreSQL cluster (default mlflow/)")
     st.add_argument("--prefect-port", type=int, default=4200)
     st.add_argument("--mlflow-port", type=int, default=5000)
     st.add_argument("--pool", default="horizonrl", help="process work pool (prefect.yaml deploys to 'horizonrl')")
+    st.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite",
+                    help="behind both servers: SQLite files, or a local PostgreSQL (many concurrent sweep workers) in <store>/postgres")
+    st.add_argument("--postgres-port", type=int, default=5432)
     args = parser.parse_args(argv)
     if args.command == "recompute":
         return _recompute(args)
@@ -124,14 +127,16 @@ def _stack(args: argparse.Namespace) -> int:
 
     from horizonrl import stack
 
-    s = stack.Stack(Path(args.home), Path(args.store), args.prefect_port, args.mlflow_port, args.pool)
+    s = stack.Stack(Path(args.home), Path(args.store), args.prefect_port, args.mlflow_port, args.pool,
+                    database=args.database, postgres_port=args.postgres_port)
     if args.action == "up":
         try:
             urls = stack.up(s)
         except (RuntimeError, TimeoutError) as err:
             print(f"horizonrl: stack up: {err}", file=sys.stderr)
             return 1
-        print(f"prefect UI {urls['prefect_ui']}, MLflow UI {urls['mlflow']}, work pool {s.pool!r}; logs in {s.home}/")
+        database = f"PostgreSQL on 127.0.0.1:{s.postgres_port} ({s.pg_data})" if s.database == "postgres" else "SQLite"
+        print(f"prefect UI {urls['prefect_ui']}, MLflow UI {urls['mlflow']}, work pool {s.pool!r}, database {database}; logs in {s.home}/")
         print(f"export PREFECT_API_URL={s.prefect_api} MLFLOW_TRACKING_URI={s.mlflow_uri}")
     elif args.action == "down":
         print("stopped:", ", ".join(stack.down(s)) or "nothing was running")

@@ -1,5 +1,15 @@
 """The local stack on 127.0.0.1: ``prefect server``, a process work pool with one worker, and
-``mlflow server`` on the project's store (``sqlite:///<store>/mlflow.db``, artifacts in ``<store>/artifacts``).
+``mlflow server`` on the project's store (artifacts in ``<store>/artifacts``).
+
+Two databases behind the servers (``Stack.database``):
+
+* ``sqlite`` (default): MLflow in ``<store>/mlflow.db``, Prefect in ``$PREFECT_HOME``. Enough for one user
+  and a few concurrent runs (SQLite takes one writer at a time).
+* ``postgres``: one local PostgreSQL cluster (Debian's package) in ``<store>/postgres``, listening on
+  127.0.0.1 only, with password authentication (scram-sha-256; the password, generated once, is kept in
+  ``<store>/postgres.password``, mode 0600). Databases ``prefect`` and ``mlflow``. This is what many
+  concurrent sweep workers need. PostgreSQL refuses to run as root: as root the cluster belongs to, and
+  runs as, Debian's ``postgres`` user, which must be able to enter ``<store>``.
 
 Every process starts in its own session; taking the stack down signals each part's process group and
 every descendant (a worker's flow runs, a server's workers), found in /proc (Linux). Pid files and logs
@@ -10,17 +20,24 @@ server is gone hangs.
 from __future__ import annotations
 
 import os
+import pwd
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
 HOST = "127.0.0.1"
-ORDER_DOWN = ("worker", "prefect", "mlflow")
+ORDER_DOWN = ("worker", "prefect", "mlflow", "postgres")
+PG_USER = "horizonrl"
+PG_DATABASES = ("prefect", "mlflow")
 
 
 @dataclass(frozen=True)
@@ -33,7 +50,21 @@ class Stack:
     mlflow_port: int = 5000
     pool: str = "horizonrl"
     env: dict[str, str] = field(default_factory=dict)
-    """Extra environment for all three processes (e.g. ``PREFECT_WORKER_QUERY_SECONDS``)."""
+    """Extra environment for all processes (e.g. ``PREFECT_WORKER_QUERY_SECONDS``)."""
+    database: Literal["sqlite", "postgres"] = "sqlite"
+    postgres_port: int = 5432
+
+    @property
+    def pg_data(self) -> Path:
+        return self.store / "postgres"
+
+    @property
+    def pg_password_file(self) -> Path:
+        return self.store / "postgres.password"
+
+    def pg_url(self, database: str, driver: str) -> str:
+        """No password in the URL (it would show in ``ps``): libpq and asyncpg read ``$PGPASSWORD``."""
+        return f"{driver}://{PG_USER}@{HOST}:{self.postgres_port}/{database}"
 
     @property
     def prefect_api(self) -> str:
@@ -51,22 +82,32 @@ class Stack:
 
 
 def up(stack: Stack, timeout_s: float = 180) -> dict[str, str]:
-    """Start both servers, wait until they answer, start a worker (it creates the process pool if it is
-    missing) and wait until it has registered. Returns the URLs. Raises (after taking down what started) if something does not come up."""
+    """Start PostgreSQL (``database="postgres"``), both servers, wait until they answer, start a worker (it
+    creates the process pool if it is missing) and wait until it has registered. Returns the URLs. Raises
+    (after taking down what started) if something does not come up."""
     running = [name for name, pgid in status(stack).items() if pgid is not None]
     if running:
         raise RuntimeError(f"the stack in {stack.home} is already running ({', '.join(running)}); take it down first")
+    if stack.database not in ("sqlite", "postgres"):
+        raise ValueError(f"stack database must be 'sqlite' or 'postgres', got {stack.database!r}")
     stack.home.mkdir(parents=True, exist_ok=True)
     stack.store.mkdir(parents=True, exist_ok=True)
     (stack.store / "artifacts").mkdir(exist_ok=True)
     bin_dir = Path(sys.executable).parent
+    db_env: dict[str, str] = {}  # PostgreSQL's password, for both servers' database drivers
+    prefect_db: dict[str, str] = {}
+    mlflow_store = f"sqlite:///{stack.store.resolve()}/mlflow.db"
     try:
-        _start(stack, "prefect", [str(bin_dir / "prefect"), "server", "start", "--host", HOST, "--port", str(stack.prefect_port)])
+        if stack.database == "postgres":
+            _postgres_up(stack, timeout_s)
+            db_env = {"PGPASSWORD": _pg_password(stack)}
+            prefect_db = {"PREFECT_API_DATABASE_CONNECTION_URL": stack.pg_url("prefect", "postgresql+asyncpg")}
+            mlflow_store = stack.pg_url("mlflow", "postgresql+psycopg")
+        _start(stack, "prefect", [str(bin_dir / "prefect"), "server", "start", "--host", HOST, "--port", str(stack.prefect_port)], {**db_env, **prefect_db})
         # MLflow's job runner (GenAI judges, trace roll-ups) is not used here: six fewer processes
         _start(stack, "mlflow", [str(bin_dir / "mlflow"), "server", "--host", HOST, "--port", str(stack.mlflow_port), "--workers", "1",
-                                 "--backend-store-uri", f"sqlite:///{stack.store.resolve()}/mlflow.db",
-                                 "--artifacts-destination", str((stack.store / "artifacts").resolve())],
-               {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+                                 "--backend-store-uri", mlflow_store, "--artifacts-destination", str((stack.store / "artifacts").resolve())],
+               {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **db_env})
         _wait_http(f"{stack.prefect_api}/health", timeout_s, stack, "prefect")
         _wait_http(f"{stack.mlflow_uri}/health", timeout_s, stack, "mlflow")
         _start(stack, "worker", [str(bin_dir / "prefect"), "worker", "start", "--pool", stack.pool, "--type", "process"])
@@ -78,7 +119,7 @@ def up(stack: Stack, timeout_s: float = 180) -> dict[str, str]:
 
 
 def down(stack: Stack, grace_s: float = 20) -> list[str]:
-    """Stop worker, then servers. Returns the parts that were running."""
+    """Stop worker, then servers, then PostgreSQL. Returns the parts that were running."""
     stopped = []
     for name in ORDER_DOWN:
         pid_file = stack.home / f"{name}.pid"
@@ -149,11 +190,98 @@ def status(stack: Stack) -> dict[str, int | None]:
     return out
 
 
-def _start(stack: Stack, name: str, cmd: list[str], env: dict[str, str] | None = None) -> None:
+def _start(stack: Stack, name: str, cmd: list[str], env: dict[str, str] | None = None, user: dict[str, Any] | None = None) -> None:
     pid_file = stack.home / f"{name}.pid"
     with open(stack.home / f"{name}.log", "ab") as log:
-        proc = subprocess.Popen(cmd, env={**stack.environ(), **(env or {})}, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(cmd, env={**stack.environ(), **(env or {})}, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, **(user or {}))
     pid_file.write_text(str(proc.pid))
+
+
+def _postgres_up(stack: Stack, timeout_s: float) -> None:
+    """Create the cluster on first use (initdb), start it on loopback, create the two databases."""
+    try:
+        import psycopg  # MLflow's server needs it too
+    except ImportError:
+        raise RuntimeError("the postgres stack needs psycopg: pip install -e '.[postgres]'") from None
+
+    user = _pg_user()
+    data = stack.pg_data.resolve()
+    if not (data / "PG_VERSION").is_file():
+        _initdb(stack, data, user)
+    _start(stack, "postgres", [_pg_bin("postgres"), "-D", str(data), "-p", str(stack.postgres_port), "-c", f"listen_addresses={HOST}",
+                               "-c", "unix_socket_directories=", "-c", "max_connections=200"], user=user)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if status(stack)["postgres"] is None:
+            raise RuntimeError(f"stack postgres exited while starting; see {stack.home / 'postgres.log'}")
+        try:
+            conn = psycopg.connect(host=HOST, port=stack.postgres_port, user=PG_USER, password=_pg_password(stack), dbname="postgres",
+                                   connect_timeout=3, autocommit=True)  # CREATE DATABASE cannot run in a transaction
+            break
+        except psycopg.OperationalError as err:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"stack postgres did not accept connections on {HOST}:{stack.postgres_port} within {timeout_s:.0f} s "
+                                   f"({str(err).strip()}); see {stack.home / 'postgres.log'}") from None
+            time.sleep(0.5)
+    with conn:
+        for name in PG_DATABASES:
+            if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is None:
+                conn.execute(f'CREATE DATABASE "{name}"')
+
+
+def _initdb(stack: Stack, data: Path, user: dict[str, Any]) -> None:
+    """A new cluster owned by the user PostgreSQL runs as, password auth only, the password kept 0600."""
+    if user:
+        for folder in data.parents:
+            if not folder.stat().st_mode & 0o001:
+                raise RuntimeError(f"PostgreSQL cannot run as root, so it runs as user 'postgres', which cannot enter {folder} "
+                                   f"(mode {folder.stat().st_mode & 0o777:o}): put the stack's store elsewhere or `chmod o+x {folder}`")
+    password = secrets.token_urlsafe(24)
+    stack.pg_password_file.touch(mode=0o600)
+    stack.pg_password_file.write_text(password)
+    data.mkdir(parents=True, exist_ok=True)
+    data.chmod(0o700)
+    fd, pwfile = tempfile.mkstemp(prefix="horizonrl-initdb-")  # mode 0600, read by initdb, then removed
+    try:
+        os.write(fd, password.encode())
+        os.close(fd)
+        if user:
+            for path in (data, pwfile):
+                os.chown(path, user["user"], user["group"])
+        done = subprocess.run([_pg_bin("initdb"), "-D", str(data), "-U", PG_USER, f"--pwfile={pwfile}", "--auth=scram-sha-256",
+                               "-E", "UTF8", "--locale=C"], capture_output=True, text=True, **user)
+    finally:
+        os.unlink(pwfile)
+    if done.returncode != 0:
+        raise RuntimeError(f"initdb failed for {data}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+
+
+def _pg_password(stack: Stack) -> str:
+    if not stack.pg_password_file.is_file():
+        raise RuntimeError(f"{stack.pg_password_file} is missing: the cluster in {stack.pg_data} cannot be opened without it")
+    return stack.pg_password_file.read_text().strip()
+
+
+def _pg_user() -> dict[str, Any]:
+    """Popen's user arguments: Debian's ``postgres`` user when we are root (PostgreSQL refuses root)."""
+    if os.geteuid() != 0:
+        return {}
+    try:
+        pw = pwd.getpwnam("postgres")
+    except KeyError:
+        raise RuntimeError("running as root, PostgreSQL needs an unprivileged user: Debian's 'postgres' user is missing "
+                           "(apt-get install postgresql creates it)") from None
+    return {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []}
+
+
+def _pg_bin(name: str) -> str:
+    """A PostgreSQL server program: on PATH, else Debian's /usr/lib/postgresql/<newest>/bin."""
+    found = shutil.which(name) or next((str(p) for p in sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"),
+                                                                 key=lambda p: int(p.parts[-3]) if p.parts[-3].isdigit() else 0, reverse=True)), None)
+    if found is None:
+        raise RuntimeError(f"PostgreSQL's {name} was not found: apt-get install postgresql (make setup-test installs it)")
+    return found
 
 
 def _wait_http(url: str, timeout_s: float, stack: Stack, name: str, method: str = "GET", nonempty: bool = False) -> None:

@@ -1,12 +1,18 @@
-"""Helpers shared by the end-to-end tests: a tiny run config and MLflow look-ups."""
+"""Helpers shared by the end-to-end tests: a tiny run config, MLflow look-ups, and the local stack's
+ports, CLI and leftover processes."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 from mlflow import MlflowClient
 
 from horizonrl.tracking import RUN_NAME_TAG
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_config(tmp_path: Path, tracking_uri: str, run_name: str = "e2e", iterations: int = 2) -> dict:
@@ -46,3 +52,30 @@ def flat(d: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prefect_cli(env: dict[str, str], *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """``prefect <args>`` from the repository root (prefect.yaml's pull step runs flows in ``{{ $PWD }}``)."""
+    done = subprocess.run([str(Path(sys.executable).parent / "prefect"), "--no-prompt", *args], cwd=REPO, env={**env, "PWD": str(REPO)},
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"prefect {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+def leftovers(marker: str) -> list[str]:
+    """Processes whose environment holds ``marker`` (a stack's unique PREFECT_HOME)."""
+    found = []
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in env.read_bytes():
+                cmdline = (env.parent / "cmdline").read_bytes().replace(b"\0", b" ")[:200]
+                found.append(f"{env.parent.name}: {cmdline!r}")
+        except OSError:
+            continue
+    return found

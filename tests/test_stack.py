@@ -12,9 +12,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,41 +21,14 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from flowkit import tiny_config
+from flowkit import REPO, free_port, leftovers, prefect_cli, tiny_config
 from horizonrl import stack
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
 SWEEP = "tiny-sweep"
 MODEL = "tiny-sweep-best"
 T_975_DF1 = 12.706204736174704  # Student t quantile 0.975 with 1 degree of freedom (two seeds)
 HISTORIES = ("eval/success_rate", "collect/episodes", "collect/mean_turns", "collect/tokens_per_episode", "time/train_s")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _prefect(s: stack.Stack, *args: str, timeout: float) -> subprocess.CompletedProcess:
-    env = {**s.environ(), "PWD": str(REPO)}  # prefect.yaml's pull step runs flows in {{ $PWD }}
-    done = subprocess.run([str(Path(sys.executable).parent / "prefect"), "--no-prompt", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"prefect {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done
-
-
-def _leftovers(marker: str) -> list[str]:
-    """Processes whose environment holds ``marker`` (the stack's unique PREFECT_HOME)."""
-    found = []
-    for env in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if marker.encode() in env.read_bytes():
-                cmdline = (env.parent / "cmdline").read_bytes().replace(b"\0", b" ")[:200]
-                found.append(f"{env.parent.name}: {cmdline!r}")
-        except OSError:
-            continue
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +36,7 @@ def swept(tmp_path_factory):
     """The stack, up; the sweep deployment run to completion. Yields (stack, root, timings)."""
     root = tmp_path_factory.mktemp("stack")
     prefect_home = root / "prefect-home"
-    s = stack.Stack(home=root / ".stack", store=root / "mlflow", prefect_port=_free_port(), mlflow_port=_free_port(),
+    s = stack.Stack(home=root / ".stack", store=root / "mlflow", prefect_port=free_port(), mlflow_port=free_port(),
                     env={"PREFECT_HOME": str(prefect_home), "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_UI_ENABLED": "false",
                          "TOKENIZERS_PARALLELISM": "false"})
     base = tiny_config(root, s.mlflow_uri, iterations=1)
@@ -81,10 +52,10 @@ def swept(tmp_path_factory):
     timings["stack_up_s"] = time.perf_counter() - t0
     try:
         t0 = time.perf_counter()
-        _prefect(s, "deploy", "--all", timeout=180)
+        prefect_cli(s.environ(), "deploy", "--all", timeout=180)
         timings["deploy_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        _prefect(s, "deployment", "run", "sweep/sweep", "--param", f"sweep_path={sweep_file}", "--watch", "--watch-timeout", "300", timeout=330)
+        prefect_cli(s.environ(), "deployment", "run", "sweep/sweep", "--param", f"sweep_path={sweep_file}", "--watch", "--watch-timeout", "300", timeout=330)
         timings["sweep_run_s"] = time.perf_counter() - t0
         yield s, root, timings
     finally:
@@ -92,7 +63,7 @@ def swept(tmp_path_factory):
         stack.down(s)
         timings["stack_down_s"] = time.perf_counter() - t0
         print("\nstack timings:", {k: round(v, 1) for k, v in timings.items()})
-    assert not _leftovers(str(prefect_home)), f"processes left after stack down: {_leftovers(str(prefect_home))}"
+    assert not leftovers(str(prefect_home)), f"processes left after stack down: {leftovers(str(prefect_home))}"
     assert all(v is None for v in stack.status(s).values())
 
 
@@ -168,7 +139,7 @@ def test_report_numbers_match_mlflow_metrics(swept):
 def test_evaluate_deployment_logs_a_linked_run(swept):
     """The registered best policy, evaluated on the train split through the evaluate deployment."""
     s, _, _ = swept
-    _prefect(s, "deployment", "run", "evaluate/evaluate", "--param", f"source=models:/{MODEL}/1", "--param", "split=train",
+    prefect_cli(s.environ(), "deployment", "run", "evaluate/evaluate", "--param", f"source=models:/{MODEL}/1", "--param", "split=train",
              "--param", "n_tasks=2", "--watch", "--watch-timeout", "120", timeout=150)
     c = MlflowClient(s.mlflow_uri)
     exp, parent, _ = _parent_and_children(c)

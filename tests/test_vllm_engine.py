@@ -28,6 +28,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from flowkit import free_port
 from horizonrl.engines.base import TokenTrie
 from horizonrl.engines.vllm import (
     ServerSpec,
@@ -339,14 +340,6 @@ HTTPServer((args[args.index("--host") + 1], port), H).serve_forever()
 '''
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_server_command_binds_loopback_with_prefix_caching_and_lora():
     spec = ServerSpec(python="/venv/bin/python", model="/m", port=8011, gpu_memory_utilization=0.4, max_logprobs=64, max_lora_rank=12, dtype="bfloat16")
     cmd = server_command(spec)
@@ -369,7 +362,7 @@ def test_owned_server_starts_restarts_on_new_weights_and_leaves_no_process(tmp_p
         (d / "__init__.py").write_text("")
     (pkg / "api_server.py").write_text(FAKE_SERVER)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
-    spec = ServerSpec(python=sys.executable, model=str(tmp_path / "iter=0"), port=_free_port(), gpu_memory_utilization=0.4, max_logprobs=8)
+    spec = ServerSpec(python=sys.executable, model=str(tmp_path / "iter=0"), port=free_port(), gpu_memory_utilization=0.4, max_logprobs=8)
     server = VLLMServer(spec, tmp_path / "server.log", startup_timeout_s=30)
     server.start()
     pid = server.proc.pid
@@ -404,7 +397,7 @@ def test_live_vllm_server_matches_the_transformers_engine(tiny_policy, tiny_poli
     """A real server on the tiny policy (float32): greedy admissible actions equal the transformers
     engine's, log-probs within 1e-3 (different kernels)."""
     model, tokenizer, fmt, hf = tiny_policy
-    spec = ServerSpec(python=str(VLLM_PYTHON), model=str(tiny_policy_dir), port=_free_port(), gpu_memory_utilization=0.2, max_logprobs=len(tokenizer), dtype="float32")
+    spec = ServerSpec(python=str(VLLM_PYTHON), model=str(tiny_policy_dir), port=free_port(), gpu_memory_utilization=0.2, max_logprobs=len(tokenizer), dtype="float32")
     server = VLLMServer(spec, tmp_path / "vllm.log", startup_timeout_s=600)
     server.start()
     engine = VLLMEngine(VLLMClient(server.url), hf.end_ids, len(tokenizer), server=server)
