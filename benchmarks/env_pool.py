@@ -5,10 +5,21 @@ turn) and play the same episodes (``episodes`` slots over the suite's first trai
 of each task) with the same action script: at each turn slot s plays admissible command number
 ``rng(s, turn) mod len(admissible)``, so both sides see identical states (checked). After one untimed
 warm-up round (JVM start, game loading, worker start), rounds alternate sequential / pool and the
-median of each is reported.
+median of each is reported, and each round's ratio, so a trend (a JIT still compiling) shows.
+``--warmup-rounds`` adds untimed rounds: ScienceWorld's JVMs compile their hot code in background
+threads for the first few hundred steps, and those threads use the spare core even in the sequential
+side, so early rounds understate what the pool gains once the JVMs are warm, as they are in training
+(the pool keeps its workers' environments across iterations).
+
+With ``--overlap``, the same pool then plays full ``collect`` rounds with the tiny model (the run's
+default, built under ``data/``) and the default rollout settings, without and with ``rollout.overlap``,
+alternating after one untimed round each, and reports the median of each and their ratio. Both sides
+play the same tasks and rollouts; the sampled actions differ (overlap changes the engine batches), so
+episode lengths may too.
 
     python benchmarks/env_pool.py --suite scienceworld-boil --episodes 8 --turns 20 --workers 2
     python benchmarks/env_pool.py --suite textworld-cooking --tier medium
+    python benchmarks/env_pool.py --suite household --turns 10 --overlap
 """
 
 from __future__ import annotations
@@ -18,7 +29,9 @@ import random
 import statistics
 import time
 
+from horizonrl.config import EnvConfig, TrainConfig
 from horizonrl.envs import make_suite
+from horizonrl.envs.base import Task
 from horizonrl.envs.batch import EpisodeBatch, InProcess
 from horizonrl.envs.pool import EnvPool
 from horizonrl.seeding import derive_seed
@@ -45,6 +58,37 @@ def play(envs: EpisodeBatch, tasks: list, turns: int) -> tuple[float, float, lis
     return reset_s, time.perf_counter() - start, last
 
 
+def compare_overlap(pool: EnvPool, tasks: list[Task], args: argparse.Namespace) -> None:
+    """Median seconds of full ``collect`` rounds through ``pool``, overlap off and on, side by side."""
+    from horizonrl.engines.hf import TransformersEngine
+    from horizonrl.models import load_policy
+    from horizonrl.prompting import ChatFormat
+    from horizonrl.rollout import collect
+    from horizonrl.runtime import PolicyRuntime
+
+    cfg = TrainConfig(env=EnvConfig(name=args.suite, tier=args.tier, max_turns=args.turns))
+    rt = PolicyRuntime()
+    model, tokenizer = load_policy(rt.initial_model_dir(cfg))
+    fmt = ChatFormat.for_tokenizer(tokenizer)
+    engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
+    sampling = rt.sampling(cfg, 0)
+
+    def seconds(overlap: bool) -> float:
+        start = time.perf_counter()
+        collect(pool, tasks, args.group_size, engine, fmt, **{**sampling, "overlap": overlap})
+        return time.perf_counter() - start
+
+    seconds(False), seconds(True)  # warm-up, untimed
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(args.rounds):
+        for overlap in (False, True):
+            times[overlap].append(seconds(overlap))
+    off, on = statistics.median(times[False]), statistics.median(times[True])
+    print(f"collect: {len(tasks) * args.group_size} episodes, tiny model, {args.workers} workers, at most {args.turns} turns "
+          f"(median of rounds)")
+    print(f"no overlap  {off:6.2f}s\noverlap     {on:6.2f}s\nspeed-up:   {off / on:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", default="scienceworld-boil")
@@ -54,6 +98,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds on each side first")
+    parser.add_argument("--overlap", action="store_true", help="also time full collect with the tiny model, overlap off and on")
     args = parser.parse_args()
 
     suite = make_suite(args.suite, 0)
@@ -64,22 +110,26 @@ def main() -> None:
     start = time.perf_counter()
     local = InProcess(suite)
     pool = EnvPool(args.suite, 0, n_workers=args.workers)
-    *_, seq_last = play(local, tasks, args.turns)  # warm-up round, untimed
-    *_, pool_last = play(pool, tasks, args.turns)
+    for _ in range(args.warmup_rounds):
+        *_, seq_last = play(local, tasks, args.turns)
+        *_, pool_last = play(pool, tasks, args.turns)
     warmup = time.perf_counter() - start
     assert seq_last == pool_last, "the pool and in-process stepping diverged"
     times: dict[str, list[tuple[float, float]]] = {"sequential": [], "pool": []}
     for _ in range(args.rounds):
         times["sequential"].append(play(local, tasks, args.turns)[:2])
         times["pool"].append(play(pool, tasks, args.turns)[:2])
-    pool.close()
     local.close()
     print(f"suite={args.suite} tier={args.tier} episodes={args.episodes} turns={args.turns} workers={args.workers} "
-          f"rounds={args.rounds} warm-up={warmup:.1f}s (median of rounds; reset + steps)")
+          f"rounds={args.rounds} warm-up rounds={args.warmup_rounds} ({warmup:.1f}s) (median of rounds; reset + steps)")
+    print("per round:   " + "  ".join(f"{sum(s) / sum(p):.2f}x" for s, p in zip(times["sequential"], times["pool"])))
     med = {side: [statistics.median(t[i] for t in rounds) for i in (0, 1)] for side, rounds in times.items()}
     for side in ("sequential", "pool"):
         print(f"{side:<11} total {sum(med[side]):6.2f}s  reset {med[side][0]:6.2f}s  steps {med[side][1]:6.2f}s")
     print(f"speed-up:   total {sum(med['sequential']) / sum(med['pool']):.2f}x  steps {med['sequential'][1] / med['pool'][1]:.2f}x")
+    if args.overlap:
+        compare_overlap(pool, distinct, args)
+    pool.close()
 
 
 if __name__ == "__main__":

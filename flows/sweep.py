@@ -137,10 +137,14 @@ def sweep(sweep_path: str, in_process: bool = False) -> list[dict[str, Any]]:
     log.info("sweep %s: %d cells, %d finished, %d to run (%s)", spec.name, len(cells), len(cells) - len(todo), len(todo), deployment or "in process")
     status = "FAILED"
     try:
-        states = _run_deployed(todo, deployment, spec.concurrency) if deployment else _run_here(todo)
         for cell in cells:
             _link(c, parent_id, spec.name, cell)
+        states = _run_deployed(todo, deployment, spec.concurrency) if deployment else _run_here(todo)
         failed = {name: state for name, state in states.items() if state != "Completed"}
+        for cell in (cell for cell in todo if cell.run_name in failed):
+            run = _run_named(c, cell.config.experiment, cell.run_name)
+            if run is not None and run.info.status == "RUNNING":
+                c.set_terminated(run.info.run_id, "FAILED")
         rows = sweep_report(spec.name, cfg0.experiment, uri)
         if spec.register_best:
             version = _register_best(c, parent_id, spec.register_best)
@@ -214,12 +218,16 @@ def _run_deployed(cells: list[Cell], deployment: str, concurrency: int, poll_s: 
 
 
 def _link(c: MlflowClient, parent_id: str, sweep_name: str, cell: Cell) -> None:
-    """Nest the cell's run under the sweep's (MLflow's parentRunId tag) and tag its coordinates."""
+    """Nest the cell's run under the sweep's (MLflow's parentRunId tag) and tag its coordinates, creating
+    the run if the cell has not started yet: the UI shows every cell under the sweep while it runs, and
+    the train flow continues the run it finds by name."""
+    coords = {f"cell.{k}": str(v) for k, v in cell.coords.items()}
+    tags = {"mlflow.parentRunId": parent_id, SWEEP_TAG: sweep_name, CELL_TAG: json.dumps(cell.coords, sort_keys=True), **coords}
     run = _run_named(c, cell.config.experiment, cell.run_name)
     if run is None:
-        return
-    coords = {f"cell.{k}": v for k, v in cell.coords.items()}
-    tracking.set_tags(c, run.info.run_id, {"mlflow.parentRunId": parent_id, SWEEP_TAG: sweep_name, CELL_TAG: json.dumps(cell.coords, sort_keys=True), **coords})
+        tracking.find_or_create_run(c, cell.config.experiment, cell.run_name, tags)
+    else:
+        tracking.set_tags(c, run.info.run_id, tags)
 
 
 def _run_named(c: MlflowClient, experiment: str, run_name: str):
@@ -236,8 +244,8 @@ def artifact_key(name: str) -> str:
 
 
 def _histories(c: MlflowClient, parent_id: str) -> dict[str, report.CellHistory]:
-    """Run id -> the metric histories of every cell run nested under ``parent_id``; the variant is the
-    cell's coordinates without its seed."""
+    """Run id -> the metric histories of every cell run nested under ``parent_id`` that has evaluated at
+    least once; the variant is the cell's coordinates without its seed."""
     exp_id = c.get_run(parent_id).info.experiment_id
     runs = c.search_runs([exp_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}'", order_by=["attributes.start_time ASC"])
     out = {}
@@ -245,6 +253,8 @@ def _histories(c: MlflowClient, parent_id: str) -> dict[str, report.CellHistory]
         coords = json.loads(run.data.tags.get(CELL_TAG, "{}"))
         variant = " ".join(str(v) if k == "method" else f"{k}={v}" for k, v in coords.items() if k != "seed") or "base"
         h = {key: {m.step: m.value for m in c.get_metric_history(run.info.run_id, key)} for key in HISTORIES}
+        if not h["eval/success_rate"]:
+            continue  # a cell that has not started (its run is created ahead) has nothing to compare yet
         train_s = h["time/train_s"][max(h["time/train_s"])] if h["time/train_s"] else float("nan")
         out[run.info.run_id] = report.CellHistory(variant, int(run.data.tags.get("seed", coords.get("seed", 0))), h["eval/success_rate"],
                                                   h["collect/episodes"], h["collect/mean_turns"], h["collect/tokens_per_episode"], train_s)

@@ -37,6 +37,9 @@ def start_run(cfg: TrainConfig) -> RunStart:
     c = tracking.client(uri)
     tags = {"method": cfg.method, "env": cfg.env.name, "tier": cfg.env.tier, "seed": str(cfg.seed), "git_commit": tracking.git_commit()}
     run_id, resumed = tracking.find_or_create_run(c, cfg.experiment, cfg.run_name, tags)
+    if resumed and not c.get_run(run_id).data.params:  # created ahead by a sweep, to nest it in the UI
+        tracking.set_tags(c, run_id, tags)
+        resumed = False
     if not resumed:
         tracking.log_params(c, run_id, cfg.flat())
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=True))

@@ -1,6 +1,7 @@
 """Sweep files (every shipped one loads; bad ones name the field), which cells count as finished (real
-MLflow on SQLite), and the evaluate flow's config rebuilt from a run's params. No flow runs here: the
-sweep and evaluate flows run end to end on the real stack in test_stack.py."""
+MLflow on SQLite), the evaluate flow's config rebuilt from a run's params, and a sweep run in process
+(its cells' runs nested before they start). The sweep and evaluate flows run through deployments on
+the real stack in test_stack.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from mlflow import MlflowClient
 
 from flowkit import tiny_config
 from flows.evaluate import config_from_params
-from flows.sweep import artifact_key, finished, load_sweep
+from flows.sweep import SWEEP_TAG, artifact_key, finished, load_sweep, sweep
 from horizonrl import tracking
 from horizonrl.config import TrainConfig
 
@@ -97,3 +98,23 @@ def test_config_rebuilt_from_mlflow_params(tmp_path, tracking_uri):
 
 def test_artifact_keys_are_prefect_safe():
     assert artifact_key("Ablation_household.easy") == "ablation-household-easy"
+
+
+@pytest.mark.slow
+def test_cells_are_nested_under_the_sweep_before_they_run(prefect_harness, tmp_path, tracking_uri):
+    """The sweep creates every cell's run under its parent before the first cell starts, so the MLflow UI
+    shows them nested while they run; each train flow then continues its run (params and tags logged)."""
+    base = tiny_config(tmp_path, tracking_uri, iterations=1)
+    for key in ("run_name", "seed"):
+        base.pop(key)
+    sweep(str(_write(tmp_path, {"grid": {"seed": [0, 1]}}, base)), in_process=True)
+    c = MlflowClient(tracking_uri)
+    exp = c.get_experiment_by_name("test")
+    (parent,) = c.search_runs([exp.experiment_id], filter_string=f"tags.`{SWEEP_TAG}` = 's' and tags.`horizonrl.kind` = 'sweep'")
+    children = sorted(c.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"),
+                      key=lambda r: r.data.tags["cell.seed"])
+    assert [r.info.run_name for r in children] == ["s--seed=0", "s--seed=1"]
+    for seed, run in enumerate(children):
+        assert run.info.status == "FINISHED" and run.data.params["method"] == "loop" and run.data.tags["seed"] == str(seed)
+        assert [m.step for m in c.get_metric_history(run.info.run_id, "eval/success_rate")] == [0, 1]
+    assert children[1].info.start_time < children[0].info.end_time, "the second cell's run was created only after the first ended"
