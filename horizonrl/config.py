@@ -134,6 +134,10 @@ class RolloutConfig(Strict):
     process. Results are the same either way; workers pay off when stepping is slow (TextWorld, ScienceWorld)."""
     step_timeout_s: float = Field(60.0, gt=0)
     """With env_workers: an environment step that takes longer ends its episode as an error."""
+    overlap: bool = False
+    """Generate half the episodes while the other half's environments step: pays off with slow environments
+    and generation on a GPU or in another process. Samples differ from overlap off (other engine batches),
+    not between backends (env_workers)."""
     shards: int = Field(1, ge=1)
     """Blocks the iteration's tasks are split into, each played as one Prefect task with its own sampling
     seed. Rollouts depend on the number of shards, not on ``runner``; 1 keeps the unsharded stream."""

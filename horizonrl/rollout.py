@@ -5,6 +5,15 @@
 worker processes), repeat until all are done or the horizon is reached. It returns plain records
 (``EpisodeRecord``/``TurnRecord``) that the store writes as Parquet. An environment that fails ends its
 episode with status ``error`` and the reason; the rest of the batch goes on.
+
+With ``overlap`` the episodes form two fixed halves, A (the first ceil(n/2)) and B, played as a
+pipeline, so one half generates while the other half's environments step::
+
+    generate A | step_start A | generate B | step_finish A | step_start B | generate A | step_finish B | ...
+
+Each half counts its own turns and samples turn ``step`` with ``derive_seed(seed, "turn", step, half)``.
+The engine batches differ from lockstep (so do the samples), but they are fixed by the config, never by
+which ``EpisodeBatch`` stepped the environments or how fast.
 """
 
 from __future__ import annotations
@@ -80,6 +89,35 @@ class _Live:
 
 
 @dataclass(frozen=True)
+class _Sampling:
+    """What every engine call of one rollout batch shares."""
+
+    engine: Engine
+    fmt: ChatFormat
+    action_mode: str
+    history_turns: int
+    max_action_tokens: int
+    temperature: float
+    greedy: bool
+
+
+@dataclass
+class _Turn:
+    """One engine call's actions, from generation until their environment results are recorded."""
+
+    batch: list[_Live]
+    deltas: list[list[int]]  # per episode: the prompt ids its turn row stores
+    actions: list[tuple[Generation, str]]
+    broken: dict[int, str]  # slot -> why its generation cannot be played ("" if it can)
+    gen_s: float  # per episode
+    env_s: float = 0.0  # time the loop spent in the environment calls of this turn, all episodes
+
+    def sent(self) -> dict[int, str]:
+        """The actions to play: every episode's but those whose generation is broken."""
+        return {ep.slot: action for ep, (_, action) in zip(self.batch, self.actions) if not self.broken[ep.slot]}
+
+
+@dataclass(frozen=True)
 class BranchStart:
     """Where an APPO branch leaves its parent: after action token ``split`` (flat over all its turns)."""
 
@@ -105,10 +143,12 @@ def collect(
     greedy: bool = False,
     first_rollout_id: int = 0,
     first_group_id: int = 0,
+    overlap: bool = False,
 ) -> list[EpisodeRecord]:
     """Play ``group_size`` rollouts of every task; rollout r of task g has group_id ``first_group_id + g``
     (a shard numbers its groups where they sit in the iteration). ``envs`` is an ``EpisodeBatch`` (kept
-    open for the caller) or a suite, played in this process."""
+    open for the caller) or a suite, played in this process. ``overlap``: the two-half pipeline (module
+    docstring)."""
     with as_batch(envs) as envs:
         starts = envs.reset_many([task for task in tasks for _ in range(group_size)])
         live: list[_Live] = []
@@ -120,7 +160,8 @@ def collect(
             if "error" in info:
                 _end_with_error(ep, info["error"])
             live.append(ep)
-        return _run(live, envs, engine, fmt, action_mode, history_turns, max_turns, max_action_tokens, temperature, greedy, seed)
+        sampling = _Sampling(engine, fmt, action_mode, history_turns, max_action_tokens, temperature, greedy)
+        return _run(live, envs, sampling, max_turns, seed, overlap)
 
 
 @dataclass(frozen=True)
@@ -167,12 +208,14 @@ def collect_branches(
     temperature: float,
     seed: int,
     first_rollout_id: int,
+    overlap: bool = False,
 ) -> list[EpisodeRecord]:
     """Play APPO branches: each continues its parent from the token prefix up to and including the split
     token (within that turn), in an environment brought to the parent's state at that turn by replaying
     the parent's earlier actions (all replays step together). All branches are generated in one lockstep
-    batch. A replay whose observations differ from the parent's raises: the environment is not
-    deterministic, and a branch from a different state would get the wrong credit."""
+    batch, or in the two-half pipeline with ``overlap``. A replay whose observations differ from the
+    parent's raises: the environment is not deterministic, and a branch from a different state would get
+    the wrong credit."""
     with as_batch(envs) as envs:
         split_turns = [_split_turn(b) for b in starts]
         resets = envs.reset_many([b.parent.task for b in starts])
@@ -188,7 +231,8 @@ def collect_branches(
         live = []
         for i, (b, (turn, offset)) in enumerate(zip(starts, split_turns)):
             live.append(_branch_live(b, turn, offset, i, *replayed[i], fmt, context, first_rollout_id + i, seed))
-        return _run(live, envs, engine, fmt, action_mode, history_turns, max_turns, max_action_tokens, temperature, False, derive_seed(seed, "branches"))
+        sampling = _Sampling(engine, fmt, action_mode, history_turns, max_action_tokens, temperature, False)
+        return _run(live, envs, sampling, max_turns, derive_seed(seed, "branches"), overlap)
 
 
 def _split_turn(b: BranchStart) -> tuple[int, int]:
@@ -222,29 +266,85 @@ def _branch_live(b: BranchStart, turn: int, offset: int, slot: int, obs: str, in
     return ep
 
 
-def _run(live: list[_Live], envs: EpisodeBatch, engine: Engine, fmt: ChatFormat, action_mode: str, history_turns: int, max_turns: int, max_action_tokens: int, temperature: float, greedy: bool, seed: int) -> list[EpisodeRecord]:
-    """Step every live episode in lockstep until all are done or have ``max_turns`` turns."""
-    session = engine.session() if live and live[0].record.context == "full" else None  # one KV cache across turns
-    for step in range(max_turns):
-        batch = [ep for ep in live if not ep.done and len(ep.record.turns) < max_turns]
-        if not batch:
-            break
-        _play_turn(batch, envs, engine, session, fmt, action_mode, history_turns, max_action_tokens, temperature, greedy, derive_seed(seed, "turn", step))
+def _run(live: list[_Live], envs: EpisodeBatch, sampling: _Sampling, max_turns: int, seed: int, overlap: bool) -> list[EpisodeRecord]:
+    """Play every live episode until all are done or have ``max_turns`` turns: in lockstep, or with
+    ``overlap`` as the two-half pipeline."""
+    full = bool(live) and live[0].record.context == "full"
+    if overlap:
+        _run_halves(live, envs, sampling, full, max_turns, seed)
+    else:
+        _run_lockstep(live, envs, sampling, full, max_turns, seed)
     for ep in live:
         if not ep.done:
             ep.record.status = "truncated"
     return [ep.record for ep in live]
 
 
-def _play_turn(batch: list[_Live], envs: EpisodeBatch, engine: Engine, session: Session | None, fmt: ChatFormat, action_mode: str, history_turns: int, max_action_tokens: int, temperature: float, greedy: bool, seed: int) -> None:
-    """One engine call for every active episode, then one ``step_many``. ``deltas`` are what each turn row
-    stores as prompt ids: the whole prompt in window context, only the new ids in full context (the
-    session holds the rest)."""
+def _run_lockstep(live: list[_Live], envs: EpisodeBatch, sampling: _Sampling, full: bool, max_turns: int, seed: int) -> None:
+    """Every episode still playing in each engine call, then one ``step_many``; one session (KV cache)
+    across turns in full context."""
+    session = sampling.engine.session() if full else None
+    for step in range(max_turns):
+        batch = [ep for ep in live if not ep.done and len(ep.record.turns) < max_turns]
+        if not batch:
+            break
+        turn = _generate(batch, sampling, session, derive_seed(seed, "turn", step))
+        t0 = time.perf_counter()
+        results = envs.step_many(turn.sent())
+        turn.env_s = time.perf_counter() - t0
+        _record(turn, results)
+
+
+def _run_halves(live: list[_Live], envs: EpisodeBatch, sampling: _Sampling, full: bool, max_turns: int, seed: int) -> None:
+    """The two-half pipeline: generate one half while the other half's step is in flight, then gather
+    that step, send this half's, and swap. Each half has its own session (a session keeps only the
+    episodes of its latest call, so halves cannot share one) and its own turn counter; it stops when it
+    has no episode left to play or has played ``max_turns`` steps, and the loop ends when both have.
+
+    If generation raises, the step in flight is gathered before the error propagates, so a batch the
+    caller keeps (a pool reused by a retry) is left with no step in flight.
+    """
+    cut = math.ceil(len(live) / 2)
+    halves = [live[:cut], live[cut:]]
+    sessions = [sampling.engine.session() if full else None for _ in halves]
+    steps = [0, 0]
+    flight: _Turn | None = None  # the other half's turn while its step is in flight
+    h, idle = 0, 0  # idle: halves in a row with nothing to play; a half found idle stays idle (none of its steps is in flight)
+    try:
+        while idle < 2:
+            batch = [ep for ep in halves[h] if not ep.done and len(ep.record.turns) < max_turns]
+            turn = None
+            if batch and steps[h] < max_turns:  # generated while ``flight`` steps
+                turn = _generate(batch, sampling, sessions[h], derive_seed(seed, "turn", steps[h], h))
+                steps[h] += 1
+            if flight is not None:
+                landed, flight = flight, None
+                t0 = time.perf_counter()
+                results = envs.step_finish()
+                landed.env_s += time.perf_counter() - t0
+                _record(landed, results)
+            if turn is not None:
+                t0 = time.perf_counter()
+                envs.step_start(turn.sent())
+                turn.env_s, flight = time.perf_counter() - t0, turn
+            idle = 0 if turn is not None else idle + 1
+            h = 1 - h
+    except Exception:
+        if flight is not None:
+            envs.step_finish()
+        raise
+
+
+def _generate(batch: list[_Live], sampling: _Sampling, session: Session | None, seed: int) -> _Turn:
+    """One engine call for every episode of ``batch``. ``deltas`` are what each turn row stores as prompt
+    ids: the whole prompt in window context, only the new ids in full context (the session holds the
+    rest)."""
+    fmt = sampling.fmt
     deltas, inputs, tries = [], [], []
     for ep in batch:
         obs_ids = fmt.user(ep.obs)
         if session is None:
-            delta = window_prompt(fmt, ep.goal_ids, ep.history, obs_ids, history_turns)
+            delta = window_prompt(fmt, ep.goal_ids, ep.history, obs_ids, sampling.history_turns)
         else:
             delta = full_delta(fmt, ep.goal_ids, obs_ids, ep.history[-1][1] if ep.history else None)
         pending = ep.pending.token_ids if ep.pending else []
@@ -252,12 +352,13 @@ def _play_turn(batch: list[_Live], envs: EpisodeBatch, engine: Engine, session: 
         inputs.append(ep.engine_prefix + delta + pending)
         ep.engine_prefix = []
         ep.history.append((obs_ids, []))
-        tries.append(_trie(fmt, ep.info["admissible_commands"], pending) if action_mode == "admissible" else None)
+        tries.append(_trie(fmt, ep.info["admissible_commands"], pending) if sampling.action_mode == "admissible" else None)
+    n_tokens, temperature, greedy = sampling.max_action_tokens, sampling.temperature, sampling.greedy
     t0 = time.perf_counter()
     if session is None:
-        gens = engine.generate(inputs, tries, max_action_tokens, temperature, greedy, seed)
+        gens = sampling.engine.generate(inputs, tries, n_tokens, temperature, greedy, seed)
     else:
-        gens = session.extend([ep.record.rollout_id for ep in batch], inputs, tries, max_action_tokens, temperature, greedy, seed)
+        gens = session.extend([ep.record.rollout_id for ep in batch], inputs, tries, n_tokens, temperature, greedy, seed)
     gen_s = (time.perf_counter() - t0) / len(batch)
     actions = []
     for ep, gen, trie in zip(batch, gens, tries):
@@ -266,12 +367,15 @@ def _play_turn(batch: list[_Live], envs: EpisodeBatch, engine: Engine, session: 
             ep.pending = None
         actions.append((gen, _action_text(gen, trie, fmt)))
     broken = {ep.slot: _engine_fault(gen) for ep, (gen, _) in zip(batch, actions)}
-    t0 = time.perf_counter()
-    results = envs.step_many({ep.slot: action for ep, (_, action) in zip(batch, actions) if not broken[ep.slot]})
-    env_s = (time.perf_counter() - t0) / len(batch)
-    results.update({ep.slot: ("", 0.0, True, error_info(ep.info, broken[ep.slot])) for ep in batch if broken[ep.slot]})
-    for ep, delta, (gen, action) in zip(batch, deltas, actions):
-        _record_turn(ep, len(ep.record.turns), delta, gen, action, results[ep.slot], gen_s, env_s)
+    return _Turn(batch, deltas, actions, broken, gen_s)
+
+
+def _record(turn: _Turn, results: dict[int, StepResult]) -> None:
+    """Record ``turn``'s step results; an episode whose generation was broken ends as an error, unplayed."""
+    results = {**results, **{ep.slot: ("", 0.0, True, error_info(ep.info, turn.broken[ep.slot])) for ep in turn.batch if turn.broken[ep.slot]}}
+    env_s = turn.env_s / len(turn.batch)
+    for ep, delta, (gen, action) in zip(turn.batch, turn.deltas, turn.actions):
+        _record_turn(ep, len(ep.record.turns), delta, gen, action, results[ep.slot], turn.gen_s, env_s)
 
 
 def _join(prefix: Generation, rest: Generation) -> Generation:

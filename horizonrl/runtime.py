@@ -113,7 +113,7 @@ class PolicyRuntime:
         r = cfg.rollout
         return dict(action_mode=r.action_mode, context=r.context, history_turns=r.history_turns,
                     max_turns=cfg.env.max_turns or self.suite(cfg).max_turns(cfg.env.tier),
-                    max_action_tokens=r.max_action_tokens, temperature=r.temperature, seed=seed)
+                    max_action_tokens=r.max_action_tokens, temperature=r.temperature, seed=seed, overlap=r.overlap)
 
     def initial_model_dir(self, cfg: TrainConfig) -> Path:
         """The starting weights: ``model.path`` or the tiny model built for this environment; with

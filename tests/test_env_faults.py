@@ -156,19 +156,22 @@ def test_train_flow_counts_environment_errors_and_goes_on(prefect_harness, tmp_p
 
 
 def test_train_flow_steps_environments_in_workers_and_leaves_none(prefect_harness, tmp_path, tracking_uri):
+    """The whole train flow with a pool of two workers and generation overlapping stepping (collect and
+    evaluation); the workers are gone when the run ends."""
     from mlflow import MlflowClient
 
     from flows.train import train
     from tasks.context import RUNTIME
 
     cfg = tiny_config(tmp_path, tracking_uri, "pooled", iterations=1)
-    cfg["rollout"] = {**cfg["rollout"], "env_workers": 2}
+    cfg["rollout"] = {**cfg["rollout"], "env_workers": 2, "overlap": True}
     train(config=cfg)
     assert RUNTIME._episodes is None  # closed at the end of the run
     kids = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == os.getpid() and _running(p)]
     assert not [p for p in kids if b"spawn" in (p / "cmdline").read_bytes()]
     run = run_of(MlflowClient(tracking_uri), "pooled")
     assert run.data.metrics["collect/error_rate"] == 0.0 and run.data.params["rollout.env_workers"] == "2"
+    assert run.data.params["rollout.overlap"] == "True" and run.data.metrics["collect/episodes"] == 4
     turns = store.read_table(Path(cfg["data_dir"]) / "test" / "pooled" / "iter=00001" / "turns.parquet", "turns")
     fv, fin = turns["format_valid"].to_pylist(), turns["finished"].to_pylist()
     assert run.data.metrics["collect/format_invalid_rate"] == pytest.approx(1 - sum(fv) / len(fv))

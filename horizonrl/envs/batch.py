@@ -7,6 +7,9 @@ Two implementations share it: ``InProcess`` steps the episodes one after another
   with ``info["goal"]`` set (the rollout loop builds the system prompt from it);
 * return, from ``step_many({slot: action})``, ``(observation, reward, done, info)`` per slot with
   ``info["abstract_action"]`` (the goal-relative label of the action, taken *before* it was played);
+* split that step in two, so the caller can work while the environments step: ``step_start(actions)``
+  sends and returns, ``step_finish()`` waits for that step's results (``step_many`` is the two in a
+  row). At most one step is in flight; any other order raises ``RuntimeError``;
 * end an episode whose environment raises or answers with something that is not a step result:
   ``done=True`` and ``info["error"]`` says why; the other episodes go on. The pool also ends an episode
   whose environment crashes its process or hangs past its timeout.
@@ -29,6 +32,10 @@ class EpisodeBatch(Protocol):
     def reset_many(self, tasks: Sequence[Task]) -> list[tuple[str, dict[str, Any]]]: ...
 
     def step_many(self, actions: Mapping[int, str]) -> dict[int, StepResult]: ...
+
+    def step_start(self, actions: Mapping[int, str]) -> None: ...
+
+    def step_finish(self) -> dict[int, StepResult]: ...
 
     def close(self) -> None: ...
 
@@ -59,6 +66,15 @@ def step_episode(env: Env, action: str) -> StepResult:
     return obs, reward, bool(done), {**_checked_info(info), "abstract_action": label}
 
 
+def check_step_order(call: str, in_flight: bool) -> None:
+    """At most one step in flight: ``step_finish`` needs one; ``step_start``, ``reset_many`` and the
+    like need none (their results would interleave with the step's)."""
+    if call == "step_finish" and not in_flight:
+        raise RuntimeError("step_finish with no step in flight: call step_start first")
+    if call != "step_finish" and in_flight:
+        raise RuntimeError(f"{call} while a step is in flight: call step_finish first")
+
+
 def error_info(last_info: Mapping[str, Any], why: str) -> dict[str, Any]:
     """The info of an episode ended by an error: its last progress, no commands, ``error`` set."""
     return {**last_info, "won": False, "admissible_commands": [], "valid": False, "error": why}
@@ -74,8 +90,10 @@ class InProcess:
         self._envs: dict[int, Env] = {}
         self._infos: dict[int, dict[str, Any]] = {}
         self._errors: dict[int, str] = {}
+        self._sent: dict[int, str] | None = None  # the step in flight
 
     def reset_many(self, tasks: Sequence[Task]) -> list[tuple[str, dict[str, Any]]]:
+        check_step_order("reset_many", self._sent is not None)
         for slot in self._errors:
             close_quietly(self._envs.pop(slot, None))
         spare = list(self._envs.values())
@@ -94,6 +112,17 @@ class InProcess:
         return out
 
     def step_many(self, actions: Mapping[int, str]) -> dict[int, StepResult]:
+        self.step_start(actions)
+        return self.step_finish()
+
+    def step_start(self, actions: Mapping[int, str]) -> None:
+        """Only keeps ``actions``: one process has nothing to overlap, so ``step_finish`` steps them."""
+        check_step_order("step_start", self._sent is not None)
+        self._sent = dict(actions)
+
+    def step_finish(self) -> dict[int, StepResult]:
+        check_step_order("step_finish", self._sent is not None)
+        actions, self._sent = self._sent, None
         out: dict[int, StepResult] = {}
         for slot, action in actions.items():
             if slot in self._errors:
@@ -109,7 +138,7 @@ class InProcess:
     def close(self) -> None:
         for env in self._envs.values():
             close_quietly(env)
-        self._envs, self._infos, self._errors = {}, {}, {}
+        self._envs, self._infos, self._errors, self._sent = {}, {}, {}, None
 
     def _fail(self, slot: int, why: str) -> dict[str, Any]:
         self._errors[slot] = why

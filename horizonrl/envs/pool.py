@@ -7,7 +7,11 @@ environments between batches, so JVMs and loaded games stay warm.
 
 Episode slot ``i`` (the i-th task of ``reset_many``) lives on worker ``i % n_workers``. A worker plays
 its share of a batch one episode after another and streams each result back as soon as it has it; the
-parent waits on all workers at once.
+parent waits on all workers at once. ``step_start`` sends the shares and returns, ``step_finish`` does
+that waiting (with the failure handling below), so the parent can generate the next actions of other
+episodes while the workers step; ``step_many`` is the two in a row. Results queue in the pipes
+meanwhile; a worker's timeout runs from the send, so a step that hangs while the parent generates is
+caught as soon as the parent gathers.
 
 Failures end one episode, not the batch:
 
@@ -19,7 +23,7 @@ Failures end one episode, not the batch:
   alive when the batch is sent): restarted, all its episodes rebuilt, no episode lost. The worker
   announces each slot before it touches the environment, so only the episode it was playing is blamed.
 
-Not thread-safe: one caller at a time.
+Not thread-safe: one caller at a time, and at most one step in flight (nothing else runs meanwhile).
 
 ``close()`` stops every worker (killing any that does not exit), and with it their environments'
 JVMs or games.
@@ -38,7 +42,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Mapping, Sequence
 
 from horizonrl.envs.base import EnvSuite, Task
-from horizonrl.envs.batch import StepResult, close_quietly, error_info, reset_episode, step_episode
+from horizonrl.envs.batch import StepResult, check_step_order, close_quietly, error_info, reset_episode, step_episode
 
 SuiteRef = str | Callable[[int], EnvSuite]
 
@@ -59,6 +63,17 @@ class _Worker:
     conn: Connection
 
 
+@dataclass
+class _Sent:
+    """An op sent to the workers and not yet gathered: per worker, the slots it owes, in playing order."""
+
+    op: str
+    items: Mapping[int, Any]
+    timeout_s: float
+    queues: dict[int, deque]
+    deadline: float  # for each worker's first result
+
+
 class EnvPool:
     """Parallel episodes of one suite, addressed by slot (the index of their task in ``reset_many``)."""
 
@@ -69,10 +84,12 @@ class EnvPool:
         self._context = multiprocessing.get_context(start_method)
         self._workers = [self._start() for _ in range(n_workers)]
         self._episodes: dict[int, _Episode] = {}
+        self._step: tuple[list[int], _Sent] | None = None  # the step in flight: slots asked, results owed
         self.restarts = 0
 
     def reset_many(self, tasks: Sequence[Task]) -> list[tuple[str, dict[str, Any]]]:
         """End every running episode and start one per task; slot i plays tasks[i]."""
+        check_step_order("reset_many", self._step is not None)
         self._episodes = {slot: _Episode(task) for slot, task in enumerate(tasks)}
         self._revive_idle()
         for w in range(len(self._workers)):
@@ -86,17 +103,30 @@ class EnvPool:
 
     def step_many(self, actions: Mapping[int, str]) -> dict[int, StepResult]:
         """Play ``actions[slot]`` in each slot; ``info["abstract_action"]`` labels it (before it was played)."""
+        self.step_start(actions)
+        return self.step_finish()
+
+    def step_start(self, actions: Mapping[int, str]) -> None:
+        """Send each worker its share of ``actions`` and return while they play them."""
+        check_step_order("step_start", self._step is not None)
         self._revive_idle()
         live = {slot: a for slot, a in actions.items() if not self._episodes[slot].error}
-        results = self._dispatch("step", live, self.step_timeout_s)
+        self._step = (list(actions), self._send_share("step", live, self.step_timeout_s))
+
+    def step_finish(self) -> dict[int, StepResult]:
+        """Wait for the step in flight: one result per slot of its ``actions``, failures ended as errors."""
+        check_step_order("step_finish", self._step is not None)
+        (slots, sent), self._step = self._step, None
+        results = self._gather(sent)
         out: dict[int, StepResult] = {}
-        for slot in actions:
+        for slot in slots:
             ok, value = results.get(slot, (False, self._episodes[slot].error))
             out[slot] = value if ok else ("", 0.0, True, self._fail(slot, value))
         return out
 
     def abstract_action_many(self, actions: Mapping[int, str]) -> dict[int, str]:
         """``env.abstract_action`` of each slot's candidate action, without playing it."""
+        check_step_order("abstract_action_many", self._step is not None)
         self._revive_idle()
         live = {slot: a for slot, a in actions.items() if not self._episodes[slot].error}
         results = self._dispatch("abstract", live, self.step_timeout_s)
@@ -119,7 +149,7 @@ class EnvPool:
         for worker in self._workers:
             worker.process.join(timeout=15)
             _kill(worker)
-        self._workers = []
+        self._workers, self._step = [], None
 
     def __enter__(self) -> EnvPool:
         return self
@@ -135,17 +165,26 @@ class EnvPool:
                 pass
 
     def _dispatch(self, op: str, items: Mapping[int, Any], timeout_s: float) -> dict[int, tuple[bool, Any]]:
-        """Send each worker its share of ``items`` and gather one (ok, value) per slot, handling failures.
+        """Send each worker its share of ``items`` and gather one (ok, value) per slot, handling failures."""
+        return self._gather(self._send_share(op, items, timeout_s))
 
-        A worker times out when no result of its share arrives for ``timeout_s``; time spent rebuilding
-        a failed worker does not count against the others.
-        """
+    def _send_share(self, op: str, items: Mapping[int, Any], timeout_s: float) -> _Sent:
+        """Send each worker its share of ``items`` (slot s to worker s mod n); the timeouts start now."""
         n = len(self._workers)
         queues = {w: deque(s for s in items if s % n == w) for w in range(n)}
         for w, queue in queues.items():
             if queue:
                 self._send(w, op, [(s, items[s]) for s in queue])
-        deadlines = dict.fromkeys(queues, time.monotonic() + timeout_s)
+        return _Sent(op, items, timeout_s, queues, time.monotonic() + timeout_s)
+
+    def _gather(self, sent: _Sent) -> dict[int, tuple[bool, Any]]:
+        """One (ok, value) per slot of ``sent``, handling failures.
+
+        A worker times out when no result of its share arrives for ``timeout_s``; time spent rebuilding
+        a failed worker does not count against the others.
+        """
+        op, items, timeout_s, queues = sent.op, sent.items, sent.timeout_s, sent.queues
+        deadlines = dict.fromkeys(queues, sent.deadline)
         started: dict[int, int | None] = dict.fromkeys(queues)  # the slot each worker has begun playing
         innocent_restarts = dict.fromkeys(queues, 0)
         results: dict[int, tuple[bool, Any]] = {}
