@@ -54,6 +54,21 @@ def flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def deployed_sweep(root: Path, tracking_uri: str, name: str, iterations: int, **options: object) -> Path:
+    """A sweep file over loop/grpo x seeds 0, 1 on the tiny config, its cells fanned out to the train
+    deployment; ``options`` add sweep keys (``concurrency``, ``register_best``)."""
+    import yaml
+
+    base = tiny_config(root, tracking_uri, iterations=iterations)
+    for key in ("run_name", "method", "seed"):
+        base.pop(key)
+    (root / "base.yaml").write_text(yaml.safe_dump(base))
+    path = root / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"name": name, "base": "base.yaml", "grid": {"method": ["loop", "grpo"], "seed": [0, 1]},
+                                    "deployment": "train/train", **options}))
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

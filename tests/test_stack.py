@@ -18,10 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 from mlflow import MlflowClient
 
-from flowkit import REPO, free_port, leftovers, prefect_cli, tiny_config
+from flowkit import REPO, deployed_sweep, free_port, leftovers, prefect_cli
 from horizonrl import stack
 
 pytestmark = pytest.mark.slow
@@ -39,13 +38,7 @@ def swept(tmp_path_factory):
     s = stack.Stack(home=root / ".stack", store=root / "mlflow", prefect_port=free_port(), mlflow_port=free_port(),
                     env={"PREFECT_HOME": str(prefect_home), "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_UI_ENABLED": "false",
                          "TOKENIZERS_PARALLELISM": "false"})
-    base = tiny_config(root, s.mlflow_uri, iterations=1)
-    for key in ("run_name", "method", "seed"):
-        base.pop(key)
-    (root / "base.yaml").write_text(yaml.safe_dump(base))
-    sweep_file = root / "sweep.yaml"
-    sweep_file.write_text(yaml.safe_dump({"name": SWEEP, "base": "base.yaml", "grid": {"method": ["loop", "grpo"], "seed": [0, 1]},
-                                          "deployment": "train/train", "concurrency": 2, "register_best": MODEL}))
+    sweep_file = deployed_sweep(root, s.mlflow_uri, SWEEP, iterations=1, concurrency=2, register_best=MODEL)
     timings = {}
     t0 = time.perf_counter()
     stack.up(s)

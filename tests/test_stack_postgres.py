@@ -17,10 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 from mlflow import MlflowClient
 
-from flowkit import REPO, flat, free_port, leftovers, prefect_cli, run_of, steps, tiny_config
+from flowkit import REPO, deployed_sweep, flat, free_port, leftovers, prefect_cli, run_of, steps, tiny_config
 from horizonrl import stack, store
 
 pytestmark = pytest.mark.slow
@@ -66,13 +65,8 @@ def _postgres_holds(s: stack.Stack) -> dict[str, int]:
 def test_sweep_and_two_runs_write_at_once_on_postgres(pg_stack):
     s, root = pg_stack
     env = s.environ()
+    sweep_file = deployed_sweep(root, s.mlflow_uri, SWEEP, iterations=2, concurrency=CELLS)
     base = tiny_config(root, s.mlflow_uri, iterations=2)
-    for key in ("run_name", "method", "seed"):
-        base.pop(key)
-    (root / "base.yaml").write_text(yaml.safe_dump(base))
-    sweep_file = root / "sweep.yaml"
-    sweep_file.write_text(yaml.safe_dump({"name": SWEEP, "base": "base.yaml", "grid": {"method": ["loop", "grpo"], "seed": [0, 1]},
-                                          "deployment": "train/train", "concurrency": CELLS}))
     prefect_cli(env, "deploy", "--all", timeout=180)
     assert not list(Path(env["PREFECT_HOME"]).glob("*.db")), "Prefect's server must not keep a SQLite database"
 
