@@ -115,7 +115,7 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, list[Cell]]:
 
 def finished(c: MlflowClient, cell: Cell) -> bool:
     """The cell's run ended (FINISHED) after all its iterations (or its time budget)."""
-    run = _run_named(c, cell.config.experiment, cell.run_name)
+    run = tracking.find_run(c, cell.config.experiment, cell.run_name)
     if run is None or run.info.status != "FINISHED":
         return False
     return cell.config.time_budget_s is not None or run.data.metrics.get("summary/iterations", 0) >= cell.config.iterations
@@ -142,7 +142,7 @@ def sweep(sweep_path: str, in_process: bool = False) -> list[dict[str, Any]]:
         states = _run_deployed(todo, deployment, spec.concurrency) if deployment else _run_here(todo)
         failed = {name: state for name, state in states.items() if state != "Completed"}
         for cell in (cell for cell in todo if cell.run_name in failed):
-            run = _run_named(c, cell.config.experiment, cell.run_name)
+            run = tracking.find_run(c, cell.config.experiment, cell.run_name)
             if run is not None and run.info.status == "RUNNING":
                 c.set_terminated(run.info.run_id, "FAILED")
         rows = sweep_report(spec.name, cfg0.experiment, uri)
@@ -165,7 +165,7 @@ def sweep_report(sweep_name: str, experiment: str, tracking_uri: str | None = No
     import matplotlib.pyplot as plt
 
     c = tracking.client(tracking.tracking_uri(tracking_uri))
-    parent = _run_named(c, experiment, sweep_name)
+    parent = tracking.find_run(c, experiment, sweep_name)
     if parent is None:
         raise ValueError(f"no sweep run named {sweep_name!r} in experiment {experiment!r}")
     cells = list(_histories(c, parent.info.run_id).values())
@@ -223,19 +223,11 @@ def _link(c: MlflowClient, parent_id: str, sweep_name: str, cell: Cell) -> None:
     the train flow continues the run it finds by name."""
     coords = {f"cell.{k}": str(v) for k, v in cell.coords.items()}
     tags = {"mlflow.parentRunId": parent_id, SWEEP_TAG: sweep_name, CELL_TAG: json.dumps(cell.coords, sort_keys=True), **coords}
-    run = _run_named(c, cell.config.experiment, cell.run_name)
+    run = tracking.find_run(c, cell.config.experiment, cell.run_name)
     if run is None:
         tracking.find_or_create_run(c, cell.config.experiment, cell.run_name, tags)
     else:
         tracking.set_tags(c, run.info.run_id, tags)
-
-
-def _run_named(c: MlflowClient, experiment: str, run_name: str):
-    exp = c.get_experiment_by_name(experiment)
-    if exp is None:
-        return None
-    found = c.search_runs([exp.experiment_id], filter_string=f"tags.`{tracking.RUN_NAME_TAG}` = '{run_name}'", order_by=["attributes.start_time DESC"], max_results=1)
-    return found[0] if found else None
 
 
 def artifact_key(name: str) -> str:

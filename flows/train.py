@@ -17,12 +17,12 @@ from horizonrl.config import TrainConfig, load_config
 from tasks.advantage import advantages
 from tasks.collect import collect_rollouts
 from tasks.evaluate import evaluate
-from tasks.run import finish_run, start_run
+from tasks.run import end_failed_run, finish_run, start_run
 from tasks.tracking import log_stage, logged
 from tasks.update import update
 
 
-@flow(name="train", log_prints=True)
+@flow(name="train", log_prints=True, on_failure=[end_failed_run], on_crashed=[end_failed_run])
 def train(config_path: str | None = None, overrides: list[str] | None = None, config: dict[str, Any] | None = None) -> dict[str, float]:
     """Train one method on one environment; returns the summary figures (held-out success before/after)."""
     cfg = TrainConfig.model_validate(config) if config is not None else load_config(config_path, overrides)

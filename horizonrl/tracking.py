@@ -18,7 +18,7 @@ from typing import Any
 import mlflow
 import pandas as pd
 from mlflow import MlflowClient
-from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, Run, RunTag
 
 RUN_NAME_TAG = "horizonrl.run_name"
 DEFAULT_STORE = "mlflow"
@@ -64,12 +64,21 @@ def experiment_id(c: MlflowClient, name: str) -> str:
         return c.get_experiment_by_name(name).experiment_id
 
 
+def find_run(c: MlflowClient, experiment: str, run_name: str) -> Run | None:
+    """The newest run tagged with ``run_name`` in ``experiment``, or None."""
+    exp = c.get_experiment_by_name(experiment)
+    if exp is None:
+        return None
+    found = c.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'", order_by=["attributes.start_time DESC"], max_results=1)
+    return found[0] if found else None
+
+
 def find_or_create_run(c: MlflowClient, experiment: str, run_name: str, tags: dict[str, str], parent_run_id: str | None = None) -> tuple[str, bool]:
-    """Return (run_id, resumed): the newest run tagged with ``run_name``, or a new one."""
+    """Return (run_id, resumed): the newest run tagged with ``run_name`` (set RUNNING again), or a new one."""
     exp_id = experiment_id(c, experiment)
-    found = c.search_runs([exp_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'", order_by=["attributes.start_time DESC"], max_results=1)
+    found = find_run(c, experiment, run_name)
     if found:
-        run_id = found[0].info.run_id
+        run_id = found.info.run_id
         c.update_run(run_id, status="RUNNING")
         return run_id, True
     all_tags = {RUN_NAME_TAG: run_name, "mlflow.runName": run_name, **tags}

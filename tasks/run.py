@@ -8,11 +8,12 @@ from pathlib import Path
 import yaml
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
+from prefect.client.schemas.objects import FlowRun, State
 
 from horizonrl import tracking
 from horizonrl.store import remove_stale_temporaries
 from horizonrl.checkpoint import CheckpointRef, latest_checkpoint, read_state, save_checkpoint
-from horizonrl.config import TrainConfig
+from horizonrl.config import TrainConfig, load_config
 from horizonrl.models import load_policy
 from tasks.context import RUNTIME, RunContext
 from tasks.tracking import log_stage
@@ -80,3 +81,21 @@ def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
     c.set_terminated(ctx.mlflow_run_id, "FINISHED")
     get_run_logger().info("run %s finished: held-out success %.3f -> %.3f", ctx.cfg.run_name, first, last)
     return summary
+
+
+def end_failed_run(flow: object, flow_run: FlowRun, state: State) -> None:
+    """Train flow hook (failure, crash): stop the environment workers and the Ray cluster, and mark the
+    run FAILED in MLflow so the UI does not show a dead run as running. Running the same run name again
+    resumes it (RUNNING again). A config too broken to name a run leaves nothing to mark."""
+    RUNTIME.close_episodes()
+    RUNTIME.close_ray()
+    params = flow_run.parameters
+    try:
+        cfg = TrainConfig.model_validate(params["config"]) if params.get("config") is not None else load_config(params.get("config_path"), params.get("overrides"))
+    except (ValueError, OSError):
+        return
+    c = tracking.client(tracking.tracking_uri(cfg.tracking_uri))
+    run = tracking.find_run(c, cfg.experiment, cfg.run_name)
+    if run is not None and run.info.status == "RUNNING":
+        c.set_terminated(run.info.run_id, "FAILED")
+        get_run_logger().warning("MLflow run %s (%s) marked FAILED: %s", run.info.run_id, cfg.run_name, state.message)

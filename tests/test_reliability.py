@@ -235,6 +235,10 @@ def test_nonfinite_steps_are_skipped_and_counted_and_too_many_abort(prefect_harn
     assert {p: store.file_digest(p) for p in checkpoint_dir(d, 1).iterdir()} == before
     assert not [p for p in d.rglob("*") if ".tmp-" in p.name]
     assert steps(c, run_of(c, RUN).info.run_id, "update/steps") == [1]
+    assert run_of(c, RUN).info.status == "FAILED", "a failed flow marks its MLflow run FAILED"
+    monkeypatch.delenv(faults.ENV)
+    train(config={**cfg, "iterations": 2})  # the same run name resumes the run, which ends FINISHED
+    assert run_of(c, RUN).info.status == "FINISHED" and steps(c, run_of(c, RUN).info.run_id, "update/steps") == [1, 2]
 
 
 @pytest.mark.slow
