@@ -24,6 +24,7 @@ import pwd
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -90,6 +91,10 @@ def up(stack: Stack, timeout_s: float = 180) -> dict[str, str]:
         raise RuntimeError(f"the stack in {stack.home} is already running ({', '.join(running)}); take it down first")
     if stack.database not in ("sqlite", "postgres"):
         raise ValueError(f"stack database must be 'sqlite' or 'postgres', got {stack.database!r}")
+    ports = {"prefect": stack.prefect_port, "mlflow": stack.mlflow_port, **({"postgres": stack.postgres_port} if stack.database == "postgres" else {})}
+    for name, port in ports.items():
+        if not _port_free(port):
+            raise RuntimeError(f"port {port} ({name}) is already in use on {HOST}: choose another with --{name}-port")
     stack.home.mkdir(parents=True, exist_ok=True)
     stack.store.mkdir(parents=True, exist_ok=True)
     (stack.store / "artifacts").mkdir(exist_ok=True)
@@ -298,6 +303,15 @@ def _wait_http(url: str, timeout_s: float, stack: Stack, name: str, method: str 
             pass
         time.sleep(0.5)
     raise TimeoutError(f"stack {name} did not answer at {url} within {timeout_s:.0f} s; see {stack.home / (name + '.log')}")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind((HOST, port))
+        except OSError:
+            return False
+    return True
 
 
 def _alive(pgid: int) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -131,3 +132,15 @@ def test_postgres_stack_refuses_a_store_postgres_cannot_enter(tmp_path):
     with pytest.raises(RuntimeError, match=r"cannot enter .*closed"):
         stack.up(s)
     assert all(v is None for v in stack.status(s).values())
+
+
+def test_stack_refuses_a_port_in_use_before_starting_anything(tmp_path):
+    with socket.socket() as taken:
+        taken.bind((stack.HOST, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        s = stack.Stack(home=tmp_path / ".stack", store=tmp_path / "store", prefect_port=free_port(), mlflow_port=free_port(),
+                        database="postgres", postgres_port=port)
+        with pytest.raises(RuntimeError, match=rf"port {port} \(postgres\) is already in use on 127\.0\.0\.1: choose another with --postgres-port"):
+            stack.up(s)
+    assert not (tmp_path / "store").exists() and not (tmp_path / ".stack").exists()
