@@ -11,15 +11,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
-LONGEST_FIRST = ("test_stack.py", "test_stack_postgres.py", "test_reliability.py")  # minutes each, in CI
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest modules first: `make test` runs `-n 2 --dist loadfile`, where each worker takes whole
-    files in collection order, so a long file collected last keeps one worker busy while the other idles."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
 
 @pytest.fixture(scope="session")
 def prefect_harness():
