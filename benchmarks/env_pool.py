@@ -15,7 +15,9 @@ With ``--overlap``, the same pool then plays full ``collect`` rounds with the ti
 default, built under ``data/``) and the default rollout settings, without and with ``rollout.overlap``,
 alternating after one untimed round each, and reports the median of each and their ratio. Both sides
 play the same tasks and rollouts; the sampled actions differ (overlap changes the engine batches), so
-episode lengths may too.
+episode lengths may too. ``--gen-latency-ms`` adds idle waiting to every engine call, standing in for
+generation on a GPU or a vLLM server, where the CPU is free while the policy samples: the case overlap
+is for (on this CPU alone, generation and the workers compete for the same cores).
 
     python benchmarks/env_pool.py --suite scienceworld-boil --episodes 8 --turns 20 --workers 2
     python benchmarks/env_pool.py --suite textworld-cooking --tier medium
@@ -28,6 +30,7 @@ import argparse
 import random
 import statistics
 import time
+from typing import Any
 
 from horizonrl.config import EnvConfig, TrainConfig
 from horizonrl.envs import make_suite
@@ -58,6 +61,25 @@ def play(envs: EpisodeBatch, tasks: list, turns: int) -> tuple[float, float, lis
     return reset_s, time.perf_counter() - start, last
 
 
+class _RemoteLatency:
+    """The engine, plus ``latency_s`` of idle waiting per call: a stand-in for generation that runs off
+    this CPU (a GPU, a vLLM server), which is what overlap is for. Samples are the wrapped engine's."""
+
+    def __init__(self, engine: Any, latency_s: float) -> None:
+        self.engine, self.latency_s = engine, latency_s
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(self.latency_s)
+        return self.engine.generate(*args, **kwargs)
+
+    def session(self) -> _RemoteLatency:
+        return _RemoteLatency(self.engine.session(), self.latency_s)
+
+    def extend(self, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(self.latency_s)
+        return self.engine.extend(*args, **kwargs)
+
+
 def compare_overlap(pool: EnvPool, tasks: list[Task], args: argparse.Namespace) -> None:
     """Median seconds of full ``collect`` rounds through ``pool``, overlap off and on, side by side."""
     from horizonrl.engines.hf import TransformersEngine
@@ -71,6 +93,8 @@ def compare_overlap(pool: EnvPool, tasks: list[Task], args: argparse.Namespace) 
     model, tokenizer = load_policy(rt.initial_model_dir(cfg))
     fmt = ChatFormat.for_tokenizer(tokenizer)
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
+    if args.gen_latency_ms:
+        engine = _RemoteLatency(engine, args.gen_latency_ms / 1000)
     sampling = rt.sampling(cfg, 0)
 
     def seconds(overlap: bool) -> float:
@@ -84,7 +108,8 @@ def compare_overlap(pool: EnvPool, tasks: list[Task], args: argparse.Namespace) 
         for overlap in (False, True):
             times[overlap].append(seconds(overlap))
     off, on = statistics.median(times[False]), statistics.median(times[True])
-    print(f"collect: {len(tasks) * args.group_size} episodes, tiny model, {args.workers} workers, at most {args.turns} turns "
+    latency = f", +{args.gen_latency_ms:g} ms idle per engine call" if args.gen_latency_ms else ""
+    print(f"collect: {len(tasks) * args.group_size} episodes, tiny model{latency}, {args.workers} workers, at most {args.turns} turns "
           f"(median of rounds)")
     print(f"no overlap  {off:6.2f}s\noverlap     {on:6.2f}s\nspeed-up:   {off / on:.2f}x")
 
@@ -100,6 +125,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds on each side first")
     parser.add_argument("--overlap", action="store_true", help="also time full collect with the tiny model, overlap off and on")
+    parser.add_argument("--gen-latency-ms", type=float, default=0.0,
+                        help="with --overlap: idle milliseconds added to each engine call, standing in for generation off this CPU")
     args = parser.parse_args()
 
     suite = make_suite(args.suite, 0)
