@@ -225,7 +225,7 @@ def _link(c: MlflowClient, parent_id: str, sweep_name: str, cell: Cell) -> None:
     tags = {"mlflow.parentRunId": parent_id, SWEEP_TAG: sweep_name, CELL_TAG: json.dumps(cell.coords, sort_keys=True), **coords}
     run = tracking.find_run(c, cell.config.experiment, cell.run_name)
     if run is None:
-        tracking.find_or_create_run(c, cell.config.experiment, cell.run_name, tags)
+        tracking.create_run(c, cell.config.experiment, cell.run_name, tags)
     else:
         tracking.set_tags(c, run.info.run_id, tags)
 

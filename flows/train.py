@@ -13,7 +13,7 @@ from typing import Any
 
 from prefect import flow
 
-from horizonrl.config import TrainConfig, load_config
+from horizonrl.config import train_config
 from tasks.advantage import advantages
 from tasks.collect import collect_rollouts
 from tasks.evaluate import evaluate
@@ -25,7 +25,7 @@ from tasks.update import update
 @flow(name="train", log_prints=True, on_failure=[end_failed_run], on_crashed=[end_failed_run])
 def train(config_path: str | None = None, overrides: list[str] | None = None, config: dict[str, Any] | None = None) -> dict[str, float]:
     """Train one method on one environment; returns the summary figures (held-out success before/after)."""
-    cfg = TrainConfig.model_validate(config) if config is not None else load_config(config_path, overrides)
+    cfg = train_config(config_path, overrides, config)
     run = start_run(cfg)
     ctx, policy, elapsed = run.ctx, run.policy, run.elapsed_s
     if policy.iteration == 0 or _eval_missing(ctx, policy.iteration):

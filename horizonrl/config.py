@@ -336,6 +336,11 @@ def _parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_YAMLLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
+def train_config(config_path: str | None, overrides: list[str] | None, config: dict[str, Any] | None) -> TrainConfig:
+    """The train flow's config from its parameters: a whole ``config`` dict, else a file plus overrides."""
+    return TrainConfig.model_validate(config) if config is not None else load_config(config_path, overrides)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
     """Read a YAML file (safe loader, YAML 1.2 floats), apply ``key.sub=value`` overrides, validate.
 

@@ -104,8 +104,7 @@ def up(stack: Stack, timeout_s: float = 180) -> dict[str, str]:
     mlflow_store = f"sqlite:///{stack.store.resolve()}/mlflow.db"
     try:
         if stack.database == "postgres":
-            _postgres_up(stack, timeout_s)
-            db_env = {"PGPASSWORD": _pg_password(stack)}
+            db_env = {"PGPASSWORD": _postgres_up(stack, timeout_s)}
             prefect_db = {"PREFECT_API_DATABASE_CONNECTION_URL": stack.pg_url("prefect", "postgresql+asyncpg")}
             mlflow_store = stack.pg_url("mlflow", "postgresql+psycopg")
         _start(stack, "prefect", [str(bin_dir / "prefect"), "server", "start", "--host", HOST, "--port", str(stack.prefect_port)], {**db_env, **prefect_db})
@@ -203,8 +202,9 @@ def _start(stack: Stack, name: str, cmd: list[str], env: dict[str, str] | None =
     pid_file.write_text(str(proc.pid))
 
 
-def _postgres_up(stack: Stack, timeout_s: float) -> None:
-    """Create the cluster on first use (initdb), start it on loopback, create the two databases."""
+def _postgres_up(stack: Stack, timeout_s: float) -> str:
+    """Create the cluster on first use (initdb), start it on loopback, create the two databases.
+    Returns the cluster's password."""
     try:
         import psycopg  # MLflow's server needs it too
     except ImportError:
@@ -214,6 +214,7 @@ def _postgres_up(stack: Stack, timeout_s: float) -> None:
     data = stack.pg_data.resolve()
     if not (data / "PG_VERSION").is_file():
         _initdb(stack, data, user)
+    password = _pg_password(stack)
     _start(stack, "postgres", [_pg_bin("postgres"), "-D", str(data), "-p", str(stack.postgres_port), "-c", f"listen_addresses={HOST}",
                                "-c", "unix_socket_directories=", "-c", "max_connections=200"], user=user)
     deadline = time.monotonic() + timeout_s
@@ -221,7 +222,7 @@ def _postgres_up(stack: Stack, timeout_s: float) -> None:
         if status(stack)["postgres"] is None:
             raise RuntimeError(f"stack postgres exited while starting; see {stack.home / 'postgres.log'}")
         try:
-            conn = psycopg.connect(host=HOST, port=stack.postgres_port, user=PG_USER, password=_pg_password(stack), dbname="postgres",
+            conn = psycopg.connect(host=HOST, port=stack.postgres_port, user=PG_USER, password=password, dbname="postgres",
                                    connect_timeout=3, autocommit=True)  # CREATE DATABASE cannot run in a transaction
             break
         except psycopg.OperationalError as err:
@@ -233,6 +234,7 @@ def _postgres_up(stack: Stack, timeout_s: float) -> None:
         for name in PG_DATABASES:
             if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is None:
                 conn.execute(f'CREATE DATABASE "{name}"')
+    return password
 
 
 def _initdb(stack: Stack, data: Path, user: dict[str, Any]) -> None:

@@ -73,19 +73,20 @@ def find_run(c: MlflowClient, experiment: str, run_name: str) -> Run | None:
     return found[0] if found else None
 
 
-def find_or_create_run(c: MlflowClient, experiment: str, run_name: str, tags: dict[str, str], parent_run_id: str | None = None) -> tuple[str, bool]:
+def find_or_create_run(c: MlflowClient, experiment: str, run_name: str, tags: dict[str, str]) -> tuple[str, bool]:
     """Return (run_id, resumed): the newest run tagged with ``run_name`` (set RUNNING again), or a new one."""
-    exp_id = experiment_id(c, experiment)
     found = find_run(c, experiment, run_name)
     if found:
         run_id = found.info.run_id
         c.update_run(run_id, status="RUNNING")
         return run_id, True
+    return create_run(c, experiment, run_name, tags), False
+
+
+def create_run(c: MlflowClient, experiment: str, run_name: str, tags: dict[str, str]) -> str:
+    """A new run named ``run_name`` (tagged so ``find_run`` finds it); returns its id."""
     all_tags = {RUN_NAME_TAG: run_name, "mlflow.runName": run_name, **tags}
-    if parent_run_id:
-        all_tags["mlflow.parentRunId"] = parent_run_id
-    run = c.create_run(exp_id, run_name=run_name, tags=all_tags)
-    return run.info.run_id, False
+    return c.create_run(experiment_id(c, experiment), run_name=run_name, tags=all_tags).info.run_id
 
 
 def log_params(c: MlflowClient, run_id: str, params: dict[str, str]) -> None:

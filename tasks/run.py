@@ -13,7 +13,7 @@ from prefect.client.schemas.objects import FlowRun, State
 from horizonrl import tracking
 from horizonrl.store import remove_stale_temporaries
 from horizonrl.checkpoint import CheckpointRef, latest_checkpoint, read_state, save_checkpoint
-from horizonrl.config import TrainConfig, load_config
+from horizonrl.config import TrainConfig, train_config
 from horizonrl.models import load_policy
 from tasks.context import RUNTIME, RunContext
 from tasks.tracking import log_stage
@@ -91,7 +91,7 @@ def end_failed_run(flow: object, flow_run: FlowRun, state: State) -> None:
     RUNTIME.close_ray()
     params = flow_run.parameters
     try:
-        cfg = TrainConfig.model_validate(params["config"]) if params.get("config") is not None else load_config(params.get("config_path"), params.get("overrides"))
+        cfg = train_config(params.get("config_path"), params.get("overrides"), params.get("config"))
     except (ValueError, OSError):
         return
     c = tracking.client(tracking.tracking_uri(cfg.tracking_uri))
