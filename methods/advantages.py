@@ -267,15 +267,16 @@ def reinforce_pp_baseline_advantage(
     Returns:
         adv (N,) float64; keep (N,) = |A| ≥ ``abs_adv_threshold`` (all rows by default).
 
-    Raises:
-        ValueError: fewer than 2 policy tokens in the batch (the unbiased variance is undefined).
+    A batch with fewer than 2 policy tokens (the unbiased variance is undefined: one token, or an empty
+    batch when every episode errored) gets A = 0: nothing to compare against, so no signal.
     """
     traj = _trajectories(batch)
     dev = _grpo(traj, norm_by_std=False, eps=0.0)[traj.row_traj]  # (N,) a, broadcast to rows
     weight = np.asarray(batch.n_tokens, dtype=np.float64)  # (N,)
     total = weight.sum()
     if total < 2:
-        raise ValueError(f"reinforce_pp_baseline needs >= 2 policy tokens in the batch, got {total:g}")
+        adv = np.zeros(len(traj.returns))
+        return _result(traj, adv, _keep_by_threshold(adv, params.abs_adv_threshold))
     shifted = dev - dev[np.argmax(weight > 0)]  # pivot on a row with tokens: all-equal a gives 0
     centered = shifted - np.dot(weight, shifted) / total
     var = np.dot(weight, centered * centered) / (total - 1.0)

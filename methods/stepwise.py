@@ -141,12 +141,15 @@ def group_moments(x: np.ndarray, codes: np.ndarray, n_groups: int) -> tuple[np.n
 
     The mean is taken around the group's first value (mean = x_ref + mean(x - x_ref)), so a group of
     identical values has a mean equal to them and deviations of exactly 0 (7.2). The variance is the
-    two-pass sum of squared deviations; it is 0 for groups of size 1.
+    two-pass sum of squared deviations; it is 0 for groups of size 1. An empty ``x`` gives G groups of
+    count 0, mean 0 and variance 0.
 
     Returns:
         ``(count, mean, var)``, each (G,): int64, float64, float64.
     """
     count = np.bincount(codes, minlength=n_groups)
+    if len(x) == 0:  # no member in any group (e.g. no progress-active row): count 0, mean 0, var 0
+        return count, np.zeros(n_groups), np.zeros(n_groups)
     ref = x[np.minimum(group_first(codes, n_groups), len(x) - 1)]  # (G,) first value of each group
     safe = np.maximum(count, 1)
     mean = ref + np.bincount(codes, weights=x - ref[codes], minlength=n_groups) / safe
