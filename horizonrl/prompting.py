@@ -2,13 +2,29 @@
 
 Two context modes (config ``rollout.context``):
 
-* ``full``: one growing sequence ``system(goal) user(o_0) a_0 user(o_1) a_1 ...``. Each turn stores only
-  the ids added since the previous action (``prompt_ids`` is a delta), so the trajectory is rebuilt by
-  concatenation (layout T, ALGORITHMS.md 0.1).
+* ``full``: one growing sequence ``system(goal) user(o_0) a_0 close user(o_1) a_1 close ...``. Each turn
+  stores only the ids added since the previous action (``prompt_ids`` is a delta), so the trajectory is
+  rebuilt by concatenation (layout T, ALGORITHMS.md 0.1).
 * ``window``: each turn's prompt is ``system(goal)`` plus the last H turns plus the new observation, so
   every turn is its own sequence (layout S); ``prompt_ids`` is the whole prompt.
 
 Past actions re-enter the context as the ids the engine produced, never as re-encoded text.
+
+The pieces are rendered by the tokenizer's own chat template (ChatML for the word-level tokenizer; Qwen3's
+or Llama 3's for the genuine ones). ``ChatFormat`` renders a reference conversation
+``[system, user, assistant, user]`` with marker contents once, finds where each message starts and ends,
+and from then on renders each new message with its real content in that same conversation and keeps
+only its own part: ``system(goal)``; ``user(o)``, the observation message followed by the template's
+generation prompt (the assistant header; for Qwen3 with thinking off, its empty
+``<think>\\n\\n</think>\\n\\n`` block, so those ids are prompt, not policy); and ``close``, what follows an
+assistant reply (Qwen3 ``<|im_end|>\\n``, Llama 3 ``<|eot_id|>``). Each piece begins or ends at a special
+token, where byte-level BPE never merges across, so the concatenated pieces are the ids of the rendered
+conversation. One deliberate difference: a past reply stays in the context exactly as generated (a
+template may rewrite history, e.g. Qwen3 drops past thinking), because the learner must see what the
+sampler saw.
+
+Free-mode replies follow ``free_format`` (``parse_action``): ``plain``, the whole reply is the command;
+``react``, a thought then one final line ``Action: <command>`` (the system message says so).
 """
 
 from __future__ import annotations
@@ -17,54 +33,157 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
+# Marker contents of the reference conversation: plain words that no template rewrites.
+_GOAL, _OBS, _ACT, _NEXT = "GOALMARKER", "OBSMARKER", "ACTMARKER", "NEXTMARKER"
+ACTION_PREFIX = "Action:"
+REACT_INSTRUCTION = "Think about the situation, then reply with one final line: Action: <command>"
+
+
+@dataclass(frozen=True)
+class _Template:
+    """The reference conversation's text, cut where the messages the format renders begin and end."""
+
+    before_user: str  # everything up to the last user message (system, user, assistant, close)
+    after_system: str  # everything after the system message
+
 
 @dataclass(frozen=True)
 class ChatFormat:
-    """ChatML when the tokenizer knows ``<|im_start|>``, else a plain 'Observation:/Action:' format."""
+    """The tokenizer's chat template as per-turn id pieces, or a plain 'Task/Observation/Action' format
+    for a tokenizer without one. Build it with ``for_tokenizer``."""
 
     tokenizer: PreTrainedTokenizerBase
-    chatml: bool
-    end_id: int  # token that ends an assistant turn
+    template: _Template | None  # None: the plain format
+    end_id: int  # token that ends an assistant turn (the template's end-of-turn token)
     after_action: tuple[int, ...]  # ids appended to the context after the end token (e.g. a newline)
+    stop_ids: tuple[int, ...]  # tokens that end generation: the end-of-turn token and the tokenizer's eos
+    enable_thinking: bool = False
+    free_format: str = "plain"  # "plain" | "react"
+    format_penalty: float = 0.0  # subtracted from the step reward of a format error
     _commands: dict[str, list[int]] = field(default_factory=dict, compare=False, repr=False)  # encode cache
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: PreTrainedTokenizerBase) -> "ChatFormat":
-        vocab = tokenizer.get_vocab()
-        chatml = "<|im_start|>" in vocab and "<|im_end|>" in vocab
-        end_id = vocab["<|im_end|>"] if chatml else int(tokenizer.eos_token_id)
-        after = tuple(tokenizer("\n", add_special_tokens=False).input_ids)
-        return cls(tokenizer, chatml, end_id, after)
+    def for_tokenizer(cls, tokenizer: PreTrainedTokenizerBase, *, enable_thinking: bool = False, free_format: str = "plain", format_penalty: float = 0.0) -> "ChatFormat":
+        """Read the pieces off the tokenizer's chat template. ``enable_thinking`` needs a template that has
+        a thinking block (``<think>`` in the vocabulary)."""
+        if enable_thinking and "<think>" not in tokenizer.get_vocab():
+            raise ValueError("rollout.enable_thinking: this tokenizer's chat template has no thinking block (no <think> token)")
+        if free_format not in ("plain", "react"):
+            raise ValueError(f"rollout.free_format = {free_format!r}: expected plain or react")
+        options = dict(enable_thinking=enable_thinking, free_format=free_format, format_penalty=format_penalty)
+        eos = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+        if tokenizer.chat_template is None:
+            after = tuple(tokenizer("\n", add_special_tokens=False).input_ids)
+            return cls(tokenizer, None, eos[0], after, tuple(eos), **options)
+        template, close = _read_template(tokenizer, enable_thinking)
+        ids = list(tokenizer(close, add_special_tokens=False).input_ids)
+        if not ids or tokenizer.convert_ids_to_tokens(ids[0]) not in tokenizer.all_special_tokens + list(tokenizer.get_added_vocab()):
+            raise ValueError(f"chat template: an assistant message is closed by {close!r}, which does not start with a special token")
+        stop = tuple(dict.fromkeys([ids[0], *eos]))
+        return cls(tokenizer, template, ids[0], tuple(ids[1:]), stop, **options)
+
+    @property
+    def chatml(self) -> bool:
+        """Whether the pieces come from a chat template (else the plain format)."""
+        return self.template is not None
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=self.enable_thinking)
+
     def system(self, goal: str) -> list[int]:
-        if self.chatml:
-            return self.encode(f"<|im_start|>system\n{goal}<|im_end|>\n")
-        return self.encode(f"Task: {goal}\n")
+        """The goal as the system message (with the ReAct instruction in ``react`` format)."""
+        if self.free_format == "react":
+            goal = f"{goal}\n{REACT_INSTRUCTION}"
+        if self.template is None:
+            return self.encode(f"Task: {goal}\n")
+        text = self._render(_reference(goal))
+        return self.encode(_cut(text, "", self.template.after_system, "system message"))
 
     def user(self, observation: str) -> list[int]:
         """The observation message followed by the assistant header the action is generated after."""
-        if self.chatml:
-            return self.encode(f"<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n")
-        return self.encode(f"Observation: {observation}\nAction:")
+        if self.template is None:
+            return self.encode(f"Observation: {observation}\nAction:")
+        text = self._render(_reference(_GOAL, observation))
+        return self.encode(_cut(text, self.template.before_user, "", "user message"))
 
     def close(self, action_ids: list[int]) -> list[int]:
-        """Ids that follow a generated action in the context: the end token if it was cut off, then a newline."""
+        """Ids that follow a generated action in the context: the end token if it was cut off, then the rest
+        of the template's close (ChatML's newline)."""
         missing_end = [] if action_ids and action_ids[-1] == self.end_id else [self.end_id]
         return missing_end + list(self.after_action)
 
     def command(self, text: str) -> list[int]:
-        """Ids of an admissible command as the policy must emit it, end token included (cached)."""
+        """Ids of an admissible command as the policy must emit it, end token included (cached). The
+        command is encoded on its own: every template puts a reply right after a special token or a
+        newline, where the tokenizer starts a fresh word, so these are its ids in the rendered context."""
         ids = self._commands.get(text)
         if ids is None:
             ids = self._commands[text] = self.encode(text) + [self.end_id]
         return ids
 
+    def parse_action(self, ids: list[int], finished: bool) -> tuple[str, bool]:
+        """(command, format_valid) of a free-mode reply's ``ids``. A reply cut at the token budget, empty,
+        with an unclosed thinking block, or (``react``) whose last non-empty line is not the one
+        ``Action: <command>`` line, is a format error; its command is what could be read ("" if nothing)."""
+        if ids and ids[-1] in self.stop_ids:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        ok = finished
+        if "</think>" in text:  # a thinking block (policy tokens) comes before the answer
+            text = text.rsplit("</think>", 1)[1]
+        elif "<think>" in text:
+            text, ok = "", False
+        if self.free_format == "plain":
+            command = text.strip()
+            return command, ok and bool(command)
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        actions = [line for line in lines if line.startswith(ACTION_PREFIX)]
+        command = actions[-1][len(ACTION_PREFIX):].strip() if actions else ""
+        return command, ok and len(actions) == 1 and lines[-1] == actions[0] and bool(command)
+
+
+def _reference(goal: str, observation: str = _NEXT) -> list[dict[str, str]]:
+    return [{"role": "system", "content": goal}, {"role": "user", "content": _OBS},
+            {"role": "assistant", "content": _ACT}, {"role": "user", "content": observation}]
+
+
+def _cut(text: str, head: str, tail: str, what: str) -> str:
+    """``text`` without ``head`` and ``tail``, which the chat template must have rendered unchanged."""
+    if not (text.startswith(head) and text.endswith(tail) and len(text) >= len(head) + len(tail)):
+        raise ValueError(f"chat template: the {what} changes the rest of the conversation; it cannot be rendered turn by turn")
+    return text[len(head):len(text) - len(tail)]
+
+
+def _read_template(tokenizer: PreTrainedTokenizerBase, enable_thinking: bool) -> tuple[_Template, str]:
+    """Cut the reference conversation into messages; returns the cuts and the text closing an assistant reply.
+
+    A message begins at the special token that opens its role header (ChatML's ``<|im_start|>``, Llama 3's
+    ``<|start_header_id|>``): the last special token before the role's name."""
+    text = tokenizer.apply_chat_template(_reference(_GOAL), tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking)
+    try:
+        g, o, a, n = (text.index(m) for m in (_GOAL, _OBS, _ACT, _NEXT))
+    except ValueError as err:
+        raise ValueError("chat template: it does not render a system, user, assistant, user conversation's contents") from err
+    specials = set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab())
+
+    def message_start(lo: int, hi: int) -> int:
+        """Index in ``text[lo:hi]`` (between two contents) where the user message's header begins."""
+        role = text.rindex("user", lo, hi)
+        starts = [i for i in range(lo, role) for s in specials if text.startswith(s, i) and i + len(s) <= role]
+        if not starts:
+            raise ValueError("chat template: no special token opens the user message")
+        return max(starts)
+
+    user1, user2 = message_start(g + len(_GOAL), o), message_start(a + len(_ACT), n)
+    close = text[a + len(_ACT):user2]
+    return _Template(before_user=text[:user2], after_system=text[user1:]), close
+
 
 def window_prompt(fmt: ChatFormat, goal_ids: list[int], history: list[tuple[list[int], list[int]]], obs_ids: list[int], h: int) -> list[int]:
-    """``system(goal) + last h (user(o_j) + a_j) turns + user(o_now)``; ``history`` holds (obs_ids, action_ids)."""
+    """``system(goal) + last h (user(o_j) + a_j + close) turns + user(o_now)``; ``history`` holds (obs_ids, action_ids)."""
     ids = list(goal_ids)
     for o_ids, a_ids in history[len(history) - h :] if h > 0 else []:
         ids += o_ids + a_ids + fmt.close(a_ids)

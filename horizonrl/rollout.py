@@ -107,14 +107,15 @@ class _Turn:
 
     batch: list[_Live]
     deltas: list[list[int]]  # per episode: the prompt ids its turn row stores
-    actions: list[tuple[Generation, str]]
+    actions: list[tuple[Generation, str, bool]]  # (generation, command, format_valid)
     broken: dict[int, str]  # slot -> why its generation cannot be played ("" if it can)
     gen_s: float  # per episode
     env_s: float = 0.0  # time the loop spent in the environment calls of this turn, all episodes
+    format_penalty: float = 0.0  # subtracted from the step reward of a format error
 
     def sent(self) -> dict[int, str]:
         """The actions to play: every episode's but those whose generation is broken."""
-        return {ep.slot: action for ep, (_, action) in zip(self.batch, self.actions) if not self.broken[ep.slot]}
+        return {ep.slot: action for ep, (_, action, _) in zip(self.batch, self.actions) if not self.broken[ep.slot]}
 
 
 @dataclass(frozen=True)
@@ -365,17 +366,17 @@ def _generate(batch: list[_Live], sampling: _Sampling, session: Session | None, 
         if ep.pending is not None:
             gen = _join(ep.pending, gen)
             ep.pending = None
-        actions.append((gen, _action_text(gen, trie, fmt)))
-    broken = {ep.slot: _engine_fault(gen) for ep, (gen, _) in zip(batch, actions)}
-    return _Turn(batch, deltas, actions, broken, gen_s)
+        actions.append((gen, *_action_text(gen, trie, fmt)))
+    broken = {ep.slot: _engine_fault(gen) for ep, (gen, _, _) in zip(batch, actions)}
+    return _Turn(batch, deltas, actions, broken, gen_s, format_penalty=fmt.format_penalty)
 
 
 def _record(turn: _Turn, results: dict[int, StepResult]) -> None:
     """Record ``turn``'s step results; an episode whose generation was broken ends as an error, unplayed."""
     results = {**results, **{ep.slot: ("", 0.0, True, error_info(ep.info, turn.broken[ep.slot])) for ep in turn.batch if turn.broken[ep.slot]}}
     env_s = turn.env_s / len(turn.batch)
-    for ep, delta, (gen, action) in zip(turn.batch, turn.deltas, turn.actions):
-        _record_turn(ep, len(ep.record.turns), delta, gen, action, results[ep.slot], turn.gen_s, env_s)
+    for ep, delta, (gen, action, format_valid) in zip(turn.batch, turn.deltas, turn.actions):
+        _record_turn(ep, len(ep.record.turns), delta, gen, action, format_valid, results[ep.slot], turn.gen_s, env_s, turn.format_penalty)
 
 
 def _join(prefix: Generation, rest: Generation) -> Generation:
@@ -391,18 +392,22 @@ def _engine_fault(gen: Generation) -> str:
     return f"engine returned a non-finite log-prob at action token {bad[0]}" if bad else ""
 
 
-def _action_text(gen: Generation, trie: TokenTrie | None, fmt: ChatFormat) -> str:
-    """Admissible mode takes the command's own text from the trie; free mode parses decoded text."""
+def _action_text(gen: Generation, trie: TokenTrie | None, fmt: ChatFormat) -> tuple[str, bool]:
+    """(command, format_valid): admissible mode takes the command's own text from the trie; free mode
+    parses the decoded reply by the format's rule (``ChatFormat.parse_action``)."""
     if trie is not None and tuple(gen.token_ids) in trie.texts:
-        return trie.texts[tuple(gen.token_ids)]
-    ids = gen.token_ids[:-1] if gen.finished and gen.token_ids and gen.token_ids[-1] == fmt.end_id else gen.token_ids
-    return fmt.tokenizer.decode(ids, skip_special_tokens=True).strip()
+        return trie.texts[tuple(gen.token_ids)], True
+    if trie is not None:  # cut at the token budget inside a command
+        return fmt.tokenizer.decode(gen.token_ids, skip_special_tokens=True).strip(), False
+    return fmt.parse_action(gen.token_ids, gen.finished)
 
 
-def _record_turn(ep: _Live, turn: int, delta: list[int], gen: Generation, action: str, result: StepResult, gen_s: float, env_s: float) -> None:
-    format_valid = gen.finished and bool(action)
+def _record_turn(ep: _Live, turn: int, delta: list[int], gen: Generation, action: str, format_valid: bool, result: StepResult,
+                 gen_s: float, env_s: float, format_penalty: float) -> None:
+    """Record one turn; a format error's step reward is lowered by ``format_penalty`` (rollout.format_penalty)."""
     admissible = ep.info["admissible_commands"]
     obs, reward, done, info = result
+    reward = float(reward) - (0.0 if format_valid else format_penalty)
     ep.history[-1] = (ep.history[-1][0], gen.token_ids)
     ep.record.turns.append(
         TurnRecord(

