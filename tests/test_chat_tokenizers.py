@@ -239,3 +239,11 @@ def test_format_errors_are_counted_and_penalised(chat_policy, household_suite):
     for (s, t), error in zip(pairs, errors):
         assert t.format_valid == s.format_valid
         assert t.reward == pytest.approx(s.reward - (0.25 if error else 0.0), abs=1e-12)
+
+
+def test_thinking_in_admissible_mode_is_refused_naming_the_fields():
+    from horizonrl.config import load_config
+
+    with pytest.raises(ValueError, match="rollout.enable_thinking needs rollout.action_mode"):
+        load_config(None, ["rollout.enable_thinking=true", "model.tokenizer=qwen3"])
+    assert load_config(None, ["rollout.enable_thinking=true", "rollout.action_mode=free"]).rollout.enable_thinking
