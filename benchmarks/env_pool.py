@@ -85,7 +85,9 @@ def compare_overlap(pool: EnvPool, tasks: list[Task], args: argparse.Namespace) 
     from horizonrl.engines.hf import TransformersEngine
     from horizonrl.models import load_policy
     from horizonrl.prompting import ChatFormat
-    from horizonrl.rollout import collect
+    from dataclasses import replace
+
+    from horizonrl.rollout import SamplingSettings, collect
     from horizonrl.runtime import PolicyRuntime
 
     cfg = TrainConfig(env=EnvConfig(name=args.suite, tier=args.tier, max_turns=args.turns))
@@ -95,11 +97,11 @@ def compare_overlap(pool: EnvPool, tasks: list[Task], args: argparse.Namespace) 
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
     if args.gen_latency_ms:
         engine = _RemoteLatency(engine, args.gen_latency_ms / 1000)
-    sampling = rt.sampling(cfg, 0)
+    sampling = SamplingSettings.from_config(cfg, rt.suite(cfg), 0)
 
     def seconds(overlap: bool) -> float:
         start = time.perf_counter()
-        collect(pool, tasks, args.group_size, engine, fmt, **{**sampling, "overlap": overlap})
+        collect(pool, tasks, args.group_size, engine, fmt, replace(sampling, overlap=overlap))
         return time.perf_counter() - start
 
     seconds(False), seconds(True)  # warm-up, untimed

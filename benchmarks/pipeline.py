@@ -32,13 +32,11 @@ from horizonrl.config import TrainConfig, load_config
 from horizonrl.engines.hf import TransformersEngine
 from horizonrl.models import load_policy
 from horizonrl.prompting import ChatFormat
-from horizonrl.rollout import collect
+from horizonrl.rollout import SamplingSettings, collect
 from horizonrl.runtime import PolicyRuntime, sample_tasks
 from horizonrl.seeding import derive_seed
 from horizonrl.sequences import attach_advantages, step_batch, train_rows
-from horizonrl.trainer import ppo_update
-from tasks.context import RunContext
-from tasks.update import settings
+from horizonrl.trainer import UpdateSettings, ppo_update
 
 MEMORY_LIMIT_MB = 4096
 # The run is started from this small launcher, whose RUSAGE_CHILDREN then covers the run alone: a child
@@ -108,15 +106,15 @@ def plain_iterations(cfg: TrainConfig) -> list[float]:
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay)
     name, params = cfg.advantage_spec()
-    s = settings(RunContext(cfg, "", "", ""), tokenizer.pad_token_id)
+    s = UpdateSettings.from_config(cfg, tokenizer.pad_token_id)
     suite = rt.suite(cfg)
-    collect(suite, rt.task_pool(cfg, "test", 1), 1, engine, fmt, **rt.sampling(cfg, 0))  # warm-up, as the flow's first evaluation is
+    collect(suite, rt.task_pool(cfg, "test", 1), 1, engine, fmt, SamplingSettings.from_config(cfg, suite, 0))  # warm-up, as the flow's first evaluation is
     state, times = None, []
     for it in range(1, cfg.iterations + 1):
         t0 = time.perf_counter()
         pool = rt.task_pool(cfg, "train", cfg.env.train_pool)  # built on first use, as in the flow's first collect
         tasks = sample_tasks(pool, cfg.rollout.tasks_per_iteration, cfg.seed, it)
-        records = collect(suite, tasks, cfg.rollout.group_size, engine, fmt, **rt.sampling(cfg, derive_seed(cfg.seed, "collect", it)))
+        records = collect(suite, tasks, cfg.rollout.group_size, engine, fmt, SamplingSettings.from_config(cfg, suite, derive_seed(cfg.seed, "collect", it)))
         turns, episodes = store.turns_table(records), store.episodes_table(records, cfg.run_name, it, it - 1)
         batch = step_batch(episodes, turns, it - 1)
         result = methods.ADVANTAGES.get(name).fn(batch, params, state)

@@ -22,7 +22,8 @@ from horizonrl.config import TrainConfig
 from horizonrl.engines.hf import TransformersEngine
 from horizonrl.models import load_policy
 from horizonrl.prompting import ChatFormat
-from horizonrl.rollout import EpisodeRecord, collect
+from horizonrl.records import EpisodeRecord
+from horizonrl.rollout import SamplingSettings, collect
 from horizonrl.runtime import PolicyRuntime
 
 
@@ -47,20 +48,21 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, seed: int = 0) -> list[Figur
     model, tokenizer = load_policy(rt.initial_model_dir(cfg))
     fmt = ChatFormat.for_tokenizer(tokenizer)
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
-    suite, sampling = rt.suite(cfg), rt.sampling(cfg, seed)
+    suite = rt.suite(cfg)
+    sampling = SamplingSettings.from_config(cfg, suite, seed)
     tasks = rt.task_pool(cfg, "train", tasks_n)
-    collect(suite, tasks[:1], 2, engine, fmt, **sampling)  # warm-up: first calls allocate and compile
+    collect(suite, tasks[:1], 2, engine, fmt, sampling)  # warm-up: first calls allocate and compile
 
     engine.counts.clear()
     t0 = time.perf_counter()
-    batched = collect(suite, tasks, group, engine, fmt, **sampling)
+    batched = collect(suite, tasks, group, engine, fmt, sampling)
     batched_s = time.perf_counter() - t0
     counts = dict(engine.counts)
 
     single_tokens, t0 = 0, time.perf_counter()
     for g, task in enumerate(tasks):
         for k in range(group):
-            single_tokens += _new_tokens(collect(suite, [task], 1, engine, fmt, first_rollout_id=g * group + k, **sampling))
+            single_tokens += _new_tokens(collect(suite, [task], 1, engine, fmt, sampling, first_rollout_id=g * group + k))
     single_s = time.perf_counter() - t0
 
     prompts = [r.turns[0].prompt_ids for r in batched]

@@ -24,19 +24,17 @@ from horizonrl.config import TrainConfig
 from horizonrl.engines.hf import TransformersEngine
 from horizonrl.models import load_policy
 from horizonrl.prompting import ChatFormat
-from horizonrl.rollout import collect
+from horizonrl.rollout import SamplingSettings, collect
 from horizonrl.runtime import PolicyRuntime
 from horizonrl.sequences import TrainRow, attach_advantages, train_rows
-from horizonrl.trainer import ppo_update
-from tasks.context import RunContext
-from tasks.update import settings
+from horizonrl.trainer import UpdateSettings, ppo_update
 
 
 def _rows(cfg: TrainConfig, model: torch.nn.Module, tokenizer, tasks_n: int, group: int) -> list[TrainRow]:
     rt = PolicyRuntime()
     fmt = ChatFormat.for_tokenizer(tokenizer)
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
-    records = collect(rt.suite(cfg), rt.task_pool(cfg, "train", tasks_n), group, engine, fmt, **rt.sampling(cfg, 0))
+    records = collect(rt.suite(cfg), rt.task_pool(cfg, "train", tasks_n), group, engine, fmt, SamplingSettings.from_config(cfg, rt.suite(cfg), 0))
     turns = store.turns_table(records)
     n = turns.num_rows
     adv = pa.table({"rollout_id": turns["rollout_id"], "turn": turns["turn"], "adv": np.random.default_rng(0).normal(size=n),
@@ -69,7 +67,7 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, rounds: int = 2) -> list[Fig
     the ratio is of summed tokens over summed time (the alternation cancels drifting machine load)."""
     initial, tokenizer = load_policy(PolicyRuntime().initial_model_dir(cfg))
     rows = _rows(cfg, initial, tokenizer, tasks_n, group)
-    s = settings(RunContext(cfg, "", "", ""), tokenizer.pad_token_id)
+    s = UpdateSettings.from_config(cfg, tokenizer.pad_token_id)
     real = sum(r.positions[-1] + 1 for r in rows)
     ppo_s = bare_s = 0.0
     bare_tokens = 0

@@ -76,12 +76,12 @@ def _recompute(args: argparse.Namespace) -> int:
     import yaml
 
     from flows.recompute import recompute_advantages
-    from horizonrl.config import METHODS
-    import methods
+    from horizonrl.config import estimator_of
 
-    name = METHODS[args.method].advantage if args.method in METHODS else args.method
-    if name not in methods.ADVANTAGES:
-        print(f"horizonrl: --method {args.method!r} is neither a method ({', '.join(sorted(METHODS))}) nor an estimator", file=sys.stderr)
+    try:
+        estimator_of(args.method)
+    except ValueError as err:
+        print(f"horizonrl: --method {err}", file=sys.stderr)
         return 2
     params = {k: yaml.safe_load(v) for k, v in (p.split("=", 1) for p in args.param)}
     written = recompute_advantages(args.run_dir, args.method, params)

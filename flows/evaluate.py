@@ -1,26 +1,29 @@
 """The ``evaluate`` flow: a logged policy, found by MLflow run id or registered model name and version,
 evaluated on any split of its environment, in a new MLflow run tagged with the source run.
 
-    resolve the policy (download its checkpoint) -> the source run's config, eval settings replaced
+    resolve the policy (download its checkpoint) -> the source run's config (its config.yaml artifact),
+    eval settings replaced
     -> new run (tags: source run, policy URI) -> evaluate (the train flow's task) -> close the run
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import mlflow
 from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
 from mlflow.models import Model
 from mlflow.models.model import MLMODEL_FILE_NAME as MLMODEL
 from prefect import flow
 
 from horizonrl import tracking
 from horizonrl.checkpoint import STATE_FILE, CheckpointRef
-from horizonrl.config import TrainConfig, load_config
+from horizonrl.config import CONFIG_FILE, TrainConfig, load_config
 from tasks.context import RunContext
 from tasks.evaluate import evaluate
 
@@ -35,8 +38,7 @@ def evaluate_policy(source: str, split: str = "test", n_tasks: int | None = None
     c = tracking.client(tracking.tracking_uri(tracking_uri))
     mlflow.set_tracking_uri(c.tracking_uri)  # the fluent API (logged models, downloads) reads the global URI
     source_run_id, model_uri = resolve_policy(c, source)
-    source_run = c.get_run(source_run_id)
-    cfg = config_from_params(source_run.data.params)
+    cfg = config_of_run(c, source_run_id)
     eval_cfg = cfg.eval.model_copy(update={"split": split, **({"n_tasks": n_tasks} if n_tasks else {}), **({"samples": samples} if samples else {})})
     run_name = f"{cfg.run_name}--eval-{split}-{time.strftime('%Y%m%dT%H%M%S')}"
     cfg = TrainConfig.model_validate({**cfg.model_dump(), "run_name": run_name, "eval": eval_cfg.model_dump(), "tracking_uri": c.tracking_uri})
@@ -77,7 +79,11 @@ def download_policy(model_uri: str, cache: Path) -> CheckpointRef:
     return CheckpointRef(str(path), int(json.loads((path / STATE_FILE).read_text())["iteration"]))
 
 
-def config_from_params(params: dict[str, str]) -> TrainConfig:
-    """Rebuild a run's config from its MLflow params (``TrainConfig.flat()``: dotted keys, ``str(value)``)
-    as ``--set`` overrides; ``str(None)`` is written back as YAML's null."""
-    return load_config(None, [f"{key}={'null' if text == 'None' else text}" for key, text in sorted(params.items())])
+def config_of_run(c: MlflowClient, run_id: str) -> TrainConfig:
+    """The config run ``run_id`` ran with: its ``config.yaml`` artifact, logged when the run starts."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = c.download_artifacts(run_id, CONFIG_FILE, tmp)
+        except (MlflowException, OSError) as err:
+            raise ValueError(f"run {run_id} has no {CONFIG_FILE} artifact (a train run logs it when it starts): {err}") from err
+        return load_config(path)

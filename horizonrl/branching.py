@@ -1,4 +1,5 @@
-"""APPO branch planning over collected initial rollouts (ALGORITHMS.md 3.2-3.3, 6.4).
+"""APPO's branches: planned over the collected initial rollouts (ALGORITHMS.md 3.2-3.3, 6.4), then
+replayed to their split and played on (``collect_branches``).
 
 For every initial rollout the branching score is computed over its policy tokens, from the entropies the
 engine recorded. Omega compares the current policy with the sampling policy; here the sampler *is* the
@@ -11,11 +12,27 @@ has something left to generate.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 
-from horizonrl.rollout import BranchStart, EpisodeRecord
+from horizonrl.engines.base import Engine, Generation
+from horizonrl.envs.base import EnvSuite
+from horizonrl.envs.batch import EpisodeBatch, as_batch
+from horizonrl.prompting import ChatFormat
+from horizonrl.records import EpisodeRecord
+from horizonrl.rollout import LiveEpisode, SamplingSettings, end_with_error, play
+from horizonrl.seeding import derive_seed
 from methods.appo import BranchingParams, branching_score, select_branch_points
+
+
+@dataclass(frozen=True)
+class BranchStart:
+    """Where an APPO branch leaves its parent: after action token ``split`` (flat over all its turns)."""
+
+    parent: EpisodeRecord
+    split: int
+    score: float = 0.0  # branching score at the split
 
 
 def _policy_tokens(ep: EpisodeRecord, tokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -59,3 +76,67 @@ def plan_branches(initial: list[EpisodeRecord], budget: int, params: BranchingPa
     stats.update(branches_per_group=len(starts) / n_groups, omega_fallback_fraction=fallbacks / max(len(initial), 1),
                  mean_branching_score=float(np.mean(scores)) if scores else 0.0)
     return starts, scores, stats
+
+
+def collect_branches(
+    envs: EpisodeBatch | EnvSuite,
+    starts: list[BranchStart],
+    engine: Engine,
+    fmt: ChatFormat,
+    settings: SamplingSettings,
+    *,
+    first_rollout_id: int,
+) -> list[EpisodeRecord]:
+    """Play APPO branches: each continues its parent from the token prefix up to and including the split
+    token (within that turn), in an environment brought to the parent's state at that turn by replaying
+    the parent's earlier actions (all replays step together). All branches are generated in one lockstep
+    batch, or in the two-half pipeline with ``settings.overlap``. A replay whose observations differ from the
+    parent's raises: the environment is not deterministic, and a branch from a different state would get
+    the wrong credit."""
+    with as_batch(envs) as envs:
+        split_turns = [_split_turn(b) for b in starts]
+        resets = envs.reset_many([b.parent.task for b in starts])
+        replayed: list[tuple[str, dict]] = []
+        for b, (obs, info) in zip(starts, resets):
+            _check_replay(b.parent, 0, obs, info)
+            replayed.append((obs, info))
+        for t in range(max((turn for turn, _ in split_turns), default=0)):
+            todo = {i: b.parent.turns[t].action for i, b in enumerate(starts) if t < split_turns[i][0] and "error" not in replayed[i][1]}
+            for i, (obs, _, _, info) in envs.step_many(todo).items():
+                _check_replay(starts[i].parent, t + 1, obs, info)
+                replayed[i] = (obs, info)
+        live = []
+        for i, (b, (turn, offset)) in enumerate(zip(starts, split_turns)):
+            live.append(_branch_live(b, turn, offset, i, *replayed[i], fmt, settings.context, first_rollout_id + i, settings.seed))
+        return play(live, envs, engine, fmt, settings, derive_seed(settings.seed, "branches"))
+
+
+def _split_turn(b: BranchStart) -> tuple[int, int]:
+    """(turn, offset in that turn's action tokens) of the flat split index."""
+    lengths = [len(t.gen.token_ids) for t in b.parent.turns]
+    turn, offset = 0, b.split
+    while offset >= lengths[turn]:
+        offset -= lengths[turn]
+        turn += 1
+    return turn, offset
+
+
+def _check_replay(parent: EpisodeRecord, turn: int, obs: str, info: dict) -> None:
+    if "error" not in info and obs != parent.turns[turn].observation:
+        raise RuntimeError(f"replay of rollout {parent.rollout_id} diverged at turn {turn}: the environment is not deterministic")
+
+
+def _branch_live(b: BranchStart, turn: int, offset: int, slot: int, obs: str, info: dict, fmt: ChatFormat, context: str, rollout_id: int, seed: int) -> LiveEpisode:
+    parent = b.parent
+    rec = EpisodeRecord(rollout_id, parent.group_id, parent.task, context, derive_seed(seed, "sample", rollout_id),
+                        kind="branch", parent_rollout=parent.rollout_id, branch_token=b.split, branch_score=b.score,
+                        turns=list(parent.turns[:turn]))
+    g = parent.turns[turn].gen
+    k = offset + 1
+    pending = Generation(g.token_ids[:k], g.logprobs[:k], g.entropy[:k], g.policy_mask[:k], g.allowed[:k])
+    ep = LiveEpisode(rec, slot, obs, info, fmt.system(info.get("goal", "")), [(fmt.user(t.observation), t.gen.token_ids) for t in rec.turns], pending=pending)
+    if context == "full":
+        ep.engine_prefix = [i for t in rec.turns for i in t.prompt_ids + t.gen.token_ids]
+    if "error" in info:
+        end_with_error(ep, info["error"])
+    return ep

@@ -1,12 +1,20 @@
 """One typed configuration for a training run, validated before any work starts.
 
 Defaults live only here. Loading names any bad field (pydantic's error path, e.g. ``update.lr``).
-A *method* (``loop``, ``grpo``, ...) is a preset: an advantage estimator, a policy loss and the loss
-settings that the method's paper or code uses (ALGORITHMS.md 1.7, 2.10, 3.8, 4): LOOP has no KL term;
-GRPO and APPO a low-variance KL loss of 0.001 to the initial policy, GiGPO and BLPO 0.01 (BLPO's actor
-settings are an assumption, ALGORITHMS.md 6.1). ``advantage_params``
-and ``loss_params`` override single fields of those presets and are checked against the estimator's and
-loss's params dataclasses.
+A *method* (``loop``, ``grpo``, ...) is a preset (``METHODS``): an advantage estimator, a policy loss and
+the loss settings that the method's paper or code uses (ALGORITHMS.md 1.7, 2.10, 3.8, 4), and what the
+pipeline must do for it (play APPO's branches, divide LOOP's loss by the fixed minibatch size). LOOP has
+no KL term; GRPO and APPO a low-variance KL loss of 0.001 to the initial policy, GiGPO and BLPO 0.01
+(BLPO's actor settings are an assumption, ALGORITHMS.md 6.1), REINFORCE++-baseline an MSE KL loss of
+0.001 (verl's example). A loss with ``kl_coef > 0`` loads the frozen initial policy as reference.
+
+Three dictionaries override single fields of the chosen method's presets and are checked against the
+params dataclasses of its estimator (``advantage_params``), loss (``loss_params``) and, for a method that
+branches, its branching (``branching_params``, APPO's ``BranchingParams``). The same three may be given
+per method under ``per_method.<name>``: they apply only when that method is chosen, so one base config
+tunes LOOP (``per_method: {loop: {loss_params: {eps: 0.2}}}``) and still serves a sweep over every method.
+Every section of ``per_method`` is checked, whichever method runs. Precedence: preset, then
+``per_method.<method>``, then the top-level dictionaries (what a sweep's grid or ``--set`` names).
 """
 
 from __future__ import annotations
@@ -22,6 +30,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 import methods
+from methods.appo import BranchingParams
+from methods.registry import LossParams
+
+
+CONFIG_FILE = "config.yaml"  # a run's config as it ran: in its data folder and among its MLflow artifacts
 
 
 class Strict(BaseModel):
@@ -30,23 +43,40 @@ class Strict(BaseModel):
 
 @dataclasses.dataclass(frozen=True)
 class MethodPreset:
+    """What a method is and what the pipeline does for it: tasks read these, never the method's name."""
+
     advantage: str  # name in methods.ADVANTAGES
     loss: str  # name in methods.LOSSES
-    loss_params: dict[str, Any]
+    loss_params: dict[str, Any]  # the method's loss settings (kl_coef > 0 loads the reference policy)
     min_group_size: int  # rollouts per task the estimator needs
     epochs: int
-    uses_fixed_row_divisor: bool  # LOOP divides by the fixed minibatch size (ALGORITHMS.md 1.5)
+    fixed_row_divisor: bool = False  # LOOP divides by the fixed minibatch size (ALGORITHMS.md 1.5)
+    branches: bool = False  # APPO: branch rollouts planned over the initial ones (params: BranchingParams)
 
+
+_VERL_CLIP = {"clip_mode": "asymmetric", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0}  # verl's PPO clip (ALGORITHMS.md 4)
 
 METHODS: dict[str, MethodPreset] = {
-    "loop": MethodPreset("loo", "ppo_clip", {"clip_mode": "loop", "eps": 0.1, "aggregation": "seq-mean-token-mean"}, 2, 2, True),
-    "rloo": MethodPreset("rloo", "ppo_clip", {"clip_mode": "asymmetric", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0, "aggregation": "token-mean"}, 2, 1, False),
-    "grpo": MethodPreset("grpo", "ppo_clip", {"clip_mode": "asymmetric", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0, "aggregation": "token-mean", "kl_coef": 0.001}, 2, 1, False),
-    "drgrpo": MethodPreset("drgrpo", "ppo_clip", {"clip_mode": "asymmetric", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0, "aggregation": "seq-mean-token-sum-norm"}, 2, 1, False),
-    "gigpo": MethodPreset("gigpo", "ppo_clip", {"clip_mode": "asymmetric", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0, "aggregation": "token-mean", "kl_coef": 0.01}, 2, 1, False),
-    "blpo": MethodPreset("blpo", "ppo_clip", {"clip_mode": "asymmetric", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0, "aggregation": "token-mean", "kl_coef": 0.01}, 1, 1, False),
-    "appo": MethodPreset("appo", "appo_future_kl", {"kl_coef": 0.001}, 2, 1, False),
+    "loop": MethodPreset("loo", "ppo_clip", {"clip_mode": "loop", "eps": 0.1, "aggregation": "seq-mean-token-mean"}, 2, 2, fixed_row_divisor=True),
+    "rloo": MethodPreset("rloo", "ppo_clip", {**_VERL_CLIP, "aggregation": "token-mean"}, 2, 1),
+    "grpo": MethodPreset("grpo", "ppo_clip", {**_VERL_CLIP, "aggregation": "token-mean", "kl_coef": 0.001}, 2, 1),
+    "drgrpo": MethodPreset("drgrpo", "ppo_clip", {**_VERL_CLIP, "aggregation": "seq-mean-token-sum-norm"}, 2, 1),
+    "reinforce_pp_baseline": MethodPreset("reinforce_pp_baseline", "ppo_clip", {**_VERL_CLIP, "aggregation": "token-mean", "kl_coef": 0.001, "kl_kind": "mse"}, 2, 1),
+    "gigpo": MethodPreset("gigpo", "ppo_clip", {**_VERL_CLIP, "aggregation": "token-mean", "kl_coef": 0.01}, 2, 1),
+    "blpo": MethodPreset("blpo", "ppo_clip", {**_VERL_CLIP, "aggregation": "token-mean", "kl_coef": 0.01}, 1, 1),
+    "appo": MethodPreset("appo", "appo_future_kl", {"kl_coef": 0.001}, 2, 1, branches=True),
 }
+
+
+def estimator_of(name: str) -> str:
+    """The advantage estimator a method stands for, or ``name`` itself if it is an estimator's name.
+
+    Raises ``ValueError`` naming both lists when it is neither."""
+    if name in METHODS:
+        return METHODS[name].advantage
+    if name in methods.ADVANTAGES:
+        return name
+    raise ValueError(f"{name!r} is neither a method ({', '.join(sorted(METHODS))}) nor an estimator ({', '.join(methods.ADVANTAGES.names())})")
 
 
 class EnvConfig(Strict):
@@ -222,6 +252,17 @@ class EngineConfig(Strict):
     vllm: VLLMConfig = VLLMConfig()
 
 
+class MethodParams(Strict):
+    """Overrides of one method's presets (``per_method.<name>``), applied only when that method runs."""
+
+    advantage_params: dict[str, Any] = {}
+    loss_params: dict[str, Any] = {}
+    branching_params: dict[str, Any] = {}
+
+
+_PARAMS = ("advantage_params", "loss_params", "branching_params")
+
+
 class TrainConfig(Strict):
     run_name: str = "loop-household-easy"
     experiment: str = "horizonrl"
@@ -232,7 +273,13 @@ class TrainConfig(Strict):
     time_budget_s: float | None = Field(None, gt=0)
     """Stop after the iteration that crosses this much training wall time."""
     advantage_params: dict[str, Any] = {}
+    """Fields of the method's estimator params (e.g. LOOP's ``normalize_std``)."""
     loss_params: dict[str, Any] = {}
+    """Fields of the method's loss params over its preset (e.g. ``ratio_level``: token, turn, trajectory)."""
+    branching_params: dict[str, Any] = {}
+    """A method that branches (APPO): fields of ``methods.appo.BranchingParams``."""
+    per_method: dict[str, MethodParams] = {}
+    """The three dictionaries above per method name, used only when that method runs (module docstring)."""
     env: EnvConfig = EnvConfig()
     model: ModelConfig = ModelConfig()
     rollout: RolloutConfig = RolloutConfig()
@@ -259,10 +306,12 @@ class TrainConfig(Strict):
                 f"rollout.group_size = {self.rollout.group_size}: method {self.method!r} needs at least "
                 f"{preset.min_group_size} rollouts per task"
             )
-        adv_cls = methods.ADVANTAGES.get(preset.advantage).params_cls
-        loss_cls = methods.LOSSES.get(preset.loss).params_cls
-        _check_fields("advantage_params", adv_cls, self.advantage_params)
-        _check_fields("loss_params", loss_cls, {**preset.loss_params, **self.loss_params})
+        for name, section in self.per_method.items():  # every method's section, so a typo fails in every cell
+            if name not in METHODS:
+                raise ValueError(f"per_method.{name}: unknown method; known: {', '.join(sorted(METHODS))}")
+            _check_params(f"per_method.{name}.", name, section.model_dump())
+        section = self.per_method.get(self.method, MethodParams()).model_dump()
+        _check_params("", self.method, {k: getattr(self, k) for k in _PARAMS}, section)
         from horizonrl.envs import SUITES  # local import: envs import heavy optional packages lazily
 
         if self.env.name not in SUITES:
@@ -285,13 +334,22 @@ class TrainConfig(Strict):
     def preset(self) -> MethodPreset:
         return METHODS[self.method]
 
+    def _overrides(self, kind: str) -> dict[str, Any]:
+        """``per_method.<method>.<kind>`` then the top-level ``<kind>``, merged."""
+        section = self.per_method.get(self.method, MethodParams())
+        return {**getattr(section, kind), **getattr(self, kind)}
+
     def advantage_spec(self) -> tuple[str, Any]:
         entry = methods.ADVANTAGES.get(self.preset.advantage)
-        return entry.name, entry.params_cls(**self.advantage_params)
+        return entry.name, entry.params_cls(**self._overrides("advantage_params"))
 
-    def loss_spec(self) -> tuple[str, Any]:
+    def loss_spec(self) -> tuple[str, LossParams]:
         entry = methods.LOSSES.get(self.preset.loss)
-        return entry.name, entry.params_cls(**{**self.preset.loss_params, **self.loss_params})
+        return entry.name, entry.params_cls(**{**self.preset.loss_params, **self._overrides("loss_params")})
+
+    def branching(self) -> BranchingParams | None:
+        """The branching settings of a method that branches (APPO); None for the others."""
+        return BranchingParams(**self._overrides("branching_params")) if self.preset.branches else None
 
     @property
     def epochs(self) -> int:
@@ -305,13 +363,28 @@ class TrainConfig(Strict):
         return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _check_fields(where: str, params_cls: type, values: dict[str, Any]) -> None:
+def _check_params(where: str, method: str, given: dict[str, dict[str, Any]], under: dict[str, dict[str, Any]] | None = None) -> None:
+    """Check ``given`` (the three params dictionaries) against ``method``'s dataclasses, over the preset's
+    loss settings and the ``under`` dictionaries (its ``per_method`` section); errors name ``where`` + key."""
+    preset, under = METHODS[method], under or {}
+    if given["branching_params"] and not preset.branches:
+        raise ValueError(f"{where}branching_params: method {method!r} does not branch")
+    classes = {
+        "advantage_params": (methods.ADVANTAGES.get(preset.advantage).params_cls, {}),
+        "loss_params": (methods.LOSSES.get(preset.loss).params_cls, preset.loss_params),
+        "branching_params": (BranchingParams, {}),
+    }
+    for kind, (params_cls, base) in classes.items():
+        _check_fields(f"{where}{kind}", params_cls, given[kind], {**base, **under.get(kind, {})})
+
+
+def _check_fields(where: str, params_cls: type, values: dict[str, Any], base: dict[str, Any]) -> None:
     names = {f.name for f in dataclasses.fields(params_cls)}
     for key in values:
         if key not in names:
             raise ValueError(f"{where}.{key} is not a field of {params_cls.__name__}; fields: {', '.join(sorted(names))}")
     try:
-        params_cls(**values)
+        params_cls(**{**base, **values})
     except (TypeError, ValueError) as err:
         raise ValueError(f"{where}: {err}") from err
 

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from horizonrl.rollout import EpisodeRecord
+from horizonrl.records import EpisodeRecord
 
 
 def episode_metrics(episodes: pa.Table) -> dict[str, float]:

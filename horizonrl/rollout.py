@@ -2,8 +2,8 @@
 
 ``collect`` plays K rollouts of each task in lockstep: build each episode's prompt, one batched
 ``generate``, step every environment (one ``step_many`` on an ``EpisodeBatch``: in this process or in
-worker processes), repeat until all are done or the horizon is reached. It returns plain records
-(``EpisodeRecord``/``TurnRecord``) that the store writes as Parquet. An environment that fails ends its
+worker processes), repeat until all are done or the horizon is reached, as ``SamplingSettings`` say. It
+returns plain records (``horizonrl.records``) that the store writes as Parquet. An environment that fails ends its
 episode with status ``error`` and the reason; the rest of the batch goes on.
 
 With ``overlap`` the episodes form two fixed halves, A (the first ceil(n/2)) and B, played as a
@@ -22,60 +22,18 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from horizonrl.config import TrainConfig
 from horizonrl.engines.base import Engine, Generation, Session, TokenTrie
 from horizonrl.envs.base import EnvSuite, Task
 from horizonrl.envs.batch import EpisodeBatch, StepResult, as_batch, error_info
 from horizonrl.prompting import ChatFormat, full_delta, window_prompt
+from horizonrl.records import EpisodeRecord, TurnRecord
 from horizonrl.seeding import derive_seed
 
 
 @dataclass
-class TurnRecord:
-    turn: int
-    observation: str  # the observation the action answers (anchor_obs)
-    action: str
-    prompt_ids: list[int]  # window: the whole prompt; full: the ids added since the previous action
-    gen: Generation
-    reward: float
-    done: bool
-    won: bool
-    valid: bool
-    format_valid: bool
-    score: float
-    progress_key: str  # task-progress key of the state the action was taken in
-    abstract_action: str
-    n_admissible: int
-    gen_s: float
-    env_s: float
-
-
-@dataclass
-class EpisodeRecord:
-    rollout_id: int
-    group_id: int
-    task: Task
-    context: str  # "window" | "full"
-    sample_seed: int
-    kind: str = "initial"  # "initial" | "branch"
-    parent_rollout: int = -1
-    branch_token: int = -1
-    turns: list[TurnRecord] = field(default_factory=list)
-    status: str = "running"  # "won" | "done" (ended without winning) | "truncated" (horizon) | "error"
-    error: str = ""
-    branch_score: float = 0.0  # APPO branching score BS at the split (branches only)
-
-    @property
-    def episode_return(self) -> float:
-        return float(sum(t.reward for t in self.turns))
-
-    @property
-    def won(self) -> bool:
-        return bool(self.turns and self.turns[-1].won)
-
-
-@dataclass
-class _Live:
-    """Per-episode rollout state that is not stored."""
+class LiveEpisode:
+    """Per-episode rollout state that is not stored (the record is)."""
 
     record: EpisodeRecord
     slot: int  # the episode's slot in the EpisodeBatch
@@ -89,23 +47,41 @@ class _Live:
 
 
 @dataclass(frozen=True)
+class SamplingSettings:
+    """How a batch of rollouts is played and sampled: the ``rollout.*`` settings, the horizon and a seed."""
+
+    action_mode: str  # "admissible" (trie-constrained decoding) | "free" (parse the text)
+    context: str  # "window" | "full"
+    history_turns: int  # window context: past turns in the prompt
+    max_turns: int
+    max_action_tokens: int
+    temperature: float
+    seed: int
+    overlap: bool = False  # the two-half pipeline (module docstring)
+    greedy: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, suite: EnvSuite, seed: int, greedy: bool = False) -> SamplingSettings:
+        """The run's settings; the horizon is ``env.max_turns`` or the tier's."""
+        r = cfg.rollout
+        max_turns = cfg.env.max_turns or suite.max_turns(cfg.env.tier)
+        return cls(r.action_mode, r.context, r.history_turns, max_turns, r.max_action_tokens, r.temperature, seed, r.overlap, greedy)
+
+
+@dataclass(frozen=True)
 class _Sampling:
     """What every engine call of one rollout batch shares."""
 
     engine: Engine
     fmt: ChatFormat
-    action_mode: str
-    history_turns: int
-    max_action_tokens: int
-    temperature: float
-    greedy: bool
+    settings: SamplingSettings
 
 
 @dataclass
 class _Turn:
     """One engine call's actions, from generation until their environment results are recorded."""
 
-    batch: list[_Live]
+    batch: list[LiveEpisode]
     deltas: list[list[int]]  # per episode: the prompt ids its turn row stores
     actions: list[tuple[Generation, str, bool]]  # (generation, command, format_valid)
     broken: dict[int, str]  # slot -> why its generation cannot be played ("" if it can)
@@ -118,51 +94,32 @@ class _Turn:
         return {ep.slot: action for ep, (_, action, _) in zip(self.batch, self.actions) if not self.broken[ep.slot]}
 
 
-@dataclass(frozen=True)
-class BranchStart:
-    """Where an APPO branch leaves its parent: after action token ``split`` (flat over all its turns)."""
-
-    parent: EpisodeRecord
-    split: int
-    score: float = 0.0  # branching score at the split
-
-
 def collect(
     envs: EpisodeBatch | EnvSuite,
     tasks: list[Task],
     group_size: int,
     engine: Engine,
     fmt: ChatFormat,
+    settings: SamplingSettings,
     *,
-    action_mode: str,
-    context: str,
-    history_turns: int,
-    max_turns: int,
-    max_action_tokens: int,
-    temperature: float,
-    seed: int,
-    greedy: bool = False,
     first_rollout_id: int = 0,
     first_group_id: int = 0,
-    overlap: bool = False,
 ) -> list[EpisodeRecord]:
     """Play ``group_size`` rollouts of every task; rollout r of task g has group_id ``first_group_id + g``
     (a shard numbers its groups where they sit in the iteration). ``envs`` is an ``EpisodeBatch`` (kept
-    open for the caller) or a suite, played in this process. ``overlap``: the two-half pipeline (module
-    docstring)."""
+    open for the caller) or a suite, played in this process."""
     with as_batch(envs) as envs:
         starts = envs.reset_many([task for task in tasks for _ in range(group_size)])
-        live: list[_Live] = []
+        live: list[LiveEpisode] = []
         for slot, (obs, info) in enumerate(starts):
             g = slot // group_size
             rid = first_rollout_id + slot
-            rec = EpisodeRecord(rid, first_group_id + g, tasks[g], context, derive_seed(seed, "sample", rid))
-            ep = _Live(rec, slot, obs, info, fmt.system(info.get("goal", "")))
+            rec = EpisodeRecord(rid, first_group_id + g, tasks[g], settings.context, derive_seed(settings.seed, "sample", rid))
+            ep = LiveEpisode(rec, slot, obs, info, fmt.system(info.get("goal", "")))
             if "error" in info:
-                _end_with_error(ep, info["error"])
+                end_with_error(ep, info["error"])
             live.append(ep)
-        sampling = _Sampling(engine, fmt, action_mode, history_turns, max_action_tokens, temperature, greedy)
-        return _run(live, envs, sampling, max_turns, seed, overlap)
+        return play(live, envs, engine, fmt, settings, settings.seed)
 
 
 @dataclass(frozen=True)
@@ -195,93 +152,22 @@ def split_shards(tasks: list[Task], n_shards: int, group_size: int, seed: int) -
     return shards
 
 
-def collect_branches(
-    envs: EpisodeBatch | EnvSuite,
-    starts: list[BranchStart],
-    engine: Engine,
-    fmt: ChatFormat,
-    *,
-    action_mode: str,
-    context: str,
-    history_turns: int,
-    max_turns: int,
-    max_action_tokens: int,
-    temperature: float,
-    seed: int,
-    first_rollout_id: int,
-    overlap: bool = False,
-) -> list[EpisodeRecord]:
-    """Play APPO branches: each continues its parent from the token prefix up to and including the split
-    token (within that turn), in an environment brought to the parent's state at that turn by replaying
-    the parent's earlier actions (all replays step together). All branches are generated in one lockstep
-    batch, or in the two-half pipeline with ``overlap``. A replay whose observations differ from the
-    parent's raises: the environment is not deterministic, and a branch from a different state would get
-    the wrong credit."""
-    with as_batch(envs) as envs:
-        split_turns = [_split_turn(b) for b in starts]
-        resets = envs.reset_many([b.parent.task for b in starts])
-        replayed: list[tuple[str, dict]] = []
-        for b, (obs, info) in zip(starts, resets):
-            _check_replay(b.parent, 0, obs, info)
-            replayed.append((obs, info))
-        for t in range(max((turn for turn, _ in split_turns), default=0)):
-            todo = {i: b.parent.turns[t].action for i, b in enumerate(starts) if t < split_turns[i][0] and "error" not in replayed[i][1]}
-            for i, (obs, _, _, info) in envs.step_many(todo).items():
-                _check_replay(starts[i].parent, t + 1, obs, info)
-                replayed[i] = (obs, info)
-        live = []
-        for i, (b, (turn, offset)) in enumerate(zip(starts, split_turns)):
-            live.append(_branch_live(b, turn, offset, i, *replayed[i], fmt, context, first_rollout_id + i, seed))
-        sampling = _Sampling(engine, fmt, action_mode, history_turns, max_action_tokens, temperature, False)
-        return _run(live, envs, sampling, max_turns, derive_seed(seed, "branches"), overlap)
-
-
-def _split_turn(b: BranchStart) -> tuple[int, int]:
-    """(turn, offset in that turn's action tokens) of the flat split index."""
-    lengths = [len(t.gen.token_ids) for t in b.parent.turns]
-    turn, offset = 0, b.split
-    while offset >= lengths[turn]:
-        offset -= lengths[turn]
-        turn += 1
-    return turn, offset
-
-
-def _check_replay(parent: EpisodeRecord, turn: int, obs: str, info: dict) -> None:
-    if "error" not in info and obs != parent.turns[turn].observation:
-        raise RuntimeError(f"replay of rollout {parent.rollout_id} diverged at turn {turn}: the environment is not deterministic")
-
-
-def _branch_live(b: BranchStart, turn: int, offset: int, slot: int, obs: str, info: dict, fmt: ChatFormat, context: str, rollout_id: int, seed: int) -> _Live:
-    parent = b.parent
-    rec = EpisodeRecord(rollout_id, parent.group_id, parent.task, context, derive_seed(seed, "sample", rollout_id),
-                        kind="branch", parent_rollout=parent.rollout_id, branch_token=b.split, branch_score=b.score,
-                        turns=list(parent.turns[:turn]))
-    g = parent.turns[turn].gen
-    k = offset + 1
-    pending = Generation(g.token_ids[:k], g.logprobs[:k], g.entropy[:k], g.policy_mask[:k], g.allowed[:k])
-    ep = _Live(rec, slot, obs, info, fmt.system(info.get("goal", "")), [(fmt.user(t.observation), t.gen.token_ids) for t in rec.turns], pending=pending)
-    if context == "full":
-        ep.engine_prefix = [i for t in rec.turns for i in t.prompt_ids + t.gen.token_ids]
-    if "error" in info:
-        _end_with_error(ep, info["error"])
-    return ep
-
-
-def _run(live: list[_Live], envs: EpisodeBatch, sampling: _Sampling, max_turns: int, seed: int, overlap: bool) -> list[EpisodeRecord]:
-    """Play every live episode until all are done or have ``max_turns`` turns: in lockstep, or with
-    ``overlap`` as the two-half pipeline."""
+def play(live: list[LiveEpisode], envs: EpisodeBatch, engine: Engine, fmt: ChatFormat, settings: SamplingSettings, seed: int) -> list[EpisodeRecord]:
+    """Play every live episode until all are done or have ``settings.max_turns`` turns, sampling with
+    ``seed``: in lockstep, or with ``settings.overlap`` as the two-half pipeline."""
     full = bool(live) and live[0].record.context == "full"
-    if overlap:
-        _run_halves(live, envs, sampling, full, max_turns, seed)
+    sampling = _Sampling(engine, fmt, settings)
+    if settings.overlap:
+        _run_halves(live, envs, sampling, full, settings.max_turns, seed)
     else:
-        _run_lockstep(live, envs, sampling, full, max_turns, seed)
+        _run_lockstep(live, envs, sampling, full, settings.max_turns, seed)
     for ep in live:
         if not ep.done:
             ep.record.status = "truncated"
     return [ep.record for ep in live]
 
 
-def _run_lockstep(live: list[_Live], envs: EpisodeBatch, sampling: _Sampling, full: bool, max_turns: int, seed: int) -> None:
+def _run_lockstep(live: list[LiveEpisode], envs: EpisodeBatch, sampling: _Sampling, full: bool, max_turns: int, seed: int) -> None:
     """Every episode still playing in each engine call, then one ``step_many``; one session (KV cache)
     across turns in full context."""
     session = sampling.engine.session() if full else None
@@ -296,7 +182,7 @@ def _run_lockstep(live: list[_Live], envs: EpisodeBatch, sampling: _Sampling, fu
         _record(turn, results)
 
 
-def _run_halves(live: list[_Live], envs: EpisodeBatch, sampling: _Sampling, full: bool, max_turns: int, seed: int) -> None:
+def _run_halves(live: list[LiveEpisode], envs: EpisodeBatch, sampling: _Sampling, full: bool, max_turns: int, seed: int) -> None:
     """The two-half pipeline: generate one half while the other half's step is in flight, then gather
     that step, send this half's, and swap. Each half has its own session (a session keeps only the
     episodes of its latest call, so halves cannot share one) and its own turn counter; it stops when it
@@ -336,16 +222,16 @@ def _run_halves(live: list[_Live], envs: EpisodeBatch, sampling: _Sampling, full
         raise
 
 
-def _generate(batch: list[_Live], sampling: _Sampling, session: Session | None, seed: int) -> _Turn:
+def _generate(batch: list[LiveEpisode], sampling: _Sampling, session: Session | None, seed: int) -> _Turn:
     """One engine call for every episode of ``batch``. ``deltas`` are what each turn row stores as prompt
     ids: the whole prompt in window context, only the new ids in full context (the session holds the
     rest)."""
-    fmt = sampling.fmt
+    fmt, s = sampling.fmt, sampling.settings
     deltas, inputs, tries = [], [], []
     for ep in batch:
         obs_ids = fmt.user(ep.obs)
         if session is None:
-            delta = window_prompt(fmt, ep.goal_ids, ep.history, obs_ids, sampling.history_turns)
+            delta = window_prompt(fmt, ep.goal_ids, ep.history, obs_ids, s.history_turns)
         else:
             delta = full_delta(fmt, ep.goal_ids, obs_ids, ep.history[-1][1] if ep.history else None)
         pending = ep.pending.token_ids if ep.pending else []
@@ -353,8 +239,8 @@ def _generate(batch: list[_Live], sampling: _Sampling, session: Session | None, 
         inputs.append(ep.engine_prefix + delta + pending)
         ep.engine_prefix = []
         ep.history.append((obs_ids, []))
-        tries.append(_trie(fmt, ep.info["admissible_commands"], pending) if sampling.action_mode == "admissible" else None)
-    n_tokens, temperature, greedy = sampling.max_action_tokens, sampling.temperature, sampling.greedy
+        tries.append(_trie(fmt, ep.info["admissible_commands"], pending) if s.action_mode == "admissible" else None)
+    n_tokens, temperature, greedy = s.max_action_tokens, s.temperature, s.greedy
     t0 = time.perf_counter()
     if session is None:
         gens = sampling.engine.generate(inputs, tries, n_tokens, temperature, greedy, seed)
@@ -402,7 +288,7 @@ def _action_text(gen: Generation, trie: TokenTrie | None, fmt: ChatFormat) -> tu
     return fmt.parse_action(gen.token_ids, gen.finished)
 
 
-def _record_turn(ep: _Live, turn: int, delta: list[int], gen: Generation, action: str, format_valid: bool, result: StepResult,
+def _record_turn(ep: LiveEpisode, turn: int, delta: list[int], gen: Generation, action: str, format_valid: bool, result: StepResult,
                  gen_s: float, env_s: float, format_penalty: float) -> None:
     """Record one turn; a format error's step reward is lowered by ``format_penalty`` (rollout.format_penalty)."""
     admissible = ep.info["admissible_commands"]
@@ -418,13 +304,13 @@ def _record_turn(ep: _Live, turn: int, delta: list[int], gen: Generation, action
     )
     ep.obs, ep.info = obs, info
     if "error" in info:
-        _end_with_error(ep, info["error"])
+        end_with_error(ep, info["error"])
     elif done:
         ep.done = True
         ep.record.status = "won" if info.get("won") else "done"
 
 
-def _end_with_error(ep: _Live, why: str) -> None:
+def end_with_error(ep: LiveEpisode, why: str) -> None:
     """The environment failed (raised, crashed, hung or answered garbage): the episode ends here."""
     ep.done = True
     ep.record.status, ep.record.error = "error", why

@@ -108,13 +108,6 @@ class PolicyRuntime:
             self._pools[key] = self.suite(cfg).tasks(split, cfg.env.tier, n)
         return self._pools[key]
 
-    def sampling(self, cfg: TrainConfig, seed: int) -> dict:
-        """Keyword arguments of ``rollout.collect`` from the config (shared by collect and evaluate)."""
-        r = cfg.rollout
-        return dict(action_mode=r.action_mode, context=r.context, history_turns=r.history_turns,
-                    max_turns=cfg.env.max_turns or self.suite(cfg).max_turns(cfg.env.tier),
-                    max_action_tokens=r.max_action_tokens, temperature=r.temperature, seed=seed, overlap=r.overlap)
-
     def initial_model_dir(self, cfg: TrainConfig) -> Path:
         """The starting weights: ``model.path`` or the tiny model built for this environment; with
         ``model.lora``, a directory of fresh adapters over that base."""

@@ -1,7 +1,8 @@
 """The trajectory store: Parquet tables per iteration, written atomically, schema-versioned.
 
-Layout: ``<data_dir>/<experiment>/<run_name>/iter=<n>/{episodes,turns,advantages-<method>}.parquet``.
-The Arrow schemas below are the only place a stored column's type is defined. Rollout tables are
+Layout: ``<data_dir>/<experiment>/<run_name>/iter=<n>/{episodes,turns,advantages-<method>}.parquet``
+(and ``estimator_state-<method>.json`` for a stateful estimator). The Arrow schemas below are the only
+place a stored column's type is defined, and the ``*_table`` functions the only place tables are built. Rollout tables are
 immutable once written; advantages are a separate table keyed by (rollout_id, turn), so several methods
 can be computed over the same rollouts.
 """
@@ -14,10 +15,11 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from horizonrl.rollout import EpisodeRecord
+from horizonrl.records import EpisodeRecord
 
 SCHEMA_VERSION = "1"
 _META_VERSION = b"horizonrl.schema_version"
@@ -94,6 +96,43 @@ def turns_table(records: list[EpisodeRecord]) -> pa.Table:
             for k, v in values.items():
                 rows[k].append(v)
     return pa.table(rows, schema=TURNS)
+
+
+def advantages_table(rollout_id: np.ndarray, turn: np.ndarray, adv: np.ndarray, keep: np.ndarray,
+                     adv_tokens: np.ndarray | None = None, n_tokens: np.ndarray | None = None) -> pa.Table:
+    """The advantages of N step rows, (N,) arrays, the rows of a trajectory contiguous and in turn order.
+
+    Per-token advantages ``adv_tokens`` (M,) (row n owns ``n_tokens[n]`` of them, in row order) are
+    stored once per trajectory: its tokens, all turns, as one list on its first row; other rows hold null.
+    """
+    n = len(rollout_id)
+    if adv_tokens is None:
+        tokens = pa.nulls(n, pa.list_(pa.float64()))
+    else:
+        ends = np.cumsum(n_tokens)  # (N,) token end of each row
+        first = np.ones(n, dtype=bool)  # (N,) the row opens its trajectory
+        first[1:] = rollout_id[1:] != rollout_id[:-1]
+        last = np.ones(n, dtype=bool)  # (N,) the row closes its trajectory
+        last[:-1] = first[1:]
+        traj_end = ends[last][np.cumsum(first) - 1]  # (N,) token end of the row's trajectory
+        # a first row's list spans its trajectory's tokens; the others are empty and masked as null
+        offsets = np.append(np.where(first, ends - n_tokens, traj_end), ends[-1] if n else 0)  # (N + 1,)
+        tokens = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(adv_tokens, pa.float64()), mask=pa.array(~first))
+    return pa.table({"rollout_id": rollout_id, "turn": np.asarray(turn, dtype=np.int32), "adv": adv, "keep": keep,
+                     "adv_tokens": tokens}, schema=ADVANTAGES)
+
+
+def write_advantages(iteration_dir: str | Path, method: str, table: pa.Table, state: dict | None) -> tuple[Path, str, Path | None]:
+    """Write ``advantages-<method>.parquet`` and, for a stateful estimator, ``estimator_state-<method>.json``
+    into an iteration's folder (other methods' files are left alone). Returns (table path, its digest, state path)."""
+    d = Path(iteration_dir)
+    path = d / f"advantages-{method}.parquet"
+    digest = write_table(table, path, "advantages")
+    state_path = None
+    if state is not None:
+        state_path = d / f"estimator_state-{method}.json"
+        write_json(state, state_path)
+    return path, digest, state_path
 
 
 def write_table(table: pa.Table, path: str | Path, kind: str) -> str:

@@ -26,13 +26,15 @@ import torch
 
 import methods
 from horizonrl.engines.base import allowed_log_softmax
+from horizonrl.config import TrainConfig
 from horizonrl.sequences import TrainRow
+from methods.registry import LossParams
 
 
 @dataclass(frozen=True)
 class UpdateSettings:
     loss_name: str
-    loss_params: object
+    loss_params: LossParams
     epochs: int
     minibatch_size: int  # trajectories per optimizer step
     fixed_row_divisor: bool  # LOOP: divide by minibatch_size even for a short last minibatch
@@ -41,6 +43,19 @@ class UpdateSettings:
     temperature: float
     micro_batch_tokens: int
     pad_id: int
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, pad_id: int) -> UpdateSettings:
+        """The run's update settings: the method's loss and epochs, ``update.*``, the sampling temperature."""
+        loss_name, loss_params = cfg.loss_spec()
+        u = cfg.update
+        return cls(loss_name, loss_params, cfg.epochs, u.minibatch_size, cfg.preset.fixed_row_divisor, u.grad_clip,
+                   u.high_kl_threshold, cfg.rollout.temperature, u.micro_batch_tokens, pad_id)
+
+    @property
+    def needs_reference(self) -> bool:
+        """The loss has a KL term to the frozen initial policy."""
+        return self.loss_params.kl_coef > 0
 
 
 @dataclass
@@ -240,9 +255,9 @@ def _minibatch_step(model, optimizer, rows: list[TrainRow], old: list[list[float
     return {**out, "finite": finite, "grad_norm": grad_norm}
 
 
-def _loss_terms(params: object, rows: list[TrainRow], mb: list[list[int]]) -> int:
+def _loss_terms(params: LossParams, rows: list[TrainRow], mb: list[list[int]]) -> int:
     """Loss terms in a minibatch (token-mean divisor): tokens, or (trajectory, turn) pairs, or trajectories."""
-    level = getattr(params, "ratio_level", "token")
+    level = params.ratio_level
     if level == "turn":
         return sum(len({t for i in u for t in rows[i].turn_id}) for u in mb)
     if level == "trajectory":

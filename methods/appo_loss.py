@@ -54,6 +54,11 @@ class FutureKLParams:
             raise ValueError("decay_rate must be > 0, chunk >= 1, weight_b >= 0 and kl_coef >= 0")
 
     @property
+    def ratio_level(self) -> str:
+        """One importance ratio per token (§3.7): the loss has no per-turn or per-trajectory variant."""
+        return "token"
+
+    @property
     def gamma_f(self) -> float:
         """γ_f = 2^(−1/decay_rate) (≈ 0.98923 for 64)."""
         return 2.0 ** (-1.0 / self.decay_rate)

@@ -9,13 +9,15 @@ where ``P`` is the estimator's own frozen params dataclass (registered with it).
 
     fn(logp, old_logp, adv, mask, turn_id, params: P, *, ref_logp=None, n_rows_div=None, n_tokens_div=None) -> LossTerms
 
-over padded (B, T) tensors (see ``methods/losses.py``). A second registration under a taken name raises.
+over padded (B, T) tensors (see ``methods/losses.py``); its params satisfy ``LossParams``, the part of them
+the trainer reads. A second registration under a taken name raises, and so does a params class that lacks
+an attribute its registry requires.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 
 @dataclass(frozen=True)
@@ -26,17 +28,34 @@ class Entry:
     load_state: Callable[[dict, Any], Any] | None = None  # stateful estimators: (json dict, params) -> state
 
 
-class Registry:
-    """A named table of functions with their params dataclass; refuses duplicates."""
+class LossParams(Protocol):
+    """What the trainer reads from every policy loss's params (the loss reads the rest)."""
 
-    def __init__(self, kind: str) -> None:
+    @property
+    def kl_coef(self) -> float:
+        """Weight of the KL term to the reference policy: > 0 makes the trainer load that policy."""
+
+    @property
+    def ratio_level(self) -> str:
+        """One importance ratio, and one loss term, per "token", "turn" or "trajectory"."""
+
+
+class Registry:
+    """A named table of functions with their params dataclass; refuses duplicates and params classes
+    whose defaults lack one of the ``requires`` attributes."""
+
+    def __init__(self, kind: str, requires: tuple[str, ...] = ()) -> None:
         self.kind = kind
+        self.requires = requires
         self._entries: dict[str, Entry] = {}
 
     def register(self, name: str, params_cls: type, load_state: Callable[[dict, Any], Any] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
             if name in self._entries:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
+            missing = [a for a in self.requires if not hasattr(params_cls(), a)]
+            if missing:
+                raise TypeError(f"{self.kind} {name!r}: {params_cls.__name__} has no {', '.join(missing)}")
             self._entries[name] = Entry(name, fn, params_cls, load_state)
             return fn
 
@@ -56,4 +75,4 @@ class Registry:
 
 
 ADVANTAGES = Registry("advantage estimator")
-LOSSES = Registry("policy loss")
+LOSSES = Registry("policy loss", requires=("kl_coef", "ratio_level"))  # LossParams

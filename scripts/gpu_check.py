@@ -42,7 +42,7 @@ def main() -> int:
     from horizonrl.lora import attach
     from horizonrl.models import resolve_dtype, train_word_tokenizer
     from horizonrl.prompting import ChatFormat
-    from horizonrl.rollout import collect
+    from horizonrl.rollout import SamplingSettings, collect
     from horizonrl.sequences import train_rows
     from horizonrl.trainer import UpdateSettings, ppo_update
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -71,12 +71,10 @@ def main() -> int:
 
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id], str(device))
     n_tasks = max(1, args.episodes // 4)
-    warm = collect(suite, suite.tasks("train", "easy", 2), 2, engine, fmt, action_mode="admissible", context="full",
-                   history_turns=2, max_turns=2, max_action_tokens=24, temperature=1.0, seed=1)  # kernels, allocator
+    warm = collect(suite, suite.tasks("train", "easy", 2), 2, engine, fmt, SamplingSettings("admissible", "full", 2, 2, 24, 1.0, 1))  # kernels, allocator
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    records = collect(suite, suite.tasks("train", "easy", n_tasks), 4, engine, fmt, action_mode="admissible", context="full",
-                      history_turns=2, max_turns=8, max_action_tokens=24, temperature=1.0, seed=0)
+    records = collect(suite, suite.tasks("train", "easy", n_tasks), 4, engine, fmt, SamplingSettings("admissible", "full", 2, 8, 24, 1.0, 0))
     torch.cuda.synchronize()
     t_gen = time.perf_counter() - t0
     gen_tokens = sum(len(t.gen.token_ids) for r in records for t in r.turns)

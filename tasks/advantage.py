@@ -14,6 +14,7 @@ from prefect.cache_policies import NONE
 import methods
 from horizonrl import faults, store
 from horizonrl.checkpoint import CheckpointRef, read_estimator_state
+from horizonrl.config import estimator_of
 from horizonrl.sequences import step_batch
 from tasks.collect import RolloutRef
 from tasks.context import RunContext
@@ -46,26 +47,11 @@ def compute_advantages(rollouts: RolloutRef, name: str, params: object, state_in
     entry = methods.ADVANTAGES.get(name)
     state = methods.state_from_json(name, state_in, params)
     result = entry.fn(batch, params, state)
-    adv_tokens = None
-    if result.adv_tokens is not None:
-        ends = np.cumsum(batch.n_tokens)
-        starts = ends - batch.n_tokens
-        traj_first = np.r_[True, batch.traj_id[1:] != batch.traj_id[:-1]]
-        # one flat list per trajectory, on its first row (index = the trajectory's action-token index)
-        per_traj: dict[int, list[float]] = {}
-        for n in range(len(batch)):
-            per_traj.setdefault(int(batch.traj_id[n]), []).extend(result.adv_tokens[starts[n] : ends[n]].tolist())
-        adv_tokens = [per_traj[int(t)] if first else None for t, first in zip(batch.traj_id, traj_first)]
-    table = pa.table({
-        "rollout_id": batch.traj_id, "turn": batch.turn.astype(np.int32), "adv": result.adv, "keep": result.keep,
-        "adv_tokens": pa.array(adv_tokens if adv_tokens is not None else [None] * len(batch), type=pa.list_(pa.float64())),
-    }, schema=store.ADVANTAGES)
+    table = store.advantages_table(batch.traj_id, batch.turn, result.adv, result.keep, result.adv_tokens, batch.n_tokens)
     if left_out.num_rows:
         n = left_out.num_rows
-        table = pa.concat_tables([table, pa.table({
-            "rollout_id": left_out["rollout_id"], "turn": left_out["turn"], "adv": np.zeros(n), "keep": np.zeros(n, dtype=bool),
-            "adv_tokens": pa.nulls(n, pa.list_(pa.float64())),
-        }, schema=store.ADVANTAGES)])
+        left = store.advantages_table(left_out["rollout_id"].to_numpy(), left_out["turn"].to_numpy(), np.zeros(n), np.zeros(n, dtype=bool))
+        table = pa.concat_tables([table, left])
     return table, methods.state_to_json(result.state), dict(result.stats)
 
 
@@ -76,14 +62,8 @@ def advantages(ctx: RunContext, iteration: int, rollouts: RolloutRef, policy: Ch
     cfg = ctx.cfg
     name, params = cfg.advantage_spec()
     table, state, stats = compute_advantages(rollouts, name, params, read_estimator_state(policy), policy.iteration)
-    d = Path(rollouts.turns).parent
-    path = d / f"advantages-{cfg.method}.parquet"
-    digest = store.write_table(table, path, "advantages")
+    path, digest, state_path = store.write_advantages(Path(rollouts.turns).parent, cfg.method, table, state)
     faults.kill_point("advantage", iteration)
-    state_path = None
-    if state is not None:
-        state_path = d / f"estimator_state-{cfg.method}.json"
-        store.write_json(state, state_path)
     kept = table["keep"].to_numpy(zero_copy_only=False)
     stats.setdefault("kept_fraction", float(kept.mean()) if len(kept) else 0.0)
     stats = {(k if k in SHARED_FIGURES else f"{cfg.method}/{k}"): v for k, v in stats.items()}
@@ -96,17 +76,12 @@ def advantages(ctx: RunContext, iteration: int, rollouts: RolloutRef, policy: Ch
 def recompute_iteration(iteration_dir: str, method: str, params: dict, state_in: dict | None) -> tuple[str, dict | None, dict[str, float]]:
     """Advantages of ``method`` over one stored iteration, written next to the original rollouts as
     ``advantages-<method>.parquet`` (other methods' tables are left alone). Returns (path, state, stats)."""
-    from horizonrl.config import METHODS
-
     d = Path(iteration_dir)
-    name = METHODS[method].advantage if method in METHODS else method
+    name = estimator_of(method)
     entry = methods.ADVANTAGES.get(name)
     episodes = store.read_table(d / "episodes.parquet", "episodes", columns=["policy_version"])
     update_index = int(episodes["policy_version"][0].as_py()) if episodes.num_rows else 0
     ref = RolloutRef(-1, str(d / "episodes.parquet"), str(d / "turns.parquet"))
     table, state, stats = compute_advantages(ref, name, entry.params_cls(**params), state_in, update_index)
-    path = d / f"advantages-{method}.parquet"
-    store.write_table(table, path, "advantages")
-    if state is not None:
-        store.write_json(state, d / f"estimator_state-{method}.json")
+    path, _, _ = store.write_advantages(d, method, table, state)
     return str(path), state, stats

@@ -4,8 +4,8 @@ The iteration's tasks are split into ``rollout.shards`` fixed shards (``horizonr
 each played by the ``collect-shard`` task: one after another in this process (``rollout.runner: local``)
 or in parallel on a Ray cluster through prefect-ray's task runner (``ray``), where each Ray worker keeps
 its own policy and environments in its ``RUNTIME``. The shards' records are joined in order, so the
-tables do not depend on where the shards ran. APPO's branches are planned over all initial rollouts and
-played here, after the shards.
+tables do not depend on where the shards ran. A method that branches (APPO) has its branches planned over
+all initial rollouts and played here, after the shards.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from horizonrl import faults, store
-from horizonrl.branching import plan_branches
+from horizonrl.branching import collect_branches, plan_branches
 from horizonrl.checkpoint import CheckpointRef
 from horizonrl.evaluation import branch_metrics, episode_metrics
-from horizonrl.rollout import EpisodeRecord, Shard, collect, collect_branches, split_shards
+from horizonrl.records import EpisodeRecord
+from horizonrl.rollout import SamplingSettings, Shard, collect, split_shards
 from horizonrl.runtime import sample_tasks
 from horizonrl.seeding import derive_seed
-from methods.appo import BranchingParams
 from tasks.context import RUNTIME, RunContext
 from tasks.tracking import log_stage
 
@@ -54,7 +54,7 @@ def collect_rollouts(ctx: RunContext, iteration: int, policy: CheckpointRef) -> 
         digests["episodes"] = store.write_table(store.episodes_table(records, cfg.run_name, iteration, policy.iteration), ref.episodes, "episodes")
     episodes = store.read_table(ref.episodes, "episodes")
     metrics = episode_metrics(episodes)
-    if cfg.method == "appo":
+    if cfg.preset.branches:
         metrics.update(branch_metrics(episodes))
     turns = store.read_table(ref.turns, "turns", columns=["gen_s", "env_s", "format_valid", "finished"])
     metrics.update(gen_s=float(pc.sum(turns["gen_s"]).as_py() or 0.0), env_s=float(pc.sum(turns["env_s"]).as_py() or 0.0))
@@ -80,24 +80,27 @@ def _shard_records(ctx: RunContext, policy: CheckpointRef, shard: Shard) -> list
     uses, which would copy this process's RUNTIME (model, optimizer, environments) into every shard."""
     cfg = ctx.cfg
     loaded, envs = RUNTIME.get(cfg, policy), RUNTIME.episodes(cfg)
-    return collect(envs, shard.tasks, cfg.rollout.group_size, loaded.engine, loaded.fmt, first_rollout_id=shard.first_rollout_id,
-                   first_group_id=shard.first_group_id, **RUNTIME.sampling(cfg, shard.seed))
+    settings = SamplingSettings.from_config(cfg, RUNTIME.suite(cfg), shard.seed)
+    return collect(envs, shard.tasks, cfg.rollout.group_size, loaded.engine, loaded.fmt, settings,
+                   first_rollout_id=shard.first_rollout_id, first_group_id=shard.first_group_id)
 
 
 def _play(ctx: RunContext, iteration: int, policy: CheckpointRef) -> list[EpisodeRecord]:
-    """K rollouts of the iteration's tasks, shard by shard; for APPO also the branches, planned over them and
-    played in one batch in this process."""
+    """K rollouts of the iteration's tasks, shard by shard; for a method that branches also the branches,
+    planned over them and played in one batch in this process."""
     cfg = ctx.cfg
     seed = derive_seed(cfg.seed, "collect", iteration)
     tasks = sample_tasks(RUNTIME.task_pool(cfg, "train", cfg.env.train_pool), cfg.rollout.tasks_per_iteration, cfg.seed, iteration)
     shards = split_shards(tasks, cfg.rollout.shards, cfg.rollout.group_size, seed)
     records = [r for part in _play_shards(ctx, policy, shards) for r in part]
-    if cfg.method == "appo":
-        loaded, envs, sampling = RUNTIME.get(cfg, policy), RUNTIME.episodes(cfg), RUNTIME.sampling(cfg, seed)
+    branching = cfg.branching()
+    if branching is not None:
+        loaded, envs = RUNTIME.get(cfg, policy), RUNTIME.episodes(cfg)
         budget = cfg.rollout.branch_budget or cfg.rollout.group_size
-        starts, _, stats = plan_branches(records, budget, BranchingParams(), loaded.tokenizer)
-        records += collect_branches(envs, starts, loaded.engine, loaded.fmt, first_rollout_id=len(records), **sampling)
-        log_stage(ctx, "collect/appo", stats, iteration)
+        starts, _, stats = plan_branches(records, budget, branching, loaded.tokenizer)
+        settings = SamplingSettings.from_config(cfg, RUNTIME.suite(cfg), seed)
+        records += collect_branches(envs, starts, loaded.engine, loaded.fmt, settings, first_rollout_id=len(records))
+        log_stage(ctx, f"collect/{cfg.method}", stats, iteration)
     return records
 
 

@@ -9,7 +9,8 @@ from horizonrl import faults
 from horizonrl.checkpoint import CheckpointRef
 from horizonrl.evaluation import episode_metrics, sample_episodes
 from horizonrl.store import episodes_table
-from horizonrl.rollout import EpisodeRecord, collect
+from horizonrl.records import EpisodeRecord
+from horizonrl.rollout import SamplingSettings, collect
 from horizonrl.seeding import derive_seed
 from horizonrl.tracking import log_table
 from tasks.context import RUNTIME, RunContext
@@ -20,7 +21,8 @@ def play(ctx: RunContext, policy: CheckpointRef, samples: int, greedy: bool, see
     cfg = ctx.cfg
     loaded = RUNTIME.get(cfg, policy)
     tasks = RUNTIME.task_pool(cfg, cfg.eval.split, cfg.eval.n_tasks)
-    return collect(RUNTIME.episodes(cfg), tasks, samples, loaded.engine, loaded.fmt, greedy=greedy, **RUNTIME.sampling(cfg, seed))
+    settings = SamplingSettings.from_config(cfg, RUNTIME.suite(cfg), seed, greedy)
+    return collect(RUNTIME.episodes(cfg), tasks, samples, loaded.engine, loaded.fmt, settings)
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=1, cache_policy=NONE)

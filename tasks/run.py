@@ -13,7 +13,7 @@ from prefect.client.schemas.objects import FlowRun, State
 from horizonrl import tracking
 from horizonrl.store import remove_stale_temporaries
 from horizonrl.checkpoint import CheckpointRef, latest_checkpoint, read_state, save_checkpoint
-from horizonrl.config import TrainConfig, train_config
+from horizonrl.config import CONFIG_FILE, TrainConfig, train_config
 from horizonrl.models import load_policy
 from tasks.context import RUNTIME, RunContext
 from tasks.tracking import log_stage
@@ -43,7 +43,8 @@ def start_run(cfg: TrainConfig) -> RunStart:
         resumed = False
     if not resumed:
         tracking.log_params(c, run_id, cfg.flat())
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=True))
+    (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=True))
+    c.log_artifact(run_id, str(run_dir / CONFIG_FILE))  # the run's config as it ran: the evaluate flow reloads it
     ctx = RunContext(cfg, str(run_dir), uri, run_id)
     policy = latest_checkpoint(run_dir)
     if policy is None:

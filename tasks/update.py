@@ -23,15 +23,6 @@ class TooManyNonFiniteSteps(RuntimeError):
     """Raised when more optimizer steps than ``update.max_nan_skips`` had a non-finite loss or gradient."""
 
 
-def settings(ctx: RunContext, pad_id: int) -> UpdateSettings:
-    cfg = ctx.cfg
-    loss_name, loss_params = cfg.loss_spec()
-    return UpdateSettings(
-        loss_name, loss_params, cfg.epochs, cfg.update.minibatch_size, cfg.preset.uses_fixed_row_divisor,
-        cfg.update.grad_clip, cfg.update.high_kl_threshold, cfg.rollout.temperature, cfg.update.micro_batch_tokens, pad_id,
-    )
-
-
 @task(name="update", cache_policy=NONE)
 def update(ctx: RunContext, iteration: int, rollouts: RolloutRef, adv: AdvantageRef, policy: CheckpointRef, elapsed_s: float) -> CheckpointRef:
     """Not retried: a half-applied update lives only in memory, so on failure the holder is dropped and
@@ -40,8 +31,8 @@ def update(ctx: RunContext, iteration: int, rollouts: RolloutRef, adv: Advantage
     loaded = RUNTIME.get(cfg, policy)
     try:
         rows = attach_advantages(train_rows(store.read_table(rollouts.turns, "turns"), cfg.rollout.context), store.read_table(adv.table, "advantages"))
-        s = settings(ctx, loaded.tokenizer.pad_token_id)
-        ref_model = RUNTIME.reference(cfg, ctx.path) if getattr(s.loss_params, "kl_coef", 0.0) > 0 else None
+        s = UpdateSettings.from_config(cfg, loaded.tokenizer.pad_token_id)
+        ref_model = RUNTIME.reference(cfg, ctx.path) if s.needs_reference else None
         with faults.nan_gradients(loaded.model, iteration):
             result = ppo_update(loaded.model, loaded.optimizer, rows, s, derive_seed(cfg.seed, "update", iteration), ref_model) if rows else None
         faults.kill_point("update", iteration)

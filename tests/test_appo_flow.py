@@ -8,9 +8,9 @@ from mlflow import MlflowClient
 
 from flowkit import run_of, steps, tiny_config
 from horizonrl import store
-from horizonrl.branching import plan_branches
+from horizonrl.branching import BranchStart, collect_branches, plan_branches
 from horizonrl.envs.household import HouseholdSuite
-from horizonrl.rollout import BranchStart, collect, collect_branches
+from horizonrl.rollout import SamplingSettings, collect
 from methods.appo import BranchingParams
 
 
@@ -22,12 +22,12 @@ def _flat_tokens(ep) -> list[int]:
 def test_branch_replays_its_source_up_to_the_split(tiny_policy, context):
     model, tokenizer, fmt, engine = tiny_policy
     suite = HouseholdSuite(0)
-    sampling = dict(action_mode="admissible", context=context, history_turns=2, max_turns=5, max_action_tokens=24, temperature=1.0, seed=11)
-    initial = collect(suite, suite.tasks("train", "easy", 2), 3, engine, fmt, **sampling)
+    sampling = SamplingSettings(action_mode="admissible", context=context, history_turns=2, max_turns=5, max_action_tokens=24, temperature=1.0, seed=11)
+    initial = collect(suite, suite.tasks("train", "easy", 2), 3, engine, fmt, sampling)
     starts, scores, stats = plan_branches(initial, 3, BranchingParams(), tokenizer)
     assert len(starts) == 6 and stats["branches_per_group"] == 3.0
     assert stats["omega_fallback_fraction"] == 1.0, "sampler and scorer are one policy: Omega is constant"
-    branches = collect_branches(suite, starts, engine, fmt, first_rollout_id=100, **sampling)
+    branches = collect_branches(suite, starts, engine, fmt, sampling, first_rollout_id=100)
     for b, start in zip(branches, starts):
         parent = start.parent
         assert b.kind == "branch" and b.parent_rollout == parent.rollout_id and b.branch_token == start.split
@@ -42,8 +42,7 @@ def test_branch_replays_its_source_up_to_the_split(tiny_policy, context):
 def test_branch_split_is_never_the_last_token_of_an_action(tiny_policy):
     model, tokenizer, fmt, engine = tiny_policy
     suite = HouseholdSuite(0)
-    initial = collect(suite, suite.tasks("train", "easy", 3), 2, engine, fmt, action_mode="admissible", context="full", history_turns=2,
-                      max_turns=4, max_action_tokens=24, temperature=1.0, seed=5)
+    initial = collect(suite, suite.tasks("train", "easy", 3), 2, engine, fmt, SamplingSettings("admissible", "full", 2, 4, 24, 1.0, 5))
     starts, _, _ = plan_branches(initial, 4, BranchingParams(), tokenizer)
     for s in starts:
         ends, total = set(), 0
@@ -95,10 +94,10 @@ def _replay_on(suite, tmp_path, n_tasks: int, tier: str, max_turns: int) -> None
     model, tokenizer = load_policy(tiny_model_dir(tmp_path, suite.name, ModelConfig(tiny=tiny), suite.corpus(n_tasks=n_tasks)))
     fmt = ChatFormat.for_tokenizer(tokenizer)
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id])
-    sampling = dict(action_mode="admissible", context="full", history_turns=2, max_turns=max_turns, max_action_tokens=32, temperature=1.0, seed=2)
-    initial = collect(suite, suite.tasks("train", tier, n_tasks), 2, engine, fmt, **sampling)
+    sampling = SamplingSettings(action_mode="admissible", context="full", history_turns=2, max_turns=max_turns, max_action_tokens=32, temperature=1.0, seed=2)
+    initial = collect(suite, suite.tasks("train", tier, n_tasks), 2, engine, fmt, sampling)
     starts, _, _ = plan_branches(initial, 2, BranchingParams(), tokenizer)
-    branches = collect_branches(suite, starts, engine, fmt, first_rollout_id=10, **sampling)
+    branches = collect_branches(suite, starts, engine, fmt, sampling, first_rollout_id=10)
     assert len(branches) == 2 * n_tasks
     for b, start in zip(branches, starts):
         assert _flat_tokens(b)[: start.split + 1] == _flat_tokens(start.parent)[: start.split + 1]

@@ -21,7 +21,7 @@ import torch
 from horizonrl import store
 from horizonrl.engines.base import TokenTrie
 from horizonrl.prompting import ChatFormat
-from horizonrl.rollout import collect
+from horizonrl.rollout import SamplingSettings, collect
 from horizonrl.sequences import train_rows
 from horizonrl.trainer import policy_logprobs
 from test_sequences import RecordingEngine
@@ -104,8 +104,9 @@ def _play(chat_policy, suite, context: str, action_mode: str, fmt: ChatFormat | 
     """2 easy tasks x 2 rollouts, 3 turns, T = 0.7; returns (records, {(rollout_id, turn): (sequence, generation)})."""
     _, _, _, default_fmt, engine = chat_policy
     spy = RecordingEngine(engine)
-    records = collect(suite, suite.tasks("train", "easy", 2), 2, spy, fmt or default_fmt, action_mode=action_mode, context=context,
-                      history_turns=2, max_turns=3, max_action_tokens=12 if action_mode == "admissible" else 6, temperature=0.7, seed=seed)
+    settings = SamplingSettings(action_mode, context, history_turns=2, max_turns=3, max_action_tokens=12 if action_mode == "admissible" else 6,
+                                temperature=0.7, seed=seed)
+    records = collect(suite, suite.tasks("train", "easy", 2), 2, spy, fmt or default_fmt, settings)
     seen = {}
     for turn, call in enumerate(spy.calls):
         running = [r.rollout_id for r in records if len(r.turns) > turn]

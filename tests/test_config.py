@@ -1,5 +1,6 @@
-"""Config: every shipped YAML validates; every bad input is a ValueError naming the field or file;
-``--set`` overrides are parsed as YAML and coerced to the field's type."""
+"""Config: every shipped YAML validates, for every method; every bad input is a ValueError naming the
+field or file; ``--set`` overrides are parsed as YAML and coerced to the field's type; method presets
+and ``per_method`` sections say what the pipeline does for a method."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import pydantic
 import pytest
 import yaml
 
-from horizonrl.config import TrainConfig, load_config
+from flows.sweep import load_sweep
+from horizonrl.config import METHODS, TrainConfig, estimator_of, load_config
+from horizonrl.trainer import UpdateSettings
+from methods.appo import BranchingParams
 
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
 CONFIGS = sorted(p for p in CONFIG_DIR.rglob("*.y*ml") if "sweeps" not in p.relative_to(CONFIG_DIR).parts)  # train configs we ship (sweep files: test_sweep.py)
@@ -26,11 +30,29 @@ def test_every_shipped_yaml_validates_and_sets_only_what_it_says(path):
     raw = yaml.safe_load(path.read_text())
     dumped = cfg.model_dump()
     for section, value in raw.items():  # each value in the file reaches the config unchanged
-        if isinstance(value, dict) and section not in ("advantage_params", "loss_params"):
-            assert {k: dumped[section][k] for k in value} == value
-        else:
-            assert dumped[section] == value
+        assert _within({section: value}, dumped), section
     cfg.advantage_spec(), cfg.loss_spec()  # the method's params dataclasses accept the merged values
+
+
+def _within(given: dict, dumped: dict) -> bool:
+    """``given`` (from a file) is ``dumped`` (the validated config) up to the sections' unset defaults;
+    the free-form params dictionaries must match exactly."""
+    return all(k in dumped and (v == dumped[k] if k.endswith("_params") or not isinstance(v, dict) else _within(v, dumped[k]))
+               for k, v in given.items())
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.relative_to(CONFIG_DIR).as_posix())
+def test_every_method_validates_on_every_shipped_config(path, method):
+    """One base config serves a sweep over every method: its LOOP tuning sits in ``per_method.loop``."""
+    cfg = load_config(path, [f"method={method}"])
+    name, params = cfg.loss_spec()
+    preset = METHODS[method]
+    assert name == preset.loss and all(getattr(params, k) == v for k, v in preset.loss_params.items() if method != "loop" or k != "eps")
+    assert cfg.advantage_spec()[0] == preset.advantage
+    assert (cfg.branching() is not None) == preset.branches
+    if method == "loop":
+        assert params.eps == 0.2  # the file's LOOP tuning over the preset's 0.1
 
 
 def test_main_config_values_and_derived_values():
@@ -63,6 +85,7 @@ def _write(tmp_path: Path, text: str) -> Path:
     ("loss_params.clipping=0.3", ["loss_params.clipping is not a field of PPOLossParams"]),
     ("loss_params.aggregation=sum", ["loss_params", "PPOLossParams.aggregation is invalid: 'sum'"]),
     ("env.name=minecraft", ["env.name = 'minecraft' is unknown"]),
+    ("per_method.appo.loss_params.eps=0.2", ["per_method.appo.loss_params.eps is not a field of FutureKLParams"]),
 ])
 def test_bad_values_name_the_field(override, names):
     with pytest.raises(ValueError) as err:
@@ -144,3 +167,79 @@ def test_saved_config_reloads_to_the_same_config(tmp_path):
 def test_config_is_frozen():
     with pytest.raises(pydantic.ValidationError):
         TrainConfig().update.lr = 1.0
+
+
+def test_per_method_sections_apply_only_to_their_method_and_top_level_wins(tmp_path):
+    base = _write(tmp_path, "per_method:\n  loop:\n    loss_params: {eps: 0.3}\n    advantage_params: {normalize_std: true}\n"
+                            "  appo:\n    loss_params: {weight_b: 0.5}\n    branching_params: {gamma: 0.9}\n")
+    loop = load_config(base)
+    assert loop.loss_spec()[1].eps == 0.3 and loop.advantage_spec()[1].normalize_std is True and loop.branching() is None
+    appo = load_config(base, ["method=appo"])
+    assert appo.loss_spec()[1].weight_b == 0.5 and appo.branching() == BranchingParams(gamma=0.9)
+    assert appo.loss_spec()[1].kl_coef == 0.001  # the preset's value under the section's
+    grpo = load_config(base, ["method=grpo"])
+    assert grpo.loss_spec()[1] == load_config(None, ["method=grpo"]).loss_spec()[1]  # LOOP's and APPO's sections do not reach it
+    assert load_config(base, ["loss_params.eps=0.25"]).loss_spec()[1].eps == 0.25  # top level (a grid key, --set) over the section
+
+
+@pytest.mark.parametrize("text,names", [
+    ("per_method:\n  appo:\n    loss_params: {eps: 0.2}\n", ["per_method.appo.loss_params.eps is not a field of FutureKLParams"]),
+    ("per_method:\n  ppo9:\n    loss_params: {eps: 0.2}\n", ["per_method.ppo9: unknown method"]),
+    ("per_method:\n  loop:\n    branching_params: {gamma: 0.9}\n", ["per_method.loop.branching_params: method 'loop' does not branch"]),
+    ("per_method:\n  loop:\n    clip: 0.2\n", ["per_method.loop.clip", "Extra inputs are not permitted"]),
+    ("branching_params: {gamma: 0.9}\n", ["branching_params: method 'loop' does not branch"]),
+    ("method: appo\nbranching_params: {gama: 0.9}\n", ["branching_params.gama is not a field of BranchingParams"]),
+    ("method: appo\nbranching_params: {omega_fallback: sometimes}\n", ["branching_params", "unknown omega_fallback 'sometimes'"]),
+])
+def test_bad_method_params_name_the_section_and_field(tmp_path, text, names):
+    """Every ``per_method`` section is checked whichever method runs, so a typo fails every cell of a sweep."""
+    with pytest.raises(ValueError) as err:
+        load_config(_write(tmp_path, text))
+    for name in names:
+        assert name in str(err.value)
+
+
+def test_appo_branching_params_come_from_the_config_file(tmp_path):
+    cfg = load_config(_write(tmp_path, "method: appo\nbranching_params:\n  gamma: 0.95\n  omega_fallback: none\n"))
+    assert cfg.branching() == BranchingParams(gamma=0.95, omega_fallback="none")
+    assert load_config(None, ["method=appo"]).branching() == BranchingParams()  # the paper's defaults
+
+
+def test_presets_say_what_the_update_needs():
+    """Reference model, row divisor and ratio level come from the preset's loss settings, never the name."""
+    pad = 0
+    loop = UpdateSettings.from_config(load_config(None, ["method=loop"]), pad)
+    assert (loop.needs_reference, loop.fixed_row_divisor, loop.loss_params.ratio_level, loop.epochs) == (False, True, "token", 2)
+    appo = UpdateSettings.from_config(load_config(None, ["method=appo"]), pad)
+    assert (appo.needs_reference, appo.fixed_row_divisor, appo.loss_params.ratio_level) == (True, False, "token")
+    assert UpdateSettings.from_config(load_config(None, ["method=grpo"]), pad).needs_reference
+    assert not UpdateSettings.from_config(load_config(None, ["method=grpo", "loss_params.kl_coef=0"]), pad).needs_reference
+    rpp = UpdateSettings.from_config(load_config(None, ["method=reinforce_pp_baseline"]), pad)
+    assert (rpp.loss_name, rpp.loss_params.kl_kind, rpp.loss_params.kl_coef, rpp.loss_params.aggregation) == ("ppo_clip", "mse", 0.001, "token-mean")
+    assert estimator_of("reinforce_pp_baseline") == "reinforce_pp_baseline" and estimator_of("loop") == "loo" and estimator_of("loo") == "loo"
+    with pytest.raises(ValueError, match=r"'ppo9' is neither a method \(appo, .*\) nor an estimator"):
+        estimator_of("ppo9")
+
+
+def _sweep(tmp_path: Path, grid: dict) -> list:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"name": "t", "base": str(CONFIG_DIR / "loop_household_easy.yaml"), "grid": grid}))
+    return load_sweep(path)[1]
+
+
+def test_loop_ablations_are_grid_keys_on_the_main_config(tmp_path):
+    """LOOP's ablations (ratio per token / turn / trajectory; advantage with and without std
+    normalisation) as a sweep grid over the base config, reaching the loss, the estimator and the update."""
+    cells = _sweep(tmp_path, {"loss_params.ratio_level": ["token", "turn", "trajectory"], "advantage_params.normalize_std": [False, True]})
+    got = {(c.config.loss_spec()[1].ratio_level, c.config.advantage_spec()[1].normalize_std) for c in cells}
+    assert got == {(r, n) for r in ("token", "turn", "trajectory") for n in (False, True)}
+    assert {UpdateSettings.from_config(c.config, 0).loss_params.ratio_level for c in cells} == {"token", "turn", "trajectory"}
+    assert all(c.config.loss_spec()[1].eps == 0.2 for c in cells)  # the base's LOOP tuning stays
+
+
+def test_one_base_config_sweeps_every_method(tmp_path):
+    """A grid over every method on the main config, with a LOOP-only grid key under ``per_method``."""
+    cells = _sweep(tmp_path, {"method": sorted(METHODS), "per_method.loop.loss_params.ratio_level": ["token", "turn"]})
+    assert {c.config.method for c in cells} == set(METHODS) and len(cells) == 2 * len(METHODS)
+    loop = {c.config.loss_spec()[1].ratio_level for c in cells if c.config.method == "loop"}
+    assert loop == {"token", "turn"}

@@ -15,7 +15,7 @@ import torch
 
 from horizonrl import store
 from horizonrl.engines.base import TokenTrie
-from horizonrl.rollout import collect
+from horizonrl.rollout import SamplingSettings, collect
 from horizonrl.sequences import train_rows
 from horizonrl.trainer import policy_logprobs
 
@@ -24,8 +24,7 @@ TOL = 1e-4
 
 def _collect(tiny_policy, suite, *, action_mode="admissible", context="window", max_turns=4, temperature=1.0, max_action_tokens=12, seed=0):
     _, _, fmt, engine = tiny_policy
-    return collect(suite, suite.tasks("train", "easy", 2), 2, engine, fmt, action_mode=action_mode, context=context,
-                   history_turns=2, max_turns=max_turns, max_action_tokens=max_action_tokens, temperature=temperature, seed=seed)
+    return collect(suite, suite.tasks("train", "easy", 2), 2, engine, fmt, SamplingSettings(action_mode, context, 2, max_turns, max_action_tokens, temperature, seed))
 
 
 def _prompts(tiny_policy, suite, n: int = 3) -> tuple[list[list[int]], list[list[str]]]:

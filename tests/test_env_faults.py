@@ -24,14 +24,14 @@ from horizonrl import store
 from horizonrl.envs import SUITES
 from horizonrl.envs.pool import EnvPool
 from horizonrl.evaluation import episode_metrics
-from horizonrl.rollout import collect
+from horizonrl.rollout import SamplingSettings, collect
 
 REASONS = {"raise": "ValueError: injected", "garbage": "step returned NoneType", "crash": "worker process died", "hang": "no answer within 2 s"}
 
 
-def _sampling(**kw):
-    return dict(action_mode="admissible", context="window", history_turns=2, max_turns=3, max_action_tokens=12,
-                temperature=1.0, seed=5) | kw
+def _sampling(**kw) -> SamplingSettings:
+    return SamplingSettings(**dict(action_mode="admissible", context="window", history_turns=2, max_turns=3, max_action_tokens=12,
+                                   temperature=1.0, seed=5) | kw)
 
 
 def _without_timings(table):
@@ -42,9 +42,9 @@ def _without_timings(table):
 def test_pool_and_in_process_play_identical_rollouts(tiny_policy, household_suite, context):
     _, _, fmt, engine = tiny_policy
     tasks = household_suite.tasks("train", "easy", 3)
-    local = collect(household_suite, tasks, 2, engine, fmt, **_sampling(context=context))
+    local = collect(household_suite, tasks, 2, engine, fmt, _sampling(context=context))
     with EnvPool("household", 0, n_workers=2) as pool:
-        pooled = collect(pool, tasks, 2, engine, fmt, **_sampling(context=context))
+        pooled = collect(pool, tasks, 2, engine, fmt, _sampling(context=context))
         pids = pool.pids
     assert _without_timings(store.turns_table(pooled)).equals(_without_timings(store.turns_table(local)))
     assert store.episodes_table(pooled, "r", 1, 0).equals(store.episodes_table(local, "r", 1, 0))
@@ -60,7 +60,7 @@ def test_environment_faults_end_their_episodes_and_the_batch_goes_on(tiny_policy
     tasks = household_suite.tasks("train", "easy", 5)
     start = time.monotonic()
     with EnvPool(faulty_suite, 0, n_workers=2, step_timeout_s=2.0) as pool:
-        records = collect(pool, tasks, 2, engine, fmt, **_sampling())
+        records = collect(pool, tasks, 2, engine, fmt, _sampling())
         assert pool.restarts >= 2  # the crashed and the hung workers were replaced
     assert time.monotonic() - start < 60
     by_task = {t.index: [r for r in records if r.task == t] for t in tasks}
@@ -115,12 +115,12 @@ class NaNEngine:
 def test_engine_faults_are_recorded_not_trained_on(tiny_policy, household_suite):
     _, _, fmt, engine = tiny_policy
     tasks = household_suite.tasks("train", "easy", 2)
-    records = collect(household_suite, tasks, 2, NaNEngine(engine), fmt, **_sampling(max_turns=3))
+    records = collect(household_suite, tasks, 2, NaNEngine(engine), fmt, _sampling(max_turns=3))
     hit = next(r for r in records if r.status == "error")
     assert "non-finite log-prob" in hit.error and len(hit.turns) == 2  # ended before its action was played
     assert sum(r.status == "error" for r in records) == 1
     # over the token budget (free decoding, one token): recorded per turn as not format-valid; the episode goes on
-    cut = collect(household_suite, tasks, 2, engine, fmt, **_sampling(action_mode="free", max_action_tokens=1, max_turns=2))
+    cut = collect(household_suite, tasks, 2, engine, fmt, _sampling(action_mode="free", max_action_tokens=1, max_turns=2))
     assert all(not t.format_valid and not t.gen.finished for r in cut for t in r.turns)
     assert all(r.status in ("truncated", "done") and len(r.turns) == 2 for r in cut)
 

@@ -18,11 +18,10 @@ from horizonrl.engines.hf import TransformersEngine
 from horizonrl.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, initial_adapter_dir, trainable_state
 from horizonrl.models import load_policy
 from horizonrl.prompting import ChatFormat
-from horizonrl.rollout import collect
+from horizonrl.rollout import SamplingSettings, collect
 from horizonrl.sequences import train_rows
 from horizonrl.trainer import UpdateSettings, policy_logprobs, ppo_update
 
-import methods
 
 LORA = LoraConfig(rank=4, alpha=8.0)
 
@@ -40,8 +39,7 @@ def _rows(model, tokenizer, suite):
     """Rollouts sampled by the transformers engine from the LoRA-wrapped model (full context)."""
     fmt = ChatFormat.for_tokenizer(tokenizer)
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
-    records = collect(suite, suite.tasks("train", "easy", 2), 2, engine, fmt, action_mode="admissible", context="full",
-                      history_turns=2, max_turns=4, max_action_tokens=8, temperature=1.0, seed=0)
+    records = collect(suite, suite.tasks("train", "easy", 2), 2, engine, fmt, SamplingSettings("admissible", "full", 2, 4, 8, 1.0, 0))
     return [r for r in train_rows(store.turns_table(records), "full") if r.positions]
 
 
@@ -72,9 +70,8 @@ def test_lora_trains_adapters_only_lowers_the_loss_and_round_trips_exactly(tiny_
     assert losses[-1] < losses[0] - 0.05, losses
     for r in rows:
         r.adv = [1.0] * len(r.positions)
-    loss_name = "ppo_clip"
-    params = methods.LOSSES.get(loss_name).params_cls(clip_mode="asymmetric", eps_low=0.2, eps_high=0.2)
-    s = UpdateSettings(loss_name, params, 1, 4, False, 1.0, 1e9, 1.0, 16_384, tokenizer.pad_token_id)
+    cfg = load_config(None, ["method=rloo", "update.minibatch_size=4", "update.high_kl_threshold=1e9"])  # verl's clip, 1 epoch
+    s = UpdateSettings.from_config(cfg, tokenizer.pad_token_id)
     stats = ppo_update(model, optimizer, rows, s, seed=0).stats  # the real PPO step runs on the peft model
     assert stats["steps"] >= 1 and all(torch.isfinite(torch.tensor(v)) for v in stats.values())
 

@@ -23,7 +23,8 @@ from horizonrl import store
 from horizonrl.envs.batch import InProcess
 from horizonrl.envs.household import HouseholdEnv, HouseholdSuite
 from horizonrl.envs.pool import EnvPool
-from horizonrl.rollout import collect, collect_branches
+from horizonrl.branching import collect_branches
+from horizonrl.rollout import SamplingSettings, collect
 from horizonrl.seeding import derive_seed
 
 SEED = 5
@@ -31,9 +32,9 @@ STALL_TASK = 2  # the household task whose first step stalls (slot 2: half B, wo
 STALL_DIR = "HORIZONRL_TEST_STALL_DIR"  # where the stalled worker writes its pid
 
 
-def _sampling(**kw) -> dict:
-    return dict(action_mode="admissible", context="window", history_turns=2, max_turns=4, max_action_tokens=12,
-                temperature=1.0, seed=SEED) | kw
+def _sampling(**kw) -> SamplingSettings:
+    return SamplingSettings(**dict(action_mode="admissible", context="window", history_turns=2, max_turns=4, max_action_tokens=12,
+                                   temperature=1.0, seed=SEED) | kw)
 
 
 def _tables(records) -> tuple:
@@ -89,7 +90,7 @@ def test_schedule_is_lockstep_or_the_two_half_pipeline(tiny_policy, household_su
     tasks = household_suite.tasks("train", "easy", 5)
     log: list = []
     with _LoggedBatch(household_suite, log) as envs:
-        records = collect(envs, tasks, 1, _LoggedEngine(engine, log), fmt, **_sampling(), overlap=overlap)
+        records = collect(envs, tasks, 1, _LoggedEngine(engine, log), fmt, _sampling(overlap=overlap))
     turns = max(len(r.turns) for r in records)
     assert turns > 1
     if not overlap:  # every playing episode in each engine call, then its step
@@ -121,8 +122,8 @@ def test_overlap_off_is_the_default(tiny_policy, household_suite):
     _, _, fmt, engine = tiny_policy
     tasks = household_suite.tasks("train", "easy", 3)
     for context in ("window", "full"):
-        default = collect(household_suite, tasks, 2, engine, fmt, **_sampling(context=context))
-        off = collect(household_suite, tasks, 2, engine, fmt, **_sampling(context=context), overlap=False)
+        default = collect(household_suite, tasks, 2, engine, fmt, _sampling(context=context))
+        off = collect(household_suite, tasks, 2, engine, fmt, _sampling(context=context, overlap=False))
         assert _tables(off) == _tables(default)
 
 
@@ -130,8 +131,8 @@ def test_overlap_off_is_the_default(tiny_policy, household_suite):
 def test_overlap_records_match_between_in_process_and_pool(tiny_policy, household_suite, household_pool, context):
     _, _, fmt, engine = tiny_policy
     tasks = household_suite.tasks("train", "easy", 3)
-    local = collect(household_suite, tasks, 2, engine, fmt, **_sampling(context=context, max_turns=6), overlap=True)
-    pooled = collect(household_pool, tasks, 2, engine, fmt, **_sampling(context=context, max_turns=6), overlap=True)
+    local = collect(household_suite, tasks, 2, engine, fmt, _sampling(context=context, max_turns=6, overlap=True))
+    pooled = collect(household_pool, tasks, 2, engine, fmt, _sampling(context=context, max_turns=6, overlap=True))
     assert _tables(pooled) == _tables(local)
     assert all(r.status in ("won", "done", "truncated") for r in local) and max(len(r.turns) for r in local) > 1
 
@@ -141,11 +142,11 @@ def test_overlap_branches_replay_and_match_between_backends(tiny_policy, househo
     from methods.appo import BranchingParams
 
     _, tokenizer, fmt, engine = tiny_policy
-    sampling = _sampling(context="full", max_turns=5, max_action_tokens=24)
-    initial = collect(household_suite, household_suite.tasks("train", "easy", 2), 3, engine, fmt, **sampling, overlap=True)
+    sampling = _sampling(context="full", max_turns=5, max_action_tokens=24, overlap=True)
+    initial = collect(household_suite, household_suite.tasks("train", "easy", 2), 3, engine, fmt, sampling)
     starts, _, _ = plan_branches(initial, 3, BranchingParams(), tokenizer)
-    local = collect_branches(household_suite, starts, engine, fmt, first_rollout_id=100, **sampling, overlap=True)
-    pooled = collect_branches(household_pool, starts, engine, fmt, first_rollout_id=100, **sampling, overlap=True)
+    local = collect_branches(household_suite, starts, engine, fmt, sampling, first_rollout_id=100)
+    pooled = collect_branches(household_pool, starts, engine, fmt, sampling, first_rollout_id=100)
     assert _tables(pooled) == _tables(local)
     for b, start in zip(local, starts):
         flat, parent = [t for x in b.turns for t in x.gen.token_ids], [t for x in start.parent.turns for t in x.gen.token_ids]
@@ -177,10 +178,10 @@ def test_overlap_records_match_between_backends_on_textworld(textworld_policy):
     from horizonrl.envs.textworld_env import TextWorldSuite
 
     suite, tasks, fmt, engine = textworld_policy
-    sampling = _sampling(context="full", max_turns=6, max_action_tokens=32)
-    local = collect(suite, tasks, 2, engine, fmt, **sampling, overlap=True)
+    sampling = _sampling(context="full", max_turns=6, max_action_tokens=32, overlap=True)
+    local = collect(suite, tasks, 2, engine, fmt, sampling)
     with EnvPool(functools.partial(TextWorldSuite, suite.name, root=suite.root), 0, n_workers=2) as pool:
-        pooled = collect(pool, tasks, 2, engine, fmt, **sampling, overlap=True)
+        pooled = collect(pool, tasks, 2, engine, fmt, sampling)
     assert _tables(pooled) == _tables(local)
     assert all(r.status != "error" for r in local) and max(len(r.turns) for r in local) > 1
 
@@ -232,7 +233,7 @@ def test_a_worker_killed_mid_step_ends_only_its_episode(tiny_policy, household_s
     _, _, fmt, engine = tiny_policy
     tasks = household_suite.tasks("train", "easy", 4)
     assert [t.index for t in tasks] == [0, 1, 2, 3]
-    reference = collect(stalling_suite(0), tasks, 1, engine, fmt, **_sampling(), overlap=True)  # raises in place of the stall
+    reference = collect(stalling_suite(0), tasks, 1, engine, fmt, _sampling(overlap=True))  # raises in place of the stall
     monkeypatch.setenv(STALL_DIR, str(tmp_path))
     killed: list[int] = []
     with EnvPool(stalling_suite, 0, n_workers=2) as pool:
@@ -240,7 +241,7 @@ def test_a_worker_killed_mid_step_ends_only_its_episode(tiny_policy, household_s
         killer = threading.Thread(target=_kill_when_stalled, args=(tmp_path / "stalled", killed))
         killer.start()
         start = time.monotonic()
-        records = collect(pool, tasks, 1, engine, fmt, **_sampling(), overlap=True)
+        records = collect(pool, tasks, 1, engine, fmt, _sampling(overlap=True))
         killer.join()
         assert time.monotonic() - start < 50  # well inside the 60 s step timeout: the kill, not the timeout, ended it
         assert killed == [pids[0]] and pool.restarts == 1 and killed[0] not in pool.pids
@@ -295,15 +296,14 @@ def test_an_engine_error_leaves_no_step_in_flight(tiny_policy, household_suite, 
     _, _, fmt, engine = tiny_policy
     tasks = household_suite.tasks("train", "easy", 2)
     with pytest.raises(RuntimeError, match="engine down"):
-        collect(household_pool, tasks, 2, _FailingEngine(engine), fmt, **_sampling(), overlap=True)
-    retried = collect(household_pool, tasks, 2, engine, fmt, **_sampling(), overlap=True)  # as a task retry would
-    assert _tables(retried) == _tables(collect(household_suite, tasks, 2, engine, fmt, **_sampling(), overlap=True))
+        collect(household_pool, tasks, 2, _FailingEngine(engine), fmt, _sampling(overlap=True))
+    retried = collect(household_pool, tasks, 2, engine, fmt, _sampling(overlap=True))  # as a task retry would
+    assert _tables(retried) == _tables(collect(household_suite, tasks, 2, engine, fmt, _sampling(overlap=True)))
 
 
 def test_config_turns_overlap_on_for_collect():
     from horizonrl.config import TrainConfig
-    from horizonrl.runtime import PolicyRuntime
 
     assert TrainConfig().rollout.overlap is False
     cfg = TrainConfig(env={"max_turns": 4}, rollout={"overlap": True})
-    assert PolicyRuntime().sampling(cfg, 0)["overlap"] is True  # the keywords collect and collect_branches get
+    assert SamplingSettings.from_config(cfg, HouseholdSuite(0), 0).overlap is True  # what collect and collect_branches get

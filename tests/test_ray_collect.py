@@ -4,6 +4,8 @@ task runner, and the cluster leaves no process behind."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import os
 import time
 from pathlib import Path
@@ -13,9 +15,9 @@ from flowkit import tiny_config
 
 from horizonrl import store
 from horizonrl.config import TrainConfig
-from horizonrl.rollout import collect, split_shards
+from horizonrl.rollout import SamplingSettings, collect, split_shards
 
-SAMPLING = dict(action_mode="admissible", context="window", history_turns=2, max_turns=3, max_action_tokens=12, temperature=1.0)
+SAMPLING = SamplingSettings(action_mode="admissible", context="window", history_turns=2, max_turns=3, max_action_tokens=12, temperature=1.0, seed=5)
 
 
 def _without_timings(table):
@@ -36,14 +38,14 @@ def test_shards_are_contiguous_blocks_numbered_as_one_collect(household_suite):
 def test_one_shard_is_the_unsharded_collect_and_shards_join_in_order(tiny_policy, household_suite):
     _, _, fmt, engine = tiny_policy
     tasks = household_suite.tasks("train", "easy", 3)
-    whole = collect(household_suite, tasks, 2, engine, fmt, seed=5, **SAMPLING)
+    whole = collect(household_suite, tasks, 2, engine, fmt, SAMPLING)
     (one,) = split_shards(tasks, 1, 2, seed=5)
-    single = collect(household_suite, one.tasks, 2, engine, fmt, seed=one.seed, first_rollout_id=one.first_rollout_id,
-                     first_group_id=one.first_group_id, **SAMPLING)
+    single = collect(household_suite, one.tasks, 2, engine, fmt, replace(SAMPLING, seed=one.seed), first_rollout_id=one.first_rollout_id,
+                     first_group_id=one.first_group_id)
     assert _without_timings(store.turns_table(single)).equals(_without_timings(store.turns_table(whole)))
     joined = [r for s in split_shards(tasks, 2, 2, seed=5)
-              for r in collect(household_suite, s.tasks, 2, engine, fmt, seed=s.seed, first_rollout_id=s.first_rollout_id,
-                               first_group_id=s.first_group_id, **SAMPLING)]
+              for r in collect(household_suite, s.tasks, 2, engine, fmt, replace(SAMPLING, seed=s.seed), first_rollout_id=s.first_rollout_id,
+                               first_group_id=s.first_group_id)]
     assert [(r.rollout_id, r.group_id, r.task) for r in joined] == [(r.rollout_id, r.group_id, r.task) for r in whole]
 
 

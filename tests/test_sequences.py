@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 
 from horizonrl import store
-from horizonrl.rollout import collect
+from horizonrl.rollout import SamplingSettings, collect
 from horizonrl.sequences import TrainRow, attach_advantages, step_batch, train_rows
 from horizonrl.store import ADVANTAGES
 
@@ -53,10 +53,8 @@ def _play(tiny_policy, household_suite, context: str, action_mode: str, max_acti
     """2 easy tasks x 2 rollouts, 4 turns; returns (records, {(rollout_id, turn): (prompt, generation)})."""
     _, _, fmt, engine = tiny_policy
     spy = RecordingEngine(engine)
-    records = collect(
-        household_suite, household_suite.tasks("train", "easy", 2), 2, spy, fmt, action_mode=action_mode,
-        context=context, history_turns=2, max_turns=4, max_action_tokens=max_action_tokens, temperature=1.0, seed=5,
-    )
+    settings = SamplingSettings(action_mode, context, history_turns=2, max_turns=4, max_action_tokens=max_action_tokens, temperature=1.0, seed=5)
+    records = collect(household_suite, household_suite.tasks("train", "easy", 2), 2, spy, fmt, settings)
     seen = {}
     for turn, call in enumerate(spy.calls):
         # the episodes still running at this turn, in rollout order (the order collect batches them)

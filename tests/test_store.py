@@ -12,7 +12,7 @@ import pytest
 from horizonrl import store
 from horizonrl.engines.base import Generation
 from horizonrl.envs.base import Task
-from horizonrl.rollout import EpisodeRecord, TurnRecord
+from horizonrl.records import EpisodeRecord, TurnRecord
 from horizonrl.store import ADVANTAGES, EPISODES, TURNS, StoreError, read_table, write_table
 
 TASK = Task("household", "train", "easy", 7, 2**62 + 3, "pick_and_place")
@@ -184,3 +184,20 @@ def test_reading_an_unknown_column_names_it(tmp_path):
     write_table(store.episodes_table(_records(), "run-a", 3, 2), path, "episodes")
     with pytest.raises(StoreError, match=re.escape(f"{path}: the 'episodes' table has no column nope")):
         read_table(path, "episodes", columns=["won", "nope"])
+
+
+def test_advantages_table_stores_each_trajectorys_tokens_once_on_its_first_row():
+    """Per-token advantages (APPO): one list per trajectory, all its turns, on its first row; a first row
+    without tokens of its own still opens its trajectory's list."""
+    import numpy as np
+
+    rid, turn = np.array([7, 7, 9, 4, 4, 4]), np.array([0, 1, 0, 0, 1, 2])
+    n_tokens = np.array([2, 1, 3, 0, 2, 1])  # (N,); M = 9
+    t = store.advantages_table(rid, turn, np.arange(6.0), np.array([True] * 5 + [False]), np.arange(9.0), n_tokens)
+    assert t.schema.equals(ADVANTAGES)
+    assert t["adv_tokens"].to_pylist() == [[0.0, 1.0, 2.0], None, [3.0, 4.0, 5.0], [6.0, 7.0, 8.0], None, None]
+    assert t["turn"].to_pylist() == [0, 1, 0, 0, 1, 2] and t["keep"].to_pylist()[-1] is False
+    plain = store.advantages_table(rid, turn, np.arange(6.0), np.ones(6, dtype=bool))
+    assert plain["adv_tokens"].null_count == 6
+    empty = np.array([], dtype=np.int64)
+    assert store.advantages_table(empty, empty, np.array([]), np.array([], dtype=bool), np.array([]), empty).num_rows == 0

@@ -13,7 +13,7 @@ import yaml
 from mlflow import MlflowClient
 
 from flowkit import tiny_config
-from flows.evaluate import config_from_params
+from flows.evaluate import config_of_run
 from flows.sweep import SWEEP_TAG, artifact_key, finished, load_sweep, sweep
 from horizonrl import tracking
 from horizonrl.config import TrainConfig
@@ -88,12 +88,16 @@ def test_finished_means_run_finished_after_all_iterations(tmp_path, tracking_uri
     assert finished(c, cell)
 
 
-def test_config_rebuilt_from_mlflow_params(tmp_path, tracking_uri):
-    cfg = TrainConfig.model_validate({**tiny_config(tmp_path, tracking_uri), "loss_params": {"eps": 2e-5, "ratio_level": "turn"}, "time_budget_s": 30})
+def test_config_of_run_reads_the_config_the_run_logged(tmp_path, tracking_uri):
+    """The evaluate flow's source config is the run's ``config.yaml`` artifact, as ``start_run`` logs it."""
+    cfg = TrainConfig.model_validate({**tiny_config(tmp_path, tracking_uri), "per_method": {"loop": {"loss_params": {"eps": 2e-5, "ratio_level": "turn"}}}, "time_budget_s": 30})
     c = MlflowClient(tracking_uri)
     run_id, _ = tracking.find_or_create_run(c, "test", "params", {})
-    tracking.log_params(c, run_id, cfg.flat())
-    assert config_from_params(c.get_run(run_id).data.params) == cfg
+    with pytest.raises(ValueError, match=f"run {run_id} has no config.yaml artifact"):
+        config_of_run(c, run_id)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=True))
+    c.log_artifact(run_id, str(tmp_path / "config.yaml"))
+    assert config_of_run(c, run_id) == cfg
 
 
 def test_artifact_keys_are_prefect_safe():

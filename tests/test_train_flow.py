@@ -39,6 +39,10 @@ def test_train_flow_logs_every_stage(prefect_harness, tmp_path, tracking_uri):
     assert {"iter=1/turns", "iter=1/episodes", "iter=2/advantages-loop"} <= inputs
     artifacts = {a.path for a in c.list_artifacts(run.info.run_id, "episodes")}
     assert "episodes/eval_iter_00002.json" in artifacts
+    from flows.evaluate import config_of_run
+    from horizonrl.config import TrainConfig
+
+    assert config_of_run(c, run.info.run_id) == TrainConfig.model_validate(tiny_config(tmp_path, tracking_uri))  # what `evaluate` reloads
     assert run.info.status == "FINISHED"
     import mlflow
 
