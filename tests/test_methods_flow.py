@@ -1,4 +1,5 @@
-"""GiGPO and BLPO through the real train flow; BLPO memory as state; recomputing advantages offline."""
+"""GiGPO, BLPO, REINFORCE++-baseline and APPO's branching settings from the config through the real train
+flow; BLPO memory as state; recomputing advantages offline through the train flow's own write path."""
 
 from __future__ import annotations
 
@@ -75,3 +76,35 @@ def test_recompute_other_method_over_stored_rollouts(prefect_harness, tmp_path, 
         assert table.num_rows == turns.num_rows
     after = {str(p.relative_to(run_dir)): store.file_digest(p) for p in run_dir.glob("iter=*/*.parquet") if "gigpo" not in p.name}
     assert after == before, "recomputing must not touch the original rollouts or advantages"
+
+
+def test_reinforce_pp_baseline_trains_and_recompute_writes_the_same_table(prefect_harness, tmp_path, tracking_uri):
+    """REINFORCE++-baseline is a method (``method=``), with its KL term to the reference policy; recomputing
+    it over the stored rollouts goes through the same write path and gives the same file, byte for byte."""
+    from flows.recompute import recompute_advantages
+    from flows.train import train
+
+    train(config=method_config(tmp_path, tracking_uri, "reinforce_pp_baseline", "rpp", 1))
+    c = MlflowClient(tracking_uri)
+    run = run_of(c, "rpp")
+    assert steps(c, run.info.run_id, "update/steps") == [1] and run.data.params["method"] == "reinforce_pp_baseline"
+    path = store.iteration_dir(tmp_path / "data", "test", "rpp", 1) / "advantages-reinforce_pp_baseline.parquet"
+    trained = store.file_digest(path)
+    table = store.read_table(path, "advantages")
+    assert table.num_rows > 0 and all(table["keep"].to_pylist())  # no |A| filter by default (LOOP's drops equal-return groups)
+    assert recompute_advantages(str(tmp_path / "data" / "test" / "rpp"), "reinforce_pp_baseline") == {1: str(path)}
+    assert store.file_digest(path) == trained
+
+
+def test_appo_branching_params_from_the_config_reach_the_planner(prefect_harness, tmp_path, tracking_uri):
+    """``per_method.appo.branching_params`` set in the config: with ``omega_fallback: none`` a constant Omega
+    gives BS = 0, so no strict branch point and no fallback count (the default falls back on every rollout)."""
+    from flows.train import train
+
+    cfg = method_config(tmp_path, tracking_uri, "appo", "appo-none", 1)
+    cfg["per_method"] = {"appo": {"branching_params": {"omega_fallback": "none"}}}
+    train(config=cfg)
+    c = MlflowClient(tracking_uri)
+    metrics = run_of(c, "appo-none").data.metrics
+    assert metrics["collect/appo/omega_fallback_fraction"] == 0.0 and metrics["collect/appo/branch_strict"] == 0.0
+    assert metrics["collect/appo/branches_per_group"] == 3.0  # the budget (group_size) is still played
