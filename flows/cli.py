@@ -125,7 +125,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 def _stack(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from horizonrl import stack
+    import horizonrl_stack as stack
 
     s = stack.Stack(Path(args.home), Path(args.store), args.prefect_port, args.mlflow_port, args.pool,
                     database=args.database, postgres_port=args.postgres_port)

@@ -21,7 +21,7 @@ import pytest
 from mlflow import MlflowClient
 
 from flowkit import REPO, deployed_sweep, free_port, leftovers, prefect_cli
-from horizonrl import stack
+import horizonrl_stack as stack
 
 pytestmark = pytest.mark.slow
 SWEEP = "tiny-sweep"

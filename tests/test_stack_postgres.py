@@ -21,7 +21,8 @@ import pytest
 from mlflow import MlflowClient
 
 from flowkit import REPO, deployed_sweep, flat, free_port, leftovers, prefect_cli, run_of, steps, tiny_config
-from horizonrl import stack, store
+import horizonrl_stack as stack
+from horizonrl import store
 
 pytestmark = pytest.mark.slow
 SWEEP = "pg-sweep"

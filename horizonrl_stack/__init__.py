@@ -1,5 +1,6 @@
-"""The local stack on 127.0.0.1: ``prefect server``, a process work pool with one worker, and
-``mlflow server`` on the project's store (artifacts in ``<store>/artifacts``).
+"""The local stack on 127.0.0.1 (``horizonrl stack``): ``prefect server``, a process work pool with one
+worker, and ``mlflow server`` on the project's store (artifacts in ``<store>/artifacts``). Process
+supervision, not ML, so a package beside the library (``horizonrl/``), which never imports it.
 
 Two databases behind the servers (``Stack.database``):
 
