@@ -83,13 +83,6 @@ def initial_adapter_dir(data_dir: str | Path, base_dir: str | Path, cfg: LoraCon
     return out
 
 
-def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter tensors by name (what a LoRA checkpoint stores)."""
-    import peft
-
-    return peft.get_peft_model_state_dict(model)
-
-
 def log_adapter(tracking_uri: str, run_id: str, checkpoint: str | Path, iteration: int) -> None:
     """Log a checkpoint's adapter files to the MLflow run under ``adapters/iter=<n>/``."""
     from horizonrl.tracking import client

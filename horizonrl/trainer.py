@@ -28,6 +28,7 @@ import methods
 from horizonrl.engines.base import allowed_log_softmax
 from horizonrl.config import TrainConfig
 from horizonrl.sequences import TrainRow
+from methods.losses import trajectory_kl_estimate
 from methods.registry import LossParams
 
 
@@ -217,6 +218,7 @@ def _minibatch_step(model, optimizer, rows: list[TrainRow], old: list[list[float
     optimizer.zero_grad(set_to_none=True)
     out = {"loss": 0.0, "traj_kl": 0.0, "tokens": 0, "clip_frac": 0.0, "approx_kl": 0.0, "ratio_mean": 0.0, "entropy": 0.0}
     n_tok = sum(len(rows[i].positions) for u in mb for i in u)
+    kl_parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (U, P) log pi, log pi_old, mask per micro-batch
     for micro in _chunks(mb, rows, s.micro_batch_tokens):
         flat_rows = [i for u in micro for i in u]
         logp_flat, ent_flat = policy_logprobs(model, [rows[i] for i in flat_rows], s.temperature, s.pad_id, counts)
@@ -236,7 +238,7 @@ def _minibatch_step(model, optimizer, rows: list[TrainRow], old: list[list[float
         terms.loss.backward()
         w = float(mask.sum()) / max(n_tok, 1)
         out["loss"] += float(terms.loss.detach())
-        out["traj_kl"] -= float(((logp.detach() - old_lp) * mask).sum()) / len(mb)
+        kl_parts.append((logp.detach(), old_lp, mask))
         out["tokens"] += sum(rows[i].positions[-1] + 1 for i in flat_rows)
         out["clip_frac"] += terms.clip_frac * w
         out["approx_kl"] += terms.approx_kl * w
@@ -244,6 +246,7 @@ def _minibatch_step(model, optimizer, rows: list[TrainRow], old: list[list[float
         out["entropy"] += float((ent * mask).sum()) / max(n_tok, 1)
         for k, v in (terms.extra or {}).items():  # method-specific figures, e.g. APPO's mean_scale
             out[k] = out.get(k, 0.0) + float(v) * w
+    out["traj_kl"] = trajectory_kl_estimate(*(_stack_rows(part) for part in zip(*kl_parts)))
     if abs(out["traj_kl"]) > s.high_kl_threshold:
         optimizer.zero_grad(set_to_none=True)
         return {**out, "finite": True, "grad_norm": 0.0}
@@ -253,6 +256,12 @@ def _minibatch_step(model, optimizer, rows: list[TrainRow], old: list[list[float
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return {**out, "finite": finite, "grad_norm": grad_norm}
+
+
+def _stack_rows(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """(U_k, P_k) tensors of the micro-batches as one (sum U_k, max P_k), right-padded with zeros (False)."""
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
 
 
 def _loss_terms(params: LossParams, rows: list[TrainRow], mb: list[list[int]]) -> int:

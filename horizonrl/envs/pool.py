@@ -124,20 +124,6 @@ class EnvPool:
             out[slot] = value if ok else ("", 0.0, True, self._fail(slot, value))
         return out
 
-    def abstract_action_many(self, actions: Mapping[int, str]) -> dict[int, str]:
-        """``env.abstract_action`` of each slot's candidate action, without playing it."""
-        check_step_order("abstract_action_many", self._step is not None)
-        self._revive_idle()
-        live = {slot: a for slot, a in actions.items() if not self._episodes[slot].error}
-        results = self._dispatch("abstract", live, self.step_timeout_s)
-        out = {}
-        for slot in actions:
-            ok, value = results.get(slot, (False, self._episodes[slot].error))
-            out[slot] = value if ok else "OTHER"
-            if not ok:
-                self._fail(slot, value)
-        return out
-
     @property
     def pids(self) -> list[int]:
         return [w.process.pid for w in self._workers]
@@ -348,7 +334,6 @@ def _restore(env: Any, payload: tuple[Task, list[str]]) -> tuple[str, dict[str, 
 _OPS: dict[str, Callable[[Any, Any], Any]] = {
     "reset": reset_episode,
     "step": step_episode,
-    "abstract": lambda env, action: env.abstract_action(action),
     "restore": _restore,
 }
 

@@ -1,0 +1,157 @@
+"""The PPO update (horizonrl/trainer.py) on the tiny policy, on CPU, one piece at a time.
+
+Rows are built by hand (token ids drawn from the model's vocabulary, policy tokens in several turns with
+observation tokens between them), so each test controls lengths, turns and advantages exactly. A
+gradient is read by an optimizer that records it (no clipping takes effect: grad_clip 1e9).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+import methods
+from horizonrl.engines.base import allowed_log_softmax
+from horizonrl.models import load_policy
+from horizonrl.sequences import TrainRow
+from horizonrl.trainer import (
+    UpdateSettings,
+    _chunks,
+    _minibatch_step,
+    length_buckets,
+    policy_logprobs,
+    ppo_update,
+    recompute_old_logprobs,
+    trajectory_units,
+)
+
+LOOP = methods.LOSSES.get("ppo_clip").params_cls(clip_mode="loop", eps=0.1, aggregation="seq-mean-token-mean")
+TOKEN_MEAN = methods.LOSSES.get("ppo_clip").params_cls(clip_mode="asymmetric", aggregation="token-mean")
+
+
+def settings(pad_id: int, **overrides) -> UpdateSettings:
+    values = dict(loss_name="ppo_clip", loss_params=LOOP, epochs=1, minibatch_size=8, fixed_row_divisor=False,
+                  grad_clip=1e9, high_kl_threshold=1e9, temperature=1.0, micro_batch_tokens=1_000_000, pad_id=pad_id)
+    return UpdateSettings(**{**values, **overrides})
+
+
+def hand_rows(vocab: int, n: int, seed: int = 0) -> list[TrainRow]:
+    """``n`` full-context trajectories of 1-3 turns: a prompt, then per turn 2-5 policy tokens followed by
+    3-9 observation tokens; lengths spread from ~10 to ~50 so that length buckets split them."""
+    rng = random.Random(seed)
+    rows = []
+    for rid in range(n):
+        ids = [rng.randrange(4, vocab) for _ in range(rng.randint(3, 8))]
+        positions, turn_id = [], []
+        for turn in range(rng.randint(1, 3)):
+            for _ in range(rng.randint(2, 5)):
+                positions.append(len(ids))
+                turn_id.append(turn)
+                ids.append(rng.randrange(4, vocab))
+            ids += [rng.randrange(4, vocab) for _ in range(rng.randint(3, 9))]
+        adv = [(1.0 if rid % 2 else -0.5) + 0.1 * rid] * len(positions)
+        rows.append(TrainRow(rid, -1, ids, positions, [[] for _ in positions], [0.0] * len(positions), turn_id,
+                             list(range(len(positions))), adv))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_policy_dir):
+    torch.manual_seed(0)
+    model, tokenizer = load_policy(tiny_policy_dir)
+    rows = hand_rows(model.get_output_embeddings().weight.shape[0], 12)
+    s = settings(tokenizer.pad_token_id)
+    return model, rows, recompute_old_logprobs(model, rows, s), s
+
+
+class GradientRecorder(torch.optim.Optimizer):
+    """An optimizer whose step keeps a copy of every gradient (the clipped one the trainer steps with)
+    and leaves the weights alone; ``grads`` stays None when the trainer skips the step."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {})
+        self.grads: list[torch.Tensor] | None = None
+
+    def step(self, closure=None) -> None:
+        params = [p for group in self.param_groups for p in group["params"]]
+        self.grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
+
+
+def gradient(model: torch.nn.Module, rows, old, mb, s: UpdateSettings) -> tuple[list[torch.Tensor] | None, dict]:
+    """The gradient one ``_minibatch_step`` steps with (None: step skipped), and the step's figures."""
+    model.train()
+    recorder = GradientRecorder(model.parameters())
+    out = _minibatch_step(model, recorder, rows, old, mb, s, None, Counter())
+    return recorder.grads, out
+
+
+def assert_same(a: list[torch.Tensor], b: list[torch.Tensor], scale: float = 1.0) -> None:
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x * scale, y, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("loss_params", [LOOP, TOKEN_MEAN], ids=["seq-mean-token-mean", "token-mean"])
+def test_micro_batches_give_the_gradient_of_one_batch(setup, loss_params):
+    model, rows, old, s = setup
+    mb = trajectory_units(rows)[:8]
+    small = settings(s.pad_id, loss_params=loss_params, micro_batch_tokens=60)
+    assert len(_chunks(mb, rows, 60)) >= 3 and len(_chunks(mb, rows, s.micro_batch_tokens)) == 1
+    whole, out_whole = gradient(model, rows, old, mb, settings(s.pad_id, loss_params=loss_params))
+    split, out_split = gradient(model, rows, old, mb, small)
+    assert any(float(g.abs().max()) > 1e-4 for g in whole)  # a gradient worth comparing
+    assert_same(split, whole)
+    assert out_split["loss"] == pytest.approx(out_whole["loss"], rel=1e-5)
+    assert out_split["traj_kl"] == pytest.approx(out_whole["traj_kl"], abs=1e-5)
+
+
+def test_length_buckets_give_the_values_of_one_padded_batch(setup):
+    model, rows, _, s = setup
+    lengths = [r.positions[-1] + 1 for r in rows]
+    assert len(length_buckets(lengths)) >= 3  # the rows really run in several decoder batches
+    model.eval()
+    with torch.no_grad():
+        logp, entropy = policy_logprobs(model, rows, 0.7, s.pad_id)
+        width = max(lengths)  # reference: the whole model (head included) over one right-padded batch
+        ids = torch.full((len(rows), width), s.pad_id, dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids[b, : lengths[b]] = torch.tensor(r.input_ids[: lengths[b]])
+        logits = model(input_ids=ids).logits.float() / 0.7  # (B, L, V)
+        picked = torch.cat([logits[b, [p - 1 for p in r.positions]] for b, r in enumerate(rows)])  # (n, V)
+        ref_all = allowed_log_softmax(picked, [a for r in rows for a in r.allowed])
+        targets = torch.tensor([r.input_ids[p] for r in rows for p in r.positions])
+    torch.testing.assert_close(logp, ref_all.gather(1, targets[:, None]).squeeze(1), rtol=0, atol=2e-5)
+    torch.testing.assert_close(entropy, -(ref_all.exp() * ref_all).sum(-1), rtol=0, atol=2e-5)
+
+
+def test_kl_early_stop_fires_at_its_threshold(setup):
+    """pi_old shifted by c on every token: KL = -mean_j sum_t (log pi - log pi_old) = c * tokens / trajectories."""
+    model, rows, old, s = setup
+    mb = trajectory_units(rows)[:4]
+    c = 0.5
+    shifted = [[v + c for v in o] for o in old]
+    kl = c * sum(len(rows[i].positions) for u in mb for i in u) / len(mb)
+    below, out_below = gradient(model, rows, shifted, mb, settings(s.pad_id, high_kl_threshold=kl * 1.001))
+    above, out_above = gradient(model, rows, shifted, mb, settings(s.pad_id, high_kl_threshold=kl * 0.999))
+    assert out_below["traj_kl"] == pytest.approx(kl, rel=1e-4) and out_above["traj_kl"] == pytest.approx(kl, rel=1e-4)
+    assert below is not None and any(g.any() for g in below)  # under the threshold: the step is taken
+    assert above is None and out_above["grad_norm"] == 0.0  # over it: skipped
+
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = ppo_update(model, torch.optim.SGD(model.parameters(), lr=1.0), rows,
+                       settings(s.pad_id, high_kl_threshold=-1.0, minibatch_size=4, epochs=2), seed=0).stats
+    assert stats["kl_stop"] == 1.0 and stats["steps"] == 0  # |KL| > -1 on the first minibatch: the iteration ends
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+
+
+def test_loop_fixed_row_divisor_scales_a_short_minibatch(setup):
+    """LOOP divides by the minibatch size B = 8 even when only 3 trajectories are left (ALGORITHMS.md 1.5):
+    its gradient is 3/8 of the one divided by the 3 rows it has."""
+    model, rows, old, s = setup
+    mb = trajectory_units(rows)[:3]
+    fixed, _ = gradient(model, rows, old, mb, settings(s.pad_id, fixed_row_divisor=True))
+    free, _ = gradient(model, rows, old, mb, settings(s.pad_id, fixed_row_divisor=False))
+    assert any(float(g.abs().max()) > 1e-4 for g in free)
+    assert_same(fixed, free, scale=8 / 3)
