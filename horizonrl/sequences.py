@@ -103,6 +103,10 @@ def step_batch(episodes: pa.Table, turns: pa.Table, update_index: int) -> StepBa
 
     obs = np.asarray(cols["observation"], dtype=object)
     family = ep_col("family", object)
+    # full context: a later turn's prompt ids (the previous action's close + the observation) lie between
+    # two actions of the one response; window context: each turn is its own sequence
+    full = ep_col("context", object) == "full"
+    gap = [len(p) if f and t > 0 else 0 for p, f, t in zip(cols["prompt_ids"], full, cols["turn"])]
     return StepBatch(
         group_id=np.asarray(cols["group_id"], dtype=np.int64),
         traj_id=np.asarray(cols["rollout_id"], dtype=np.int64),
@@ -122,5 +126,6 @@ def step_batch(episodes: pa.Table, turns: pa.Table, update_index: int) -> StepBa
         kind=np.asarray([1 if k == "branch" else 0 for k in ep_col("kind", object)], dtype=np.int8),
         parent_traj=ep_col("parent_rollout", np.int64),
         branch_token=ep_col("branch_token", np.int64),
+        gap_tokens=np.asarray(gap, dtype=np.int64),
         extras={"branch_score": ep_col("branch_score", np.float64)},  # APPO's reward-scale factor M
     )

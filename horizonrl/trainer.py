@@ -6,7 +6,9 @@ The loss is computed per *unit*: a trajectory. In full context a trajectory is o
 it is several rows (one per turn) whose policy tokens are concatenated before the loss, so LOOP's
 "every trajectory weighs the same" and per-turn / per-trajectory ratios mean the same in both layouts.
 Log-probs are computed only at policy positions: the decoder's hidden states are gathered there before
-the output head, and in admissible mode renormalised over the allowed ids, exactly as sampled.
+the output head, and in admissible mode renormalised over the allowed ids, exactly as sampled. The loss
+also gets each policy token's response position (``response_positions``), so a discount over token
+distance (APPO's future KL) counts the observation tokens between two turns.
 
 Rows are run through the decoder in length buckets (sorted by length, each bucket padded by at most
 ``MAX_PAD`` of its positions): full-context trajectories of one iteration differ in length up to 2.5x,
@@ -122,6 +124,16 @@ def trajectory_units(rows: list[TrainRow]) -> list[list[int]]:
     return list(units.values())
 
 
+def response_positions(row: TrainRow) -> list[int]:
+    """Response position of each policy token of ``row``, (P,): what APPO's future-KL discount counts
+    (ALGORITHMS.md 3.7: every response position, observation tokens between turns included).
+
+    Full context (``turn == -1``): the token's index in the trajectory's one sequence. Window context:
+    a trajectory has no single sequence and each turn's observation is part of its own prompt (layout S),
+    so the index among the trajectory's action tokens."""
+    return row.positions if row.turn < 0 else row.flat_index
+
+
 def _chunks(units: list[list[int]], rows: list[TrainRow], max_tokens: int) -> list[list[list[int]]]:
     """Split a minibatch's units into micro-batches of about ``max_tokens`` tokens (units stay whole)."""
     out, cur, size = [], [], 0
@@ -230,11 +242,12 @@ def _minibatch_step(model, optimizer, rows: list[TrainRow], old: list[list[float
         old_lp = _unit_lists(micro, lambda i: old[i], torch.float32, logp.device)
         adv = _unit_lists(micro, lambda i: rows[i].adv, torch.float32, logp.device)
         turn_id = _unit_lists(micro, lambda i: rows[i].turn_id, torch.long, logp.device).masked_fill(~mask, -1)
+        positions = _unit_lists(micro, lambda i: response_positions(rows[i]), torch.long, logp.device)
         ref_lp = None
         if ref_model is not None:
             with torch.no_grad():
                 ref_lp, _ = _unit_tensors(local, sub, policy_logprobs(ref_model, sub, s.temperature, s.pad_id)[0])
-        terms = loss_fn(logp, old_lp, adv, mask, turn_id, s.loss_params, ref_logp=ref_lp, n_rows_div=row_div, n_tokens_div=n_terms)
+        terms = loss_fn(logp, old_lp, adv, mask, turn_id, s.loss_params, ref_logp=ref_lp, n_rows_div=row_div, n_tokens_div=n_terms, positions=positions)
         terms.loss.backward()
         w = float(mask.sum()) / max(n_tok, 1)
         out["loss"] += float(terms.loss.detach())

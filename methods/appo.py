@@ -162,8 +162,13 @@ def _candidate_pool(
     return tuple(np.concatenate(col) for col in zip(*parts))  # type: ignore[return-value]
 
 
-def reward_scale_M(split: int, bs_over_max: float, length: int, kappa: float = 0.9) -> np.ndarray:
-    """M_b[t] = 1 + (BS_b / max BS) κ^{s_b − t} for t ≤ s_b, else 1; all ones if BS/max ≤ 0 (§3.6).
+def reward_scale_M(
+    split: int, bs_over_max: float, length: int, kappa: float = 0.9, positions: np.ndarray | None = None
+) -> np.ndarray:
+    """M_b[t] = 1 + (BS_b / max BS) κ^{pos(s_b) − pos(t)} for t ≤ s_b, else 1; all ones if BS/max ≤ 0 (§3.6).
+
+    ``positions`` (length,) are the response positions of the parent's action tokens (observation tokens
+    between turns counted, as the released code's distance over the whole response); None: pos(t) = t.
 
     Returns:
         (length,) float64. Example: s = 3, BS/max = 0.5, κ = 0.9 → [1.3645, 1.405, 1.45, 1.5, 1, 1, …].
@@ -172,7 +177,8 @@ def reward_scale_M(split: int, bs_over_max: float, length: int, kappa: float = 0
     if bs_over_max <= 0:
         return M
     t = np.arange(min(split + 1, length))
-    M[t] = 1.0 + bs_over_max * kappa ** (split - t)
+    distance = split - t if positions is None else positions[split] - np.asarray(positions, np.int64)[t]
+    M[t] = 1.0 + bs_over_max * kappa**distance
     return M
 
 
@@ -249,11 +255,24 @@ def _branch_credit(lin: _Lineage, adv_hat: np.ndarray, n_flat: int) -> tuple[np.
     return credit_sum, credit_count
 
 
-def _mean_branch_M(lin: _Lineage, branch_score: np.ndarray, kappa: float, n_flat: int) -> np.ndarray:
+def _token_positions(batch: StepBatch, lin: _Lineage, n_flat: int) -> np.ndarray:
+    """Response position of each action token inside its trajectory, (M,): its index among the
+    trajectory's action tokens plus the ``gap_tokens`` (observations) of its row and the rows before."""
+    gap = np.zeros(len(batch), np.int64) if batch.gap_tokens is None else np.asarray(batch.gap_tokens, np.int64)
+    total = np.cumsum(gap)
+    row_gap = total - total[lin.first_row][lin.row_traj]  # (N,) gaps after the trajectory's first row
+    token_row = np.repeat(np.arange(len(batch)), batch.n_tokens.astype(np.int64))
+    token_traj = lin.row_traj[token_row]
+    return np.arange(n_flat) - lin.start[token_traj] + row_gap[token_row]
+
+
+def _mean_branch_M(lin: _Lineage, branch_score: np.ndarray, kappa: float, positions: np.ndarray) -> np.ndarray:
     """mean_b M_b[t] over each initial rollout's branches on the flat tokens (M,); 1 without branches (§3.6).
 
     ``branch_score`` is (J,) BS_b; the max is over all branches of the batch, as in the code.
+    ``positions`` (M,) are the tokens' response positions (``_token_positions``).
     """
+    n_flat = positions.size
     M_sum, M_count = np.zeros(n_flat), np.zeros(n_flat, dtype=np.int64)
     branches = np.flatnonzero(lin.is_branch)
     bs_max = float(branch_score[branches].max()) if branches.size else 0.0
@@ -261,7 +280,7 @@ def _mean_branch_M(lin: _Lineage, branch_score: np.ndarray, kappa: float, n_flat
         i = lin.parent[b]
         lo, hi = lin.start[i], lin.start[i] + lin.length[i]
         ratio = branch_score[b] / bs_max if bs_max > 0 else 0.0
-        M_sum[lo:hi] += reward_scale_M(int(lin.split[b]), ratio, int(lin.length[i]), kappa)
+        M_sum[lo:hi] += reward_scale_M(int(lin.split[b]), ratio, int(lin.length[i]), kappa, positions[lo:hi])
         M_count[lo:hi] += 1
     return np.where(M_count > 0, M_sum / np.maximum(M_count, 1), 1.0)
 
@@ -306,7 +325,8 @@ def appo_advantage(batch: StepBatch, params: APPOParams, state: object | None = 
     with population std, so a size-1 or all-equal group gives Â = 0 (§3.11). Initial rollout i, flat token
     t over its rows' action tokens in turn order: A_{i,t} = Â_i + mean_{b: parent=i, s_b ≥ t} Â_b.
     Branch rows get A = 0 and keep = False. M (§3.6) reads ``batch.extras["branch_score"]`` (N,) on
-    branch rows; without it M = 1.
+    branch rows; without it M = 1. Its discount κ^{s_b − t} counts response positions: the action tokens
+    and the ``gap_tokens`` (observations) between turns.
 
     Returns:
         AdvantageResult: adv_tokens (M,) in row order, adv (N,) per-row token mean (0 for rows without
@@ -318,7 +338,7 @@ def appo_advantage(batch: StepBatch, params: APPOParams, state: object | None = 
     M_bar = np.ones(n_flat)  # (M,) mean_b M_b[t]
     if (params.reward_scale_M or params.scale_token_advantages_by_M) and "branch_score" in batch.extras:
         branch_score = np.asarray(batch.extras["branch_score"], np.float64)[lin.first_row]
-        M_bar = _mean_branch_M(lin, branch_score, params.reward_scale_discount, n_flat)
+        M_bar = _mean_branch_M(lin, branch_score, params.reward_scale_discount, _token_positions(batch, lin, n_flat))
     R = _scaled_returns(batch, lin, M_bar) if params.reward_scale_M else batch.episode_return[lin.first_row]
     adv_hat = _group_zscore(np.asarray(R, np.float64), lin.key, params.eps, params.norm_by_std)  # (J,)
     credit_sum, credit_count = _branch_credit(lin, adv_hat, n_flat)

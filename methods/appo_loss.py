@@ -9,8 +9,9 @@ Every advantage is reweighted by a factor built from the discounted KL of the *f
     Ã_t = A_t (1 + b f_t),  then asymmetric clip + dual clip with Ã; rows with >1 dual-clipped
     negative token leave the mask.
 
-Distances k − t count every position of the padded row (tool tokens included, as in the released code);
-masked positions add nothing to the sum.
+Distances k − t count response positions, observation (tool) tokens between turns included, as in the
+released code, where the sum runs over the whole response: the caller passes each token's position
+(``positions``), since its (B, T) tensors hold policy tokens only. Masked entries add nothing to the sum.
 """
 
 from __future__ import annotations
@@ -64,12 +65,18 @@ class FutureKLParams:
         return 2.0 ** (-1.0 / self.decay_rate)
 
 
-def discounted_suffix_sum(x: torch.Tensor, gamma: float, chunk: int = 128) -> torch.Tensor:
-    """S_t = Σ_{k≥t} γ^{k−t} x_k along the last axis of ``x`` (B, T) → (B, T).
+def discounted_suffix_sum(
+    x: torch.Tensor, gamma: float, chunk: int = 128, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """S_t = Σ_{k≥t} γ^{pos_k − pos_t} x_k along the last axis of ``x`` (B, T) → (B, T).
 
-    Blocked scan: inside a block of C positions one (C, C) matmul with D[i, j] = γ^{j−i} (j ≥ i); then a
-    loop over the T/C blocks, last to first, adds γ^{C−i} · (S at the next block's first position) to
-    position i of each block. Only powers γ^0..γ^C appear, so nothing overflows or underflows badly.
+    ``positions`` (B, T), non-decreasing along each row, places entry t at position pos_t of a longer
+    sequence (a policy token among all response positions); None means pos_t = t. Distances are clamped
+    at 0, so padding after a row's last entry may carry any position as long as its x is 0.
+
+    Blocked scan: inside a block of C entries one (C, C) matmul with D[i, j] = γ^{pos_j − pos_i} (j ≥ i);
+    then a loop over the T/C blocks, last to first, adds γ^{pos_next − pos_i} · (S at the next block's
+    first entry) to entry i of each block. Every power has a non-negative exponent, so nothing overflows.
     """
     batch, length = x.shape
     if length == 0:
@@ -77,24 +84,38 @@ def discounted_suffix_sum(x: torch.Tensor, gamma: float, chunk: int = 128) -> to
     size = min(chunk, length)
     n_blocks = -(-length // size)
     padded = torch.nn.functional.pad(x, (0, n_blocks * size - length))  # (B, nC*C)
-    pos = torch.arange(size, device=x.device, dtype=x.dtype)
-    distance = pos.unsqueeze(0) - pos.unsqueeze(1)  # (C, C): j − i
-    decay = gamma ** distance.clamp(min=0) * (distance >= 0).to(x.dtype)  # D[i, j]
-    local = padded.reshape(batch, n_blocks, size) @ decay.t()  # (B, nC, C): sums inside each block
-    carry_weight = gamma ** (size - pos)  # (C,): γ^{C−i}
+    blocks_x = padded.reshape(batch, n_blocks, size)
+    if positions is None:  # one (C, C) matrix serves every block
+        pos = torch.arange(size, device=x.device, dtype=x.dtype)
+        distance = pos.unsqueeze(0) - pos.unsqueeze(1)  # (C, C): j − i
+        decay = gamma ** distance.clamp(min=0) * (distance >= 0).to(x.dtype)  # D[i, j]
+        local = blocks_x @ decay.t()  # (B, nC, C): sums inside each block
+        carry_weights = [gamma ** (size - pos)] * n_blocks  # γ^{C−i}, (C,)
+    else:
+        last = positions[:, -1:].expand(batch, n_blocks * size - length)
+        pos = torch.cat([positions, last], dim=1).to(x.dtype).reshape(batch, n_blocks, size)  # (B, nC, C)
+        distance = pos.unsqueeze(-2) - pos.unsqueeze(-1)  # (B, nC, C, C): [i, j] = pos_j − pos_i
+        upper = torch.ones(size, size, dtype=torch.bool, device=x.device).triu()
+        decay = torch.where(upper, gamma ** distance.clamp(min=0), torch.zeros_like(distance))
+        local = (decay @ blocks_x.unsqueeze(-1)).squeeze(-1)  # (B, nC, C)
+        carry_weights = [gamma ** (pos[:, b + 1, :1] - pos[:, b]).clamp(min=0) for b in range(n_blocks - 1)] + [None]
     blocks = [local[:, -1]]
     for block in range(n_blocks - 2, -1, -1):  # a loop over T/C blocks, not over T
-        blocks.append(local[:, block] + carry_weight * blocks[-1][:, :1])
+        blocks.append(local[:, block] + carry_weights[block] * blocks[-1][:, :1])
     return torch.stack(blocks[::-1], dim=1).reshape(batch, n_blocks * size)[:, :length]
 
 
-def future_kl(delta: torch.Tensor, mask: torch.Tensor, params: FutureKLParams) -> torch.Tensor:
-    """FutureKL_t = Σ_{k≥t} γ_f^{k−t} p_k m_k Δ_k with p_k = 1[Δ_k ≤ log c] (§3.7 steps 2–3).
+def future_kl(
+    delta: torch.Tensor, mask: torch.Tensor, params: FutureKLParams, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """FutureKL_t = Σ_{k≥t} γ_f^{pos_k − pos_t} p_k m_k Δ_k with p_k = 1[Δ_k ≤ log c] (§3.7 steps 2–3).
 
     Args:
         delta: (B, T) clamped log-ratio Δ (0 where the mask is 0).
         mask: (B, T) bool policy mask m.
         params: loss parameters (γ_f, c, block length).
+        positions: (B, T) response position of each entry, non-decreasing along a row; None: pos_t = t
+            (every response position is an entry).
 
     Returns:
         (B, T) FutureKL, detached, in at least float32.
@@ -102,7 +123,7 @@ def future_kl(delta: torch.Tensor, mask: torch.Tensor, params: FutureKLParams) -
     participation = delta <= math.log(params.clip_ratio_c)  # p_t: ratios above c do not accumulate
     kl_tok = torch.where(participation & mask, delta, torch.zeros_like(delta)).detach()  # f is detached
     work = kl_tok.to(torch.promote_types(kl_tok.dtype, torch.float32))  # bf16 powers of γ_f are too coarse
-    return discounted_suffix_sum(work, params.gamma_f, params.chunk)
+    return discounted_suffix_sum(work, params.gamma_f, params.chunk, positions)
 
 
 def influence_factor(
@@ -160,6 +181,7 @@ def appo_future_kl_loss(
     ref_logp: torch.Tensor | None = None,
     n_rows_div: float | None = None,
     n_tokens_div: float | None = None,
+    positions: torch.Tensor | None = None,
 ) -> LossTerms:
     """APPO future-KL policy loss (ALGORITHMS.md §3.7; ``core_algos.py::compute_policy_loss_future_kl``).
 
@@ -172,6 +194,8 @@ def appo_future_kl_loss(
         params: FutureKLParams.
         ref_logp: (B, T) reference log-probs, required when ``params.kl_coef > 0``.
         n_rows_div, n_tokens_div: minibatch divisors passed to ``aggregate``.
+        positions: (B, T) response position of each token (observation tokens between turns counted),
+            non-decreasing along a row; None when every response position is a column of the tensors.
 
     Returns:
         LossTerms; ``extra`` holds mean_scale (mean of 1 + b f over policy tokens), dual_clip_frac and
@@ -183,7 +207,7 @@ def appo_future_kl_loss(
     logp, old_logp, adv = (torch.where(mask, x, 0.0) for x in (logp, old_logp, adv))
     delta = (logp - old_logp).clamp(min=-20.0, max=20.0)  # Δ, (B, T); 0 off the mask
     ratio = torch.exp(delta)  # ρ
-    f = influence_factor(future_kl(delta, mask, params), adv, ratio, params)
+    f = influence_factor(future_kl(delta, mask, params, positions), adv, ratio, params)
     scale = 1.0 + params.weight_b * f
     loss_tok, clipped, dual_clipped = dual_clip_surrogate(adv * scale, ratio, params)  # with Ã = A (1 + b f)
     dual_clipped = dual_clipped & mask

@@ -135,6 +135,7 @@ def ppo_clip(
     ref_logp: torch.Tensor | None = None,
     n_rows_div: float | None = None,
     n_tokens_div: float | None = None,
+    positions: torch.Tensor | None = None,
 ) -> LossTerms:
     """Clipped PPO surrogate ℓ = −min(ρA, clip(ρ, lo, hi)A) + kl_coef·KL, aggregated (§0.2, §0.3, §1.5).
 
@@ -161,6 +162,7 @@ def ppo_clip(
         ref_logp: (B, T) float, log π_ref; required when ``params.kl_coef > 0``.
         n_rows_div: fixed row divisor (LOOP's minibatch size 32, §1.5).
         n_tokens_div: fixed term divisor for "token-mean" across micro-batches.
+        positions: (B, T) response positions of the tokens; unused here (the common loss signature).
 
     Returns:
         ``LossTerms``: loss () with grad; clip_frac, ratio_mean and extra["dual_clip_frac"] over the

@@ -7,11 +7,13 @@ Every advantage estimator has the signature::
 where ``P`` is the estimator's own frozen params dataclass (registered with it). A stateful estimator
 (BLPO) also registers ``load_state(json_dict, params)``; its state has ``to_json_dict()``. Every policy loss has::
 
-    fn(logp, old_logp, adv, mask, turn_id, params: P, *, ref_logp=None, n_rows_div=None, n_tokens_div=None) -> LossTerms
+    fn(logp, old_logp, adv, mask, turn_id, params: P, *, ref_logp=None, n_rows_div=None, n_tokens_div=None,
+       positions=None) -> LossTerms
 
-over padded (B, T) tensors (see ``methods/losses.py``); its params satisfy ``LossParams``, the part of them
-the trainer reads. A second registration under a taken name raises, and so does a params class that lacks
-an attribute its registry requires.
+over padded (B, T) tensors (see ``methods/losses.py``); ``positions`` are the tokens' response positions
+(observation tokens between turns counted), for losses that discount over distance (APPO). Its params
+satisfy ``LossParams``, the part of them the trainer reads. A second registration under a taken name
+raises, and so does a params class that lacks an attribute its registry requires.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -240,6 +241,27 @@ def test_scale_token_advantages_by_M():
     np.testing.assert_allclose(res, plain * np.concatenate([np.ones(8), m1, m2, np.ones(32)]), atol=1e-12)
 
 
+def test_reward_scale_M_counts_observation_tokens_between_turns():
+    """κ^{s_b − t} over response positions (§3.6 with §3.7's distances): init 0 has 3 action tokens, then
+    4 observation tokens, then 2 more, so its response positions are [0, 1, 2, 7, 8]. A branch split at
+    flat token 3 (position 7) with BS/max = 1, κ = 0.9: M = 1 + 0.9^(7 − pos) for t ≤ 3, so
+    [1 + 0.9^7, 1 + 0.9^6, 1 + 0.9^5, 2, 1] = [1.4782969, 1.531441, 1.59049, 2, 1] (flat tokens would give
+    1 + 0.9^3, 1 + 0.9^2, 1 + 0.9 for the first three)."""
+    trajs = [dict(id=0, group=0, kind=0, R=1.0, tokens=5), dict(id=1, group=0, kind=0, R=0.0, tokens=4),
+             dict(id=2, group=0, kind=1, R=1.0, parent=0, split=3, tokens=2, score=1.0),
+             dict(id=3, group=0, kind=1, R=0.0, parent=1, split=0, tokens=2, score=1.0)]
+    batch = make_batch(trajs, turn_tokens={0: [3, 2], 1: [2, 2]})
+    batch = dataclasses.replace(batch, gap_tokens=np.array([0, 4, 0, 6, 0, 0], np.int64))  # rows: 0/0, 0/1, 1/0, 1/1, 2, 3
+    plain = appo_advantage(batch, APPOParams(), None).adv_tokens
+    scaled = appo_advantage(batch, APPOParams(scale_token_advantages_by_M=True), None).adv_tokens
+    M0 = np.array([1 + 0.9**7, 1 + 0.9**6, 1 + 0.9**5, 2.0, 1.0])
+    np.testing.assert_allclose(M0, [1.4782969, 1.531441, 1.59049, 2.0, 1.0], atol=1e-12)
+    np.testing.assert_allclose(scaled[:5], plain[:5] * M0, atol=1e-12)
+    np.testing.assert_allclose(reward_scale_M(3, 1.0, 5, 0.9, np.array([0, 1, 2, 7, 8])), M0, atol=1e-12)
+    without_gaps = appo_advantage(dataclasses.replace(batch, gap_tokens=None), APPOParams(scale_token_advantages_by_M=True), None)
+    np.testing.assert_allclose(without_gaps.adv_tokens[:5], plain[:5] * reward_scale_M(3, 1.0, 5, 0.9), atol=1e-12)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Branching score (§3.2)
 
@@ -412,6 +434,65 @@ def test_future_kl_hand_computed():
     two_sided = influence_factor(fkl, torch.ones(1, 4, dtype=torch.float64), delta.exp(),
                                  FutureKLParams(decay_rate=1.0, clip_high_only=False))
     assert float(two_sided[0, 1]) == pytest.approx(math.exp(-0.125), abs=1e-12)
+
+
+def _loop_suffix_sum_at(x: torch.Tensor, pos: torch.Tensor, gamma: float) -> torch.Tensor:
+    """S_t = x_t + γ^{pos_{t+1} − pos_t} S_{t+1}, entry by entry."""
+    out = torch.zeros_like(x)
+    acc = torch.zeros(x.shape[0], dtype=x.dtype)
+    for t in range(x.shape[1] - 1, -1, -1):
+        step = pos[:, t + 1] - pos[:, t] if t + 1 < x.shape[1] else torch.zeros(x.shape[0], dtype=x.dtype)
+        acc = x[:, t] + gamma**step * acc
+        out[:, t] = acc
+    return out
+
+
+@pytest.mark.parametrize("length", [1, 5, 129, 300])
+@pytest.mark.parametrize("chunk", [1, 4, 128])
+def test_blocked_suffix_sum_at_positions_equals_loop(length, chunk):
+    gen = torch.Generator().manual_seed(length)
+    x = torch.randn(3, length, dtype=torch.float64, generator=gen)
+    pos = torch.cumsum(torch.randint(1, 9, (3, length), generator=gen), dim=1).to(torch.float64)  # gaps 1..8
+    torch.testing.assert_close(discounted_suffix_sum(x, 0.98923, chunk, pos), _loop_suffix_sum_at(x, pos, 0.98923),
+                               rtol=0, atol=1e-10)
+    consecutive = torch.arange(length, dtype=torch.float64).expand(3, length)
+    torch.testing.assert_close(discounted_suffix_sum(x, 0.98923, chunk, consecutive),
+                               discounted_suffix_sum(x, 0.98923, chunk), rtol=0, atol=1e-10)
+
+
+def test_future_kl_counts_observation_positions_hand_computed():
+    """A two-turn row (§3.7 step 3 runs over every response position): policy tokens at positions 5, 6
+    (turn 0) and 10, 11 (turn 1), observation tokens 7-9 between them. Δ = [0.1, 0.2, 0.3, 0.4], all
+    below log 3; γ_f = 0.5 (decay_rate 1).
+
+    FutureKL_11 = 0.4
+    FutureKL_10 = 0.3 + 0.5^1·0.4 = 0.5
+    FutureKL_6  = 0.2 + 0.5^4·0.3 + 0.5^5·0.4 = 0.2 + 0.01875 + 0.0125 = 0.23125
+    FutureKL_5  = 0.1 + 0.5^1·0.2 + 0.5^5·0.3 + 0.5^6·0.4 = 0.1 + 0.1 + 0.009375 + 0.00625 = 0.215625
+    (policy tokens only would give 0.1 + 0.1 + 0.075 + 0.05 = 0.325 at the first token.)
+    With clip_high = 1 (f ≤ 2): f = exp(FutureKL) = [1.2406371, 1.2601742, 1.6487213, 1.4918247], and at
+    A = 1, b = 1 the loss's mean_scale is 1 + mean f = 2.4103393.
+    """
+    params = FutureKLParams(decay_rate=1.0, clip_high=1.0)
+    delta = torch.tensor([[0.1, 0.2, 0.3, 0.4]], dtype=torch.float64)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    positions = torch.tensor([[5, 6, 10, 11]])
+    fkl = future_kl(delta, mask, params, positions)
+    torch.testing.assert_close(fkl, torch.tensor([[0.215625, 0.23125, 0.5, 0.4]], dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(future_kl(delta, mask, params)[0, 0], torch.tensor(0.325, dtype=torch.float64))
+    f = influence_factor(fkl, torch.ones(1, 4, dtype=torch.float64), delta.exp(), params)
+    torch.testing.assert_close(f, torch.tensor([[1.2406371, 1.2601742, 1.6487213, 1.4918247]], dtype=torch.float64),
+                               rtol=0, atol=1e-7)
+    old = torch.full((1, 4), -1.0, dtype=torch.float64)
+    terms = appo_future_kl_loss(old + delta, old, torch.ones(1, 4, dtype=torch.float64), mask, None, params,
+                                positions=positions)
+    assert terms.extra["mean_scale"] == pytest.approx(2.4103393, abs=1e-7)
+    padded = appo_future_kl_loss(  # the same row padded to 6 entries (padding positions are 0): same figures
+        torch.cat([old + delta, torch.zeros(1, 2, dtype=torch.float64)], dim=1), torch.cat([old, torch.zeros(1, 2, dtype=torch.float64)], dim=1),
+        torch.cat([torch.ones(1, 4), torch.zeros(1, 2)], dim=1).double(), torch.tensor([[True] * 4 + [False] * 2]), None, params,
+        positions=torch.tensor([[5, 6, 10, 11, 0, 0]]))
+    assert padded.extra["mean_scale"] == pytest.approx(2.4103393, abs=1e-7)
+    assert float(padded.loss) == pytest.approx(float(terms.loss), abs=1e-12)
 
 
 def test_at_old_policy_factor_is_two_and_loss_is_minus_two_token_mean():

@@ -7,6 +7,7 @@ gradient is read by an optimizer that records it (no clipping takes effect: grad
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
@@ -25,6 +26,7 @@ from horizonrl.trainer import (
     policy_logprobs,
     ppo_update,
     recompute_old_logprobs,
+    response_positions,
     trajectory_units,
 )
 
@@ -155,3 +157,25 @@ def test_loop_fixed_row_divisor_scales_a_short_minibatch(setup):
     free, _ = gradient(model, rows, old, mb, settings(s.pad_id, fixed_row_divisor=False))
     assert any(float(g.abs().max()) > 1e-4 for g in free)
     assert_same(fixed, free, scale=8 / 3)
+
+
+def test_appo_loss_discounts_over_response_positions(setup):
+    """The trainer hands the loss each policy token's response position (observation tokens between turns
+    counted, ALGORITHMS.md 3.7). With pi_old = log pi - 0.01 on every token and gamma_f = 0.5:
+    FutureKL_t = 0.01 sum_{k>=t} 0.5^(pos_k - pos_t), and APPO's mean_scale = 1 + mean_t exp(FutureKL_t)."""
+    model, rows, old, s = setup
+    i = next(i for i, r in enumerate(rows) if len(set(r.turn_id)) >= 2)  # a row with observations between turns
+    pos = rows[i].positions
+    assert response_positions(rows[i]) == pos and pos[-1] - pos[0] + 1 > len(pos)
+    shifted = [[v - 0.01 for v in o] for o in old]
+    params = methods.LOSSES.get("appo_future_kl").params_cls(decay_rate=1.0, clip_high=1.0)
+    _, out = gradient(model, rows, shifted, [[i]], settings(s.pad_id, loss_name="appo_future_kl", loss_params=params))
+
+    def mean_scale(p: list[int]) -> float:
+        fkl = [0.01 * sum(0.5 ** (p[k] - p[t]) for k in range(t, len(p))) for t in range(len(p))]
+        return 1 + sum(math.exp(x) for x in fkl) / len(fkl)
+
+    assert out["mean_scale"] == pytest.approx(mean_scale(pos), abs=2e-6)
+    assert abs(mean_scale(pos) - mean_scale(list(range(len(pos))))) > 1e-3  # policy-token distances differ
+    window = TrainRow(7, 1, [5, 6, 7, 8], [2, 3], [[], []], [0.0, 0.0], [1, 1], [4, 5], [1.0, 1.0])
+    assert response_positions(window) == [4, 5]  # window context: index among the trajectory's action tokens
