@@ -246,6 +246,17 @@ class RayConfig(Strict):
     """Local cluster only: its shared-memory object store, through which shard results come back."""
 
 
+class TraceConfig(Strict):
+    """Which episodes become MLflow traces (``horizonrl/traces.py``): a sample, so the trace store stays small."""
+
+    eval_episodes: int = Field(16, ge=0)
+    """Held-out episodes traced per evaluation (the first ones, by rollout id); 0 traces none."""
+    train_sample: bool = True
+    """Trace a sample of every iteration's training episodes (off: evaluation episodes only)."""
+    train_random: int = Field(1, ge=0)
+    """That sample: the best and the worst episode of the mixed groups, and this many random ones of them."""
+
+
 class EngineConfig(Strict):
     name: Literal["transformers", "vllm"] = "transformers"
     """Sampler for rollouts: transformers in this process, or a vLLM server (GPU)."""
@@ -285,6 +296,7 @@ class TrainConfig(Strict):
     rollout: RolloutConfig = RolloutConfig()
     update: UpdateConfig = UpdateConfig()
     eval: EvalConfig = EvalConfig()
+    trace: TraceConfig = TraceConfig()
     engine: EngineConfig = EngineConfig()
     ray: RayConfig = RayConfig()
     data_dir: str = "data"

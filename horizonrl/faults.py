@@ -10,6 +10,7 @@ Points where the process SIGKILLs itself (nothing after the point runs, not even
 - ``update``: the PPO epochs are done in memory, the checkpoint is not written yet
 - ``checkpoint``: inside the checkpoint write, every file is in the temporary folder, before the rename
 - ``evaluate``: the held-out episodes are played, nothing of them is logged yet
+- ``trace``: half of the iteration's sampled training episodes are logged as MLflow traces, the rest not yet
 
 And one that does not kill:
 
@@ -26,7 +27,7 @@ from typing import Iterator
 import torch
 
 ENV = "HORIZONRL_FAULT"
-KILL_POINTS = ("collect", "advantage", "update", "checkpoint", "evaluate")
+KILL_POINTS = ("collect", "advantage", "update", "checkpoint", "evaluate", "trace")
 POINTS = (*KILL_POINTS, "nan-grad")
 
 

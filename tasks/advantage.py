@@ -18,7 +18,7 @@ from horizonrl.config import estimator_of
 from horizonrl.sequences import step_batch
 from tasks.collect import RolloutRef
 from tasks.context import RunContext
-from tasks.tracking import log_stage
+from tasks.tracking import log_stage, trace_training
 
 
 # Figures every estimator reports under the same name; the rest are logged as advantage/<method>/<name>.
@@ -68,6 +68,7 @@ def advantages(ctx: RunContext, iteration: int, rollouts: RolloutRef, policy: Ch
     stats.setdefault("kept_fraction", float(kept.mean()) if len(kept) else 0.0)
     stats = {(k if k in SHARED_FIGURES else f"{cfg.method}/{k}"): v for k, v in stats.items()}
     log_stage(ctx, "advantage", stats, iteration, inputs={f"iter={iteration}/advantages-{cfg.method}": (str(path), digest)})
+    trace_training(ctx, iteration, rollouts.episodes, rollouts.turns, table)
     get_run_logger().info("iteration %d advantage (%s): kept %.2f of rows", iteration, name, stats["kept_fraction"])
     return AdvantageRef(iteration, str(path), str(state_path) if state_path else None)
 

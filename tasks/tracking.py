@@ -1,12 +1,19 @@
-"""Logging a stage's figures to the run's MLflow run (names ``<stage>/<name>``, step = iteration).
+"""Logging a stage's figures to the run's MLflow run (names ``<stage>/<name>``, step = iteration), and
+its episodes as MLflow traces (``horizonrl.traces``).
 
 Logging is idempotent per (stage, iteration): a resumed or retried stage whose figures are already in
-MLflow logs nothing, so metric histories never hold a step twice.
+MLflow logs nothing, so metric histories never hold a step twice; a trace already in the store is not
+logged again either.
 """
 
 from __future__ import annotations
 
-from horizonrl import tracking
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from horizonrl import store, traces, tracking
+from horizonrl.rollout import EpisodeRecord
+from horizonrl.seeding import derive_seed
 from tasks.context import RunContext
 
 
@@ -21,3 +28,32 @@ def log_stage(ctx: RunContext, stage: str, metrics: dict[str, float], iteration:
     tracking.log_metrics(c, ctx.mlflow_run_id, stage, metrics, iteration)
     for name, (path, digest) in (inputs or {}).items():
         tracking.log_parquet_input(c, ctx.mlflow_run_id, name, path, digest)
+
+
+def _target(ctx: RunContext) -> traces.TraceTarget:
+    cfg = ctx.cfg
+    return traces.TraceTarget(ctx.tracking_uri, ctx.mlflow_run_id, cfg.run_name, cfg.method, cfg.seed)
+
+
+def trace_training(ctx: RunContext, iteration: int, episodes_path: str, turns_path: str, advantages: pa.Table) -> None:
+    """The iteration's sample of training episodes as traces, with each turn's advantage; figures under
+    ``trace/train/``."""
+    if not ctx.cfg.trace.train_sample:
+        return
+    episodes = store.read_table(episodes_path, "episodes")
+    chosen = traces.training_sample(episodes, ctx.cfg.trace.train_random, derive_seed(ctx.cfg.seed, "trace", iteration))
+    episodes = episodes.filter(pc.is_in(episodes["rollout_id"], value_set=pa.array(chosen, pa.int64())))
+    turns = store.read_table(turns_path, "turns", columns=traces.TURN_COLUMNS)
+    stats = traces.log_episodes(_target(ctx), "train", iteration, episodes, turns, advantages, store.file_digest(episodes_path))
+    log_stage(ctx, "trace/train", stats, iteration)
+
+
+def trace_evaluation(ctx: RunContext, iteration: int, records: list[EpisodeRecord], policy_version: int) -> None:
+    """The first ``trace.eval_episodes`` held-out episodes (by rollout id) as traces; figures under
+    ``trace/eval/``."""
+    chosen = sorted(records, key=lambda r: r.rollout_id)[: ctx.cfg.trace.eval_episodes]
+    if not chosen:
+        return
+    episodes = store.episodes_table(chosen, ctx.cfg.run_name, iteration, policy_version)
+    stats = traces.log_episodes(_target(ctx), "eval", iteration, episodes, store.turns_table(chosen))
+    log_stage(ctx, "trace/eval", stats, iteration)
