@@ -131,6 +131,7 @@ def sweep(sweep_path: str, in_process: bool = False) -> list[dict[str, Any]]:
     uri = tracking.tracking_uri(cfg0.tracking_uri)
     c = tracking.client(uri)
     parent_id, _ = tracking.find_or_create_run(c, cfg0.experiment, spec.name, {SWEEP_TAG: spec.name, "horizonrl.kind": "sweep"})
+    tracking.set_tags(c, parent_id, {"git_commit": tracking.git_commit()})
     c.log_text(parent_id, Path(sweep_path).read_text(), "sweep.yaml")
     todo = [cell for cell in cells if not finished(c, cell)]
     deployment = None if in_process else spec.deployment
@@ -175,6 +176,7 @@ def sweep_report(sweep_name: str, experiment: str, tracking_uri: str | None = No
     rows, md = report.table(summaries), report.markdown(f"Sweep {sweep_name}", summaries)
     c.log_text(parent.info.run_id, pd.DataFrame(rows).to_json(orient="split", index=False), REPORT_TABLE)
     c.log_text(parent.info.run_id, md, "report/report.md")
+    log_comparison(c, parent.info.run_id, rows)
     for x in ("iterations", "env_steps"):
         fig = report.plot(report.curves(cells), x)
         c.log_figure(parent.info.run_id, fig, f"report/success_vs_{x}.png")
@@ -184,6 +186,17 @@ def sweep_report(sweep_name: str, experiment: str, tracking_uri: str | None = No
     create_markdown_artifact(md, key=f"{key}-summary", description=f"Sweep {sweep_name}: comparison")
     print(md)
     return rows
+
+
+def log_comparison(c: MlflowClient, parent_id: str, rows: list[dict[str, Any]]) -> None:
+    """The report's figures as metrics of the parent run, ``<variant>/<figure>`` (e.g. ``grpo/final_mean``):
+    the parent's page lists them side by side in its Metrics table, and the experiment's chart view can
+    plot them, without opening an artifact. Logged at step 0 and replaced by a rerun of the report."""
+    figures = {}
+    for row in rows:
+        variant = re.sub(r"[^A-Za-z0-9_\-. /:]+", "_", str(row["variant"]))
+        figures.update({f"{variant}/{k}": float(v) for k, v in row.items() if k != "variant"})
+    tracking.log_metrics(c, parent_id, "compare", figures, 0)
 
 
 def _run_here(cells: list[Cell]) -> dict[str, str]:

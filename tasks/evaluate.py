@@ -14,7 +14,7 @@ from horizonrl.rollout import SamplingSettings, collect
 from horizonrl.seeding import derive_seed
 from horizonrl.tracking import log_table
 from tasks.context import RUNTIME, RunContext
-from tasks.tracking import log_stage, logged, trace_evaluation
+from tasks.tracking import log_stage, log_success_by_env_steps, logged, trace_evaluation
 
 
 def play(ctx: RunContext, policy: CheckpointRef, samples: int, greedy: bool, seed: int) -> list[EpisodeRecord]:
@@ -42,6 +42,7 @@ def evaluate(ctx: RunContext, policy: CheckpointRef, iteration: int) -> dict[str
     if not logged(ctx, "eval/success_rate", iteration):
         log_table(ctx.mlflow(), ctx.mlflow_run_id, sample_episodes(sampled), f"episodes/eval_iter_{iteration:05d}.json")
     trace_evaluation(ctx, iteration, sampled, policy.iteration)
+    log_success_by_env_steps(ctx, iteration, metrics["success_rate"])
     log_stage(ctx, "eval", metrics, iteration)
     get_run_logger().info("iteration %d eval: success %.3f (greedy %.3f) on %d held-out episodes", iteration, metrics["success_rate"], metrics.get("greedy_success_rate", float("nan")), len(sampled))
     return metrics

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from horizonrl import store, traces, tracking
+from horizonrl import report, store, traces, tracking
 from horizonrl.rollout import EpisodeRecord
 from horizonrl.seeding import derive_seed
 from tasks.context import RunContext
@@ -57,3 +57,14 @@ def trace_evaluation(ctx: RunContext, iteration: int, records: list[EpisodeRecor
     episodes = store.episodes_table(chosen, ctx.cfg.run_name, iteration, policy_version)
     stats = traces.log_episodes(_target(ctx), "eval", iteration, episodes, store.turns_table(chosen))
     log_stage(ctx, "trace/eval", stats, iteration)
+
+
+def log_success_by_env_steps(ctx: RunContext, iteration: int, success: float) -> None:
+    """``eval/success_by_env_steps``: held-out success with the run's cumulative environment steps as the
+    step (counted as the sweep report counts them), so the experiment's chart view plots every run's
+    success against environment steps."""
+    c = ctx.mlflow()
+    h = {k: {m.step: m.value for m in c.get_metric_history(ctx.mlflow_run_id, f"collect/{k}")} for k in ("episodes", "mean_turns")}
+    steps = int(report.at_iteration(report.env_steps(report.CellHistory("", 0, {}, h["episodes"], h["mean_turns"])), iteration))
+    if not logged(ctx, "eval/success_by_env_steps", steps):
+        tracking.log_metrics(c, ctx.mlflow_run_id, "eval", {"success_by_env_steps": success}, steps)
