@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from mlflow import MlflowClient
@@ -94,3 +95,91 @@ def leftovers(marker: str) -> list[str]:
         except OSError:
             continue
     return found
+
+
+class Browser:
+    """Headless chromium driven over the DevTools protocol (Debian's chromium, ``make setup-test``): open
+    a page, wait for text, click an element by its text, read the page's text, take a screenshot. The
+    MLflow UI is a JavaScript app, so what a user sees is only known once it has rendered."""
+
+    def __init__(self, profile: Path, width: int = 1600, height: int = 1000):
+        import json
+        import shutil
+        import urllib.request
+
+        from websockets.sync.client import connect
+
+        browser = shutil.which("chromium")
+        assert browser, "Debian's chromium is not installed: run `make setup-test` (or apt-get install -y chromium)"
+        self.proc = subprocess.Popen([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", f"--user-data-dir={profile}",
+                                      f"--window-size={width},{height}", "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0", "about:blank"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        port_file = profile / "DevToolsActivePort"
+        for _ in range(300):
+            if port_file.is_file() and port_file.read_text().strip():
+                break
+            time.sleep(0.1)
+        port = port_file.read_text().split()[0]
+        pages = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10).read())
+        self.ws = connect(next(p for p in pages if p["type"] == "page")["webSocketDebuggerUrl"], max_size=None, open_timeout=30)
+        self.next_id = 0
+        self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
+
+    def call(self, method: str, **params: object) -> dict:
+        import json
+
+        self.next_id += 1
+        self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
+        while True:
+            message = json.loads(self.ws.recv(timeout=60))
+            if message.get("id") == self.next_id:
+                assert "error" not in message, f"{method}: {message['error']}"
+                return message["result"]
+
+    def js(self, expression: str) -> object:
+        return self.call("Runtime.evaluate", expression=expression, returnByValue=True)["result"].get("value")
+
+    def open(self, url: str) -> None:
+        self.call("Page.navigate", url=url)
+
+    def text(self) -> str:
+        return self.js("document.body ? document.body.innerText : ''") or ""
+
+    def wait_for(self, *texts: str, timeout: float = 60) -> str:
+        """The page's text once it shows every one of ``texts``; fails naming the ones missing."""
+        deadline = time.monotonic() + timeout
+        while True:
+            page = self.text()
+            missing = [t for t in texts if t not in page]
+            if not missing:
+                return page
+            assert time.monotonic() < deadline, f"page does not show {missing} after {timeout:.0f} s; it shows:\n{page[:2000]}"
+            time.sleep(0.5)
+
+    def click(self, text: str) -> None:
+        """Click the innermost element whose whole text is ``text``."""
+        import json
+
+        found = self.js(f"""(() => {{ const all = [...document.querySelectorAll('body *')].filter(e => e.innerText && e.innerText.trim() === {json.dumps(text)});
+            all.forEach(e => e.scrollIntoView({{block: 'center'}}));
+            const leaf = all.find(e => ![...e.children].some(c => all.includes(c))); if (!leaf) return false; leaf.click(); return true; }})()""")
+        assert found, f"no element shows {text!r}"
+
+    def type_into(self, placeholder: str, text: str) -> None:
+        """Type ``text`` into the input field whose placeholder is ``placeholder``, as a user would."""
+        import json
+
+        found = self.js(f"""(() => {{ const e = document.querySelector('input[placeholder=' + JSON.stringify({json.dumps(placeholder)}) + ']');
+            if (!e) return false; e.scrollIntoView({{block: 'start'}}); e.focus(); return true; }})()""")
+        assert found, f"no input field with placeholder {placeholder!r}"
+        self.call("Input.insertText", text=text)
+
+    def screenshot(self, path: Path) -> None:
+        import base64
+
+        path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
+
+    def close(self) -> None:
+        self.ws.close()
+        self.proc.kill()
+        self.proc.wait(timeout=30)

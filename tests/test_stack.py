@@ -4,7 +4,7 @@ from the project's ``prefect.yaml``, and the sweep deployment run with ``prefect
 tiny grid (loop, grpo x 2 seeds, 1 iteration) fanned out to the train deployment. Nothing is mocked.
 
 One stack serves the module's tests; the fixture takes it down and checks that no process is left.
-The browser test needs Debian's chromium (``make setup-test`` installs it).
+The browser tests need Debian's chromium (``make setup-test`` installs it).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 from mlflow import MlflowClient
 
-from flowkit import REPO, deployed_sweep, free_port, leftovers, prefect_cli
+from flowkit import REPO, Browser, deployed_sweep, free_port, leftovers, prefect_cli
 import horizonrl_stack as stack
+from horizonrl import traces
 
 pytestmark = pytest.mark.slow
 SWEEP = "tiny-sweep"
@@ -164,3 +165,57 @@ def test_mlflow_ui_shows_the_sweep_runs(swept):
         missing = [run_name for run_name in expected if f">{run_name}<" not in dom]
         assert not missing, f"{name}: runs not shown: {missing}"
         assert shot.is_file() and shot.stat().st_size > 10_000, f"{name}: no screenshot"
+
+
+def test_mlflow_ui_shows_an_episode_trace_turn_by_turn(swept):
+    """In a cell run's Traces tab, a training episode's trace opens to its turn spans; a turn shows the
+    observation, the action and the advantage. Screenshot: test-artifacts/mlflow_episode_trace.png."""
+    s, root, _ = swept
+    c = MlflowClient(s.mlflow_uri)
+    exp, _, children = _parent_and_children(c)
+    run = next(r for r in children if r.data.tags["cell.method"] == "loop")
+    found = c.search_traces(locations=[exp.experiment_id], run_id=run.info.run_id, filter_string="tags.split = 'train'", max_results=1)
+    assert found, "the cell run has no training episode trace"
+    trace = found[0]
+    turn = min((sp for sp in trace.data.spans if sp.parent_id), key=lambda sp: sp.attributes["turn"])
+    shot = REPO / "test-artifacts" / "mlflow_episode_trace.png"
+    shot.parent.mkdir(exist_ok=True)
+    shot.unlink(missing_ok=True)
+    b = Browser(root / "chromium-trace")
+    try:
+        b.open(f"{s.mlflow_uri}/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}")
+        b.wait_for("Traces")
+        b.click("Traces")
+        b.wait_for(trace.info.trace_metadata[traces.SESSION])  # the trace list, grouped by task group
+        b.open(f"{s.mlflow_uri}/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}/traces?selectedEvaluationId={trace.info.trace_id}")
+        b.wait_for(trace.data.spans[0].name, turn.name)
+        b.click(turn.name)
+        b.wait_for("observation", turn.inputs["observation"].strip()[:40], "action", turn.outputs["action"], "advantage")
+        b.screenshot(shot)
+    finally:
+        b.close()
+    assert shot.stat().st_size > 10_000
+
+
+def test_mlflow_ui_compares_the_cells_on_the_sweep_run(swept):
+    """The sweep's parent run lists every variant's held-out success (final, AUC, interval) in its
+    Metrics table: no artifact to open. Screenshot: test-artifacts/mlflow_sweep_comparison.png."""
+    s, root, _ = swept
+    c = MlflowClient(s.mlflow_uri)
+    exp, parent, _ = _parent_and_children(c)
+    metrics = parent.data.metrics
+    assert parent.data.tags["git_commit"] not in ("", "unknown")
+    for method in ("loop", "grpo"):
+        assert {f"compare/{method}/{k}" for k in ("final_mean", "final_ci95", "best_mean", "auc_mean", "seeds")} <= set(metrics)
+    shot = REPO / "test-artifacts" / "mlflow_sweep_comparison.png"
+    shot.unlink(missing_ok=True)
+    b = Browser(root / "chromium-compare")
+    try:
+        b.open(f"{s.mlflow_uri}/#/experiments/{exp.experiment_id}/runs/{parent.info.run_id}")
+        b.wait_for("compare/loop/final_mean")
+        b.type_into("Search metrics", "final_mean")
+        b.wait_for("compare/loop/final_mean", "compare/grpo/final_mean")
+        b.screenshot(shot)
+    finally:
+        b.close()
+    assert shot.stat().st_size > 10_000
