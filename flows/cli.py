@@ -35,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--split", default="test", help="environment split (default test)")
     ev.add_argument("--n-tasks", type=int, help="tasks evaluated (default: the source run's eval.n_tasks)")
     ev.add_argument("--samples", type=int, help="sampled attempts per task (default: the source run's eval.samples)")
+    sh = sub.add_parser("show", help="print a stored iteration's episodes, or one episode turn by turn (Parquet store)")
+    sh.add_argument("run", help="run folder (data/<experiment>/<run_name>) or a run name under data/")
+    sh.add_argument("--iteration", type=int, required=True)
+    sh.add_argument("--episode", type=int, help="rollout id; without it, the iteration's episodes are listed")
+    sh.add_argument("--data-dir", default="data", help="where run names are looked up (default data/)")
     st = sub.add_parser("stack", help="local prefect server + process worker + mlflow server on 127.0.0.1")
     st.add_argument("action", choices=["up", "down", "status"])
     st.add_argument("--home", default=".stack", help="pid files and logs (default .stack/)")
@@ -48,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "recompute":
         return _recompute(args)
+    if args.command == "show":
+        return _show(args)
     if args.command in ("sweep", "report", "evaluate", "stack"):
         return _SWEEP_COMMANDS[args.command](args)
 
@@ -87,6 +94,27 @@ def _recompute(args: argparse.Namespace) -> int:
     written = recompute_advantages(args.run_dir, args.method, params)
     for it, path in sorted(written.items()):
         print(f"iteration {it}: {path}")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from horizonrl import episode_view
+
+    run_dir = Path(args.run)
+    if not run_dir.is_dir():
+        found = sorted(p for p in Path(args.data_dir).glob(f"*/{args.run}") if p.is_dir())
+        if len(found) != 1:
+            print(f"horizonrl: run {args.run!r}: not a folder, and {len(found)} runs of that name under {args.data_dir}/", file=sys.stderr)
+            return 2
+        run_dir = found[0]
+    try:
+        text = episode_view.iteration_text(run_dir, args.iteration) if args.episode is None else episode_view.episode_text(run_dir, args.iteration, args.episode)
+    except ValueError as err:
+        print(f"horizonrl: {err}", file=sys.stderr)
+        return 2
+    print(text)
     return 0
 
 

@@ -18,7 +18,7 @@ from tasks.advantage import advantages
 from tasks.collect import collect_rollouts
 from tasks.evaluate import evaluate
 from tasks.run import end_failed_run, finish_run, start_run
-from tasks.tracking import log_stage, logged
+from tasks.tracking import Progress, log_stage, logged
 from tasks.update import update
 
 
@@ -30,6 +30,7 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, co
     ctx, policy, elapsed = run.ctx, run.policy, run.elapsed_s
     if policy.iteration == 0 or _eval_missing(ctx, policy.iteration):
         evaluate(ctx, policy, policy.iteration)
+    progress = Progress(ctx, policy.iteration)
     for it in range(policy.iteration + 1, cfg.iterations + 1):
         if cfg.time_budget_s is not None and elapsed >= cfg.time_budget_s:
             break
@@ -40,9 +41,11 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, co
         elapsed += time.perf_counter() - t0
         log_stage(ctx, "time", {"iteration_s": time.perf_counter() - t0, "train_s": elapsed}, it)
         log_stage(ctx, "system", {"max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, it)
+        progress.advance(it, rollouts.episodes)
         last = it == cfg.iterations or (cfg.time_budget_s is not None and elapsed >= cfg.time_budget_s)
         if it % cfg.eval.every == 0 or last:
             evaluate(ctx, policy, it)                                   # 4. held-out evaluation
+    progress.close()
     if _eval_missing(ctx, policy.iteration):
         evaluate(ctx, policy, policy.iteration)
     return finish_run(ctx, policy)

@@ -8,10 +8,14 @@ logged again either.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from horizonrl import report, store, traces, tracking
+from horizonrl.evaluation import episode_metrics
 from horizonrl.rollout import EpisodeRecord
 from horizonrl.seeding import derive_seed
 from tasks.context import RunContext
@@ -68,3 +72,30 @@ def log_success_by_env_steps(ctx: RunContext, iteration: int, success: float) ->
     steps = int(report.at_iteration(report.env_steps(report.CellHistory("", 0, {}, h["episodes"], h["mean_turns"])), iteration))
     if not logged(ctx, "eval/success_by_env_steps", steps):
         tracking.log_metrics(c, ctx.mlflow_run_id, "eval", {"success_by_env_steps": success}, steps)
+
+
+class Progress:
+    """A run's progress where people look: one live line on the terminal (tqdm: iteration i/N, the
+    iteration's rollout success and mean return, seconds per iteration, time left), quiet under CI or
+    without a terminal; and a Prefect progress artifact that the flow run's page shows while it runs."""
+
+    def __init__(self, ctx: RunContext, done: int):
+        from prefect.artifacts import create_progress_artifact
+        from tqdm import tqdm
+
+        self.total = ctx.cfg.iterations
+        quiet = bool(os.environ.get("CI")) or not sys.stderr.isatty()
+        self.bar = tqdm(total=self.total, initial=done, desc=ctx.cfg.run_name, unit="it", disable=quiet, dynamic_ncols=True)
+        self.artifact = create_progress_artifact(100.0 * done / self.total, description=f"{ctx.cfg.run_name}: iterations done of {self.total}")
+
+    def advance(self, iteration: int, episodes_path: str) -> None:
+        """After ``iteration``'s update: the line moves on by one, with the figures of its rollouts."""
+        from prefect.artifacts import update_progress_artifact
+
+        m = episode_metrics(store.read_table(episodes_path, "episodes"))
+        self.bar.set_postfix(success=f"{m.get('success_rate', 0.0):.3f}", mean_return=f"{m.get('mean_return', 0.0):.2f}", refresh=False)
+        self.bar.update(1)
+        update_progress_artifact(self.artifact, 100.0 * iteration / self.total)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -11,7 +11,8 @@ import pytest
 from mlflow import MlflowClient
 
 from flowkit import run_of
-from horizonrl import store, traces
+from flows.cli import main as cli
+from horizonrl import episode_view, store, traces
 from horizonrl.seeding import derive_seed
 from test_reliability import RUN, api_url, config, finish, run_dir, start_cli  # noqa: F401 (api_url is a fixture)
 
@@ -77,3 +78,9 @@ def test_traces_survive_a_kill_without_duplicates(api_url, tmp_path):  # noqa: F
             adv = store.read_table(episodes_file.with_name("advantages-loop.parquet"), "advantages").to_pandas()
             adv = adv[adv["rollout_id"] == int(tags["rollout_id"])].sort_values("turn")
             assert [s.attributes["advantage"] for s in turns] == pytest.approx(adv["adv"].tolist())
+            # the row of a trace, in the terminal: the same turns, advantages included
+            text = episode_view.episode_text(run_dir(tmp_path), int(tags["iteration"]), int(tags["rollout_id"]))
+            for s in turns:
+                assert f"action:      {s.outputs['action'].strip()}" in text and f"advantage (loop) {s.attributes['advantage']:+.4f}" in text
+    assert cli(["show", str(run_dir(tmp_path)), "--iteration", "1"]) == 0
+    assert cli(["show", str(run_dir(tmp_path)), "--iteration", "9"]) == 2, "an iteration that is not stored is named, not a traceback"
