@@ -6,6 +6,8 @@ held-out tasks included), in its own data folder and MLflow store. Its peak resi
 with ``getrusage(RUSAGE_CHILDREN)`` in a small launcher (the largest single process) and, sampled with
 psutil, as the sum over its process tree (the flow plus Prefect's temporary API server).
 
+Tracing's share: the seconds the run spent logging episode traces, over its iterations' time.
+
 Each iteration's time through Prefect tasks, MLflow logging and Parquet is what the flow itself logs
 as ``time/iteration_s``. The same iterations are then run here as plain library calls from the same
 initial weights with the same seeds (tables stay in memory; no checkpoint is written), and the two
@@ -93,9 +95,28 @@ def train_subprocess(config: str, overrides: list[str], log: Path) -> tuple[floa
 def flow_iteration_seconds(cfg: TrainConfig) -> list[float]:
     """``time/iteration_s`` of every iteration the flow logged, in order."""
     c = tracking.client(cfg.tracking_uri)
-    exp = c.get_experiment_by_name(cfg.experiment)
-    run = c.search_runs([exp.experiment_id], filter_string=f"tags.`{tracking.RUN_NAME_TAG}` = '{cfg.run_name}'")[0]
+    run = tracking.find_run(c, cfg.experiment, cfg.run_name)
     return [m.value for m in sorted(c.get_metric_history(run.info.run_id, "time/iteration_s"), key=lambda m: m.step)]
+
+
+def tracing_figures(cfg: TrainConfig, iteration_s: list[float]) -> list[Figure]:
+    """Tracing's share of the main run: the seconds the flow spent logging traces (``trace/*/log_s``,
+    training samples and evaluations; MLflow's database writes run in a background thread and are waited
+    for at the next logging call) over its iterations' time; and the trace store's size per iteration."""
+    c = tracking.client(cfg.tracking_uri)
+    run = tracking.find_run(c, cfg.experiment, cfg.run_name)
+    log_s = sum(m.value for split in ("train", "eval") for m in c.get_metric_history(run.info.run_id, f"trace/{split}/log_s"))
+    found = c.search_traces(locations=[run.info.experiment_id], run_id=run.info.run_id, include_spans=False, max_results=1000)
+    size_kb = sum(int(t.info.trace_metadata.get("mlflow.trace.sizeBytes", 0)) for t in found) / 1024
+    share = log_s / sum(iteration_s)
+    per_iteration_kb = size_kb / len(iteration_s)
+    ten_minutes_mb = per_iteration_kb * 600 / (sum(iteration_s) / len(iteration_s)) / 1024
+    return [
+        Figure("tracing/share_of_iteration", share, "x", "<= 0.03", share <= 0.03,
+               f"{log_s:.2f} s logging {len(found)} traces over {len(iteration_s)} iterations of {sum(iteration_s):.1f} s (evaluations' traces included)"),
+        Figure("tracing/store_kb_per_iteration", per_iteration_kb, "kB", "", None,
+               f"{size_kb:.0f} kB of traces (spans' JSON) in all; a 10-minute run at this pace: {ten_minutes_mb:.1f} MB"),
+    ]
 
 
 def plain_iterations(cfg: TrainConfig) -> list[float]:
@@ -135,9 +156,10 @@ def run(config: str, overrides: list[str], out_dir: Path) -> list[Figure]:
     cfg = load_config(config, overrides)
     largest, tree, wall, helper_cpu = train_subprocess(config, overrides, out_dir / "train.log")
     flow = flow_iteration_seconds(cfg)
+    tracing = tracing_figures(cfg, flow)
     plain = plain_iterations(cfg)
     ratio = sum(flow) / sum(plain)
-    return [
+    return [*tracing,
         Figure("pipeline/flow_vs_plain", ratio, "x", "<= 1.10", ratio <= 1.10,
                f"{len(flow)} iterations: flow {' + '.join(f'{t:.1f}' for t in flow)} s, plain {' + '.join(f'{t:.1f}' for t in plain)} s"),
         Figure("pipeline/helper_cpu_s", helper_cpu, "s", "", None, f"CPU used by the run's helper processes (Prefect API server) over its {wall:.0f} s"),

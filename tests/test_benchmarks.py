@@ -16,7 +16,8 @@ FIGURES = {
     "rollout": ["rollout/batched_tokens_s", "rollout/vs_one_generate", "rollout/vs_one_at_a_time", "rollout/prefill_vs_new",
                 "rollout/naive_prefill_vs_new", "rollout/decode_padding"],
     "update": ["update/ppo_tokens_s", "update/vs_bare_loop", "update/padding"],
-    "pipeline": ["pipeline/flow_vs_plain", "pipeline/helper_cpu_s", "memory/peak_rss_mb", "memory/peak_tree_rss_mb"],
+    "pipeline": ["tracing/share_of_iteration", "tracing/store_kb_per_iteration", "pipeline/flow_vs_plain", "pipeline/helper_cpu_s",
+                 "memory/peak_rss_mb", "memory/peak_tree_rss_mb"],
 }
 
 

@@ -80,7 +80,7 @@ def test_traces_survive_a_kill_without_duplicates(api_url, tmp_path):  # noqa: F
             assert [s.attributes["advantage"] for s in turns] == pytest.approx(adv["adv"].tolist())
             # the row of a trace, in the terminal: the same turns, advantages included
             text = episode_view.episode_text(run_dir(tmp_path), int(tags["iteration"]), int(tags["rollout_id"]))
-            for s in turns:
-                assert f"action:      {s.outputs['action'].strip()}" in text and f"advantage (loop) {s.attributes['advantage']:+.4f}" in text
+            for span in turns:
+                assert f"action:      {span.outputs['action'].strip()}" in text and f"advantage (loop) {span.attributes['advantage']:+.4f}" in text
     assert cli(["show", str(run_dir(tmp_path)), "--iteration", "1"]) == 0
     assert cli(["show", str(run_dir(tmp_path)), "--iteration", "9"]) == 2, "an iteration that is not stored is named, not a traceback"
