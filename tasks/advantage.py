@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 from prefect import get_run_logger, task
@@ -16,6 +17,7 @@ from horizonrl import faults, store
 from horizonrl.checkpoint import CheckpointRef, read_estimator_state
 from horizonrl.config import estimator_of
 from horizonrl.sequences import step_batch
+from methods.types import StepBatch
 from tasks.collect import RolloutRef
 from tasks.context import RunContext
 from tasks.tracking import log_stage, trace_training
@@ -52,7 +54,17 @@ def compute_advantages(rollouts: RolloutRef, name: str, params: object, state_in
         n = left_out.num_rows
         left = store.advantages_table(left_out["rollout_id"].to_numpy(), left_out["turn"].to_numpy(), np.zeros(n), np.zeros(n, dtype=bool))
         table = pa.concat_tables([table, left])
-    return table, methods.state_to_json(result.state), dict(result.stats)
+    return table, methods.state_to_json(result.state), {**shared_figures(batch, result.adv), **result.stats}
+
+
+def shared_figures(batch: StepBatch, adv: np.ndarray) -> dict[str, float]:
+    """The figures every method logs under the same name (an estimator's own value of one wins):
+    rows' mean and mean absolute advantage, trajectories, groups, the share of groups whose rows all
+    have advantage 0 (no signal)."""
+    zero = pd.Series(adv == 0).groupby(batch.group_id).all() if len(adv) else pd.Series(dtype=bool)
+    return {"adv_mean": float(adv.mean()) if len(adv) else 0.0, "adv_abs_mean": float(np.abs(adv).mean()) if len(adv) else 0.0,
+            "trajectories": float(len(np.unique(batch.traj_id))), "groups": float(len(zero)),
+            "zero_group_fraction": float(zero.mean()) if len(zero) else 0.0}
 
 
 @task(name="advantage", cache_policy=NONE)

@@ -48,6 +48,10 @@ def update(ctx: RunContext, iteration: int, rollouts: RolloutRef, adv: Advantage
         RUNTIME.drop()
         raise
     RUNTIME.advance(ref)
+    stats = {("kl_ref" if k == "kl_loss" else k): v for k, v in stats.items()}  # one name for the KL to the reference, every method
+    stats["skipped"] = float(not rows)
+    if not rows:
+        get_run_logger().info("iteration %d update: skipped, no row to learn from (every row filtered: no mixed group)", iteration)
     log_stage(ctx, "update", stats, iteration)
     get_run_logger().info("iteration %d update: %d steps, loss %.4f, clip %.3f, kl %.4f", iteration, stats.get("steps", 0), stats.get("loss", 0.0), stats.get("clip_frac", 0.0), stats.get("approx_kl", 0.0))
     return ref

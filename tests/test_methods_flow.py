@@ -34,6 +34,8 @@ def test_step_level_methods_run_through_the_flow(prefect_harness, tmp_path, trac
     run = run_of(c, method)
     assert steps(c, run.info.run_id, "advantage/kept_fraction") == [1, 2]
     assert steps(c, run.info.run_id, "update/steps") == [1, 2]
+    for key in ("adv_mean", "adv_abs_mean", "trajectories", "groups", "zero_group_fraction"):  # LOOP's names, every method
+        assert steps(c, run.info.run_id, f"advantage/{key}") == [1, 2], key
     if method == "blpo":
         assert steps(c, run.info.run_id, "advantage/blpo/memory_keys") == [1, 2]
         d = store.iteration_dir(tmp_path / "data", "test", method, 2)
