@@ -8,6 +8,14 @@ from __future__ import annotations
 
 import mlflow.pyfunc
 import pandas as pd
+from mlflow.models import ModelSignature
+from mlflow.types.schema import Array, ColSpec, Schema
+
+# Logged with the model, so MLflow checks inputs at serving time (and warns about no missing signature).
+SIGNATURE = ModelSignature(
+    inputs=Schema([ColSpec("string", "goal"), ColSpec("string", "observation"), ColSpec(Array("string"), "admissible", required=False)]),
+    outputs=Schema([ColSpec("string")]),
+)
 
 
 class PolicyModel(mlflow.pyfunc.PythonModel):

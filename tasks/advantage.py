@@ -67,6 +67,11 @@ def shared_figures(batch: StepBatch, adv: np.ndarray) -> dict[str, float]:
             "zero_group_fraction": float(zero.mean()) if len(zero) else 0.0}
 
 
+def shared_names(stats: dict[str, float], method: str) -> dict[str, float]:
+    """Figures every method reports keep their name; the rest go under ``<method>/``."""
+    return {(k if k in SHARED_FIGURES else f"{method}/{k}"): v for k, v in stats.items()}
+
+
 @task(name="advantage", cache_policy=NONE)
 def advantages(ctx: RunContext, iteration: int, rollouts: RolloutRef, policy: CheckpointRef) -> AdvantageRef:
     """Estimator state (BLPO memory) comes from the policy's checkpoint, so a resumed run computes
@@ -78,7 +83,7 @@ def advantages(ctx: RunContext, iteration: int, rollouts: RolloutRef, policy: Ch
     faults.kill_point("advantage", iteration)
     kept = table["keep"].to_numpy(zero_copy_only=False)
     stats.setdefault("kept_fraction", float(kept.mean()) if len(kept) else 0.0)
-    stats = {(k if k in SHARED_FIGURES else f"{cfg.method}/{k}"): v for k, v in stats.items()}
+    stats = shared_names(stats, cfg.method)
     log_stage(ctx, "advantage", stats, iteration, inputs={f"iter={iteration}/advantages-{cfg.method}": (str(path), digest)})
     trace_training(ctx, iteration, rollouts.episodes, rollouts.turns, table)
     get_run_logger().info("iteration %d advantage (%s): kept %.2f of rows", iteration, name, stats["kept_fraction"])

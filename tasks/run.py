@@ -63,7 +63,7 @@ def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
     the headline numbers; close the run."""
     import mlflow
 
-    from horizonrl.policy_model import PolicyModel
+    from horizonrl.policy_model import SIGNATURE, PolicyModel
 
     RUNTIME.close_episodes()
     RUNTIME.close_ray()
@@ -78,7 +78,8 @@ def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
         state_file = Path(policy.path) / "estimator_state.json"
         if state_file.is_file():  # BLPO memory: load with methods.state_from_json, inspect with .records()
             mlflow.log_artifact(str(state_file), artifact_path="estimator_state")
-        mlflow.pyfunc.log_model(name="policy", python_model=PolicyModel(), artifacts={"policy": policy.path}, pip_requirements=["torch", "transformers", "safetensors"])
+        mlflow.pyfunc.log_model(name="policy", python_model=PolicyModel(), artifacts={"policy": policy.path}, signature=SIGNATURE,
+                                 pip_requirements=["torch", "transformers", "safetensors"])
     c.set_terminated(ctx.mlflow_run_id, "FINISHED")
     get_run_logger().info("run %s finished: held-out success %.3f -> %.3f", ctx.cfg.run_name, first, last)
     return summary

@@ -78,6 +78,12 @@ def test_recompute_other_method_over_stored_rollouts(prefect_harness, tmp_path, 
         assert table.num_rows == turns.num_rows
     after = {str(p.relative_to(run_dir)): store.file_digest(p) for p in run_dir.glob("iter=*/*.parquet") if "gigpo" not in p.name}
     assert after == before, "recomputing must not touch the original rollouts or advantages"
+    c = MlflowClient(tracking_uri)
+    recomputed, source = run_of(c, "source--recompute-gigpo"), run_of(c, "source")
+    assert recomputed.data.tags["horizonrl.source_run_id"] == source.info.run_id
+    assert steps(c, recomputed.info.run_id, "advantage/zero_group_fraction") == [1, 2]
+    recompute_advantages(str(run_dir), "gigpo")
+    assert steps(c, recomputed.info.run_id, "advantage/zero_group_fraction") == [1, 2], "a rerun logs no step twice"
 
 
 def test_reinforce_pp_baseline_trains_and_recompute_writes_the_same_table(prefect_harness, tmp_path, tracking_uri):
