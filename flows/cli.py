@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -10,6 +11,9 @@ import sys
 def _env_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # the library's info lines (TextWorld game generation, ScienceWorld JVM starts) on the terminal and in Prefect
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "horizonrl")
+    logging.getLogger("horizonrl").setLevel(logging.INFO)
     # Prefect's temporary API server needs ~19 s on a fresh 2-core machine; its default wait is 20 s.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 

@@ -28,6 +28,7 @@ action label reads the verb and whether its object is named in the task descript
 from __future__ import annotations
 
 import functools
+import logging
 import random
 import threading
 from dataclasses import dataclass, field
@@ -58,6 +59,8 @@ VERBS = ("open", "close", "activate", "deactivate", "connect", "disconnect", "du
          "go to", "look around", "look at", "look in", "mix", "move", "pick up", "pour", "put down", "read",
          "teleport to", "use", "wait1", "wait", "inventory", "task", "drop")
 
+
+_log = logging.getLogger(__name__)  # reaches the terminal and Prefect through PREFECT_LOGGING_EXTRA_LOGGERS=horizonrl
 
 def simplification(tier: str) -> str:
     """The simplification string of a tier: a preset, or names joined by '+' or ','."""
@@ -119,6 +122,7 @@ class JvmHost:
         except ImportError as err:
             raise RuntimeError("scienceworld suites need the extra: `pip install -e '.[scienceworld]'` "
                                "(scienceworld==1.2.3) and Java 17 on PATH") from err
+        _log.info("ScienceWorld: starting a Java simulator (JVM %d of this process, a few seconds)", len(self._jvms) + 1)
         port, process = launch_gateway(classpath=JAR_PATH, die_on_exit=True, cwd=BASEPATH,
                                        javaopts=list(self.options), return_proc=True)
         gateway = JavaGateway(gateway_parameters=GatewayParameters(auto_field=True, port=port), java_process=process)

@@ -21,6 +21,7 @@ walkthrough is read only by ``walkthrough()`` (tests).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -52,6 +53,7 @@ PRESETS = MappingProxyType({
 COOKING_SPLITS = MappingProxyType({"train": "train", "dev": "valid", "test": "test"})  # ours -> tw-cooking's
 TEST_SHARE = 10  # a seed is in test iff seed % 10 == 0, in dev iff == 1 (cooking), else in train
 FROTZ_SEED = 1234  # the z-machine's random seed: fixed so that replaying a game's actions replays its text
+_log = logging.getLogger(__name__)  # reaches the terminal and Prefect through PREFECT_LOGGING_EXTRA_LOGGERS=horizonrl
 GENERATE_TIMEOUT_S = 600
 VERBS = ("go", "take", "drop", "put", "insert", "open", "close", "unlock", "lock", "examine", "look", "inventory",
          "eat", "cook", "slice", "dice", "chop", "prepare", "read")
@@ -122,6 +124,7 @@ def ensure_game(root: Path, spec: GameSpec, seed: int) -> Path:
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
+    _log.info("TextWorld: generating game %s seed %d with tw-make (3-6 s a game, cached in %s)", spec.name, seed, path.parent)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".tmp-{seed}-") as tmp:
         out = Path(tmp) / "game.z8"
         command = [tw_make_path(), spec.challenge, *spec.options, "--seed", str(seed), "--output", str(out), "--silent", "-f"]
