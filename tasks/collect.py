@@ -19,9 +19,9 @@ from prefect.cache_policies import NONE
 from horizonrl import faults, store
 from horizonrl.branching import collect_branches, plan_branches
 from horizonrl.checkpoint import CheckpointRef
-from horizonrl.evaluation import branch_metrics, episode_metrics
 from horizonrl.records import EpisodeRecord
 from horizonrl.rollout import SamplingSettings, Shard, collect, split_shards
+from horizonrl.rollout_metrics import branch_metrics, episode_metrics
 from horizonrl.runtime import sample_tasks
 from horizonrl.seeding import derive_seed
 from tasks.context import RUNTIME, RunContext

@@ -7,7 +7,7 @@ from prefect.cache_policies import NONE
 
 from horizonrl import faults
 from horizonrl.checkpoint import CheckpointRef
-from horizonrl.evaluation import episode_metrics, sample_episodes
+from horizonrl.rollout_metrics import episode_metrics, sample_episodes
 from horizonrl.store import episodes_table
 from horizonrl.records import EpisodeRecord
 from horizonrl.rollout import SamplingSettings, collect

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from horizonrl import report, store, traces, tracking
-from horizonrl.evaluation import episode_metrics
+from horizonrl.rollout_metrics import episode_metrics
 from horizonrl.rollout import EpisodeRecord
 from horizonrl.seeding import derive_seed
 from tasks.context import RunContext

@@ -23,8 +23,8 @@ from flowkit import run_of, tiny_config
 from horizonrl import store
 from horizonrl.envs import SUITES
 from horizonrl.envs.pool import EnvPool
-from horizonrl.evaluation import episode_metrics
 from horizonrl.rollout import SamplingSettings, collect
+from horizonrl.rollout_metrics import episode_metrics
 
 REASONS = {"raise": "ValueError: injected", "garbage": "step returned NoneType", "crash": "worker process died", "hang": "no answer within 2 s"}
 

@@ -1,4 +1,5 @@
-"""Figures over an episodes table, shared by the collect and evaluate stages (same names, same meaning).
+"""Figures over an episodes table (success, return, turns, pass@k, ...), shared by the collect and evaluate
+stages (same names, same meaning).
 
 They are computed from the stored table (not from in-memory records) so that a resumed run can log the
 figures of rollouts that were written before a crash.
