@@ -157,13 +157,15 @@ class Browser:
             time.sleep(0.5)
 
     def click(self, text: str) -> None:
-        """Click the innermost element whose whole text is ``text``."""
+        """Click, with the mouse, the innermost element whose whole text is ``text``."""
         import json
 
-        found = self.js(f"""(() => {{ const all = [...document.querySelectorAll('body *')].filter(e => e.innerText && e.innerText.trim() === {json.dumps(text)});
-            all.forEach(e => e.scrollIntoView({{block: 'center'}}));
-            const leaf = all.find(e => ![...e.children].some(c => all.includes(c))); if (!leaf) return false; leaf.click(); return true; }})()""")
-        assert found, f"no element shows {text!r}"
+        at = self.js(f"""(() => {{ const all = [...document.querySelectorAll('body *')].filter(e => e.innerText && e.innerText.trim() === {json.dumps(text)});
+            const leaf = all.find(e => ![...e.children].some(c => all.includes(c))); if (!leaf) return null;
+            leaf.scrollIntoView({{block: 'center'}}); const r = leaf.getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; }})()""")
+        assert at, f"no element shows {text!r}"
+        for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
+            self.call("Input.dispatchMouseEvent", type=kind, x=at[0], y=at[1], button="left", clickCount=1)
 
     def type_into(self, placeholder: str, text: str) -> None:
         """Type ``text`` into the input field whose placeholder is ``placeholder``, as a user would."""

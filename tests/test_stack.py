@@ -199,7 +199,9 @@ def test_mlflow_ui_shows_an_episode_trace_turn_by_turn(swept):
 
 def test_mlflow_ui_compares_the_cells_on_the_sweep_run(swept):
     """The sweep's parent run lists every variant's held-out success (final, AUC, interval) in its
-    Metrics table: no artifact to open. Screenshot: test-artifacts/mlflow_sweep_comparison.png."""
+    Metrics table, and the experiment's chart view grouped by ``cell.method`` draws loop against grpo,
+    held-out success against environment steps (the README's three clicks): no artifact to open.
+    Screenshots: test-artifacts/mlflow_sweep_comparison.png, test-artifacts/mlflow_success_vs_env_steps.png."""
     s, root, _ = swept
     c = MlflowClient(s.mlflow_uri)
     exp, parent, _ = _parent_and_children(c)
@@ -207,8 +209,9 @@ def test_mlflow_ui_compares_the_cells_on_the_sweep_run(swept):
     assert parent.data.tags["git_commit"] not in ("", "unknown")
     for method in ("loop", "grpo"):
         assert {f"compare/{method}/{k}" for k in ("final_mean", "final_ci95", "best_mean", "auc_mean", "seeds")} <= set(metrics)
-    shot = REPO / "test-artifacts" / "mlflow_sweep_comparison.png"
+    shot, chart = REPO / "test-artifacts" / "mlflow_sweep_comparison.png", REPO / "test-artifacts" / "mlflow_success_vs_env_steps.png"
     shot.unlink(missing_ok=True)
+    chart.unlink(missing_ok=True)
     b = Browser(root / "chromium-compare")
     try:
         b.open(f"{s.mlflow_uri}/#/experiments/{exp.experiment_id}/runs/{parent.info.run_id}")
@@ -216,6 +219,13 @@ def test_mlflow_ui_compares_the_cells_on_the_sweep_run(swept):
         b.type_into("Search metrics", "final_mean")
         b.wait_for("compare/loop/final_mean", "compare/grpo/final_mean")
         b.screenshot(shot)
+        b.open(f"{s.mlflow_uri}/#/experiments/{exp.experiment_id}/runs?compareRunsMode=CHART")  # click 1: the chart view
+        b.wait_for("Group by")
+        b.click("Group by")                                                                     # click 2
+        b.wait_for("cell.method")
+        b.click("cell.method")                                                                  # click 3
+        b.wait_for("Group: loop", "Group: grpo", "loop (eval/success_by_env_steps)", "grpo (eval/success_by_env_steps)")
+        b.screenshot(chart)
     finally:
         b.close()
-    assert shot.stat().st_size > 10_000
+    assert shot.stat().st_size > 10_000 and chart.stat().st_size > 10_000
