@@ -122,3 +122,9 @@ def test_cells_are_nested_under_the_sweep_before_they_run(prefect_harness, tmp_p
         assert run.info.status == "FINISHED" and run.data.params["method"] == "loop" and run.data.tags["seed"] == str(seed)
         assert [m.step for m in c.get_metric_history(run.info.run_id, "eval/success_rate")] == [0, 1]
     assert children[1].info.start_time < children[0].info.end_time, "the second cell's run was created only after the first ended"
+    # the comparison on the parent's page, without an artifact; success against environment steps per cell
+    assert {"compare/base/final_mean", "compare/base/auc_mean", "compare/base/seeds"} <= set(parent.data.metrics)
+    assert parent.data.metrics["compare/base/seeds"] == 2 and parent.data.tags["git_commit"]
+    for run in children:
+        env_steps = sorted(m.step for m in c.get_metric_history(run.info.run_id, "eval/success_by_env_steps"))
+        assert len(env_steps) == 2 and env_steps[0] == 0 and env_steps[1] > 0
