@@ -15,8 +15,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from horizonrl import report, store, traces, tracking
+from horizonrl.records import EpisodeRecord
 from horizonrl.rollout_metrics import episode_metrics
-from horizonrl.rollout import EpisodeRecord
 from horizonrl.seeding import derive_seed
 from tasks.context import RunContext
 
