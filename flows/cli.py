@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     tr = sub.add_parser("train", help="train one method (runs the Prefect 'train' flow)")
     tr.add_argument("--config", help="YAML config file")
     tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. method=grpo")
+    ws = sub.add_parser("warmstart", help="behaviour-clone the walkthroughs and register the policy (runs the Prefect 'warmstart' flow)")
+    ws.add_argument("--config", help="YAML config file (section warmstart: demonstrations, epochs, ...)")
+    ws.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. warmstart.epochs=3")
     rc = sub.add_parser("recompute", help="compute a method's advantages over a stored run, without new rollouts")
     rc.add_argument("--run-dir", required=True, help="data/<experiment>/<run_name>")
     rc.add_argument("--method", required=True, help="method (loop, grpo, gigpo, blpo, ...) or estimator name")
@@ -80,6 +83,15 @@ def main(argv: list[str] | None = None) -> int:
               f"({summary['improvement'] * 100:+.1f} points) after {int(summary['iterations'])} iterations")
         print(f"MLflow: experiment {cfg.experiment!r}, run {cfg.run_name!r}; open the UI with: mlflow ui --backend-store-uri {uri} --host 127.0.0.1")
         print(f"data: {os.path.join(cfg.data_dir, cfg.experiment, cfg.run_name)}")
+    if args.command == "warmstart":
+        from flows.warmstart import warmstart
+
+        summary = warmstart(config=cfg.model_dump())
+        print("\n== horizonrl: warm start finished ==")
+        print(f"held-out success (sampled, {cfg.eval.n_tasks} tasks): {summary['initial_success_rate']:.3f} -> {summary['final_success_rate']:.3f} "
+              f"after {int(summary['iterations'])} epochs on {cfg.warmstart.demonstrations} demonstrations")
+        print(f"registered: {summary['model_uri']}; train from it with: horizonrl train --config <config> --set model.path={summary['model_uri']}")
+        print(f"demonstrations: {os.path.join(cfg.data_dir, cfg.experiment, cfg.run_name, 'demonstrations')}")
     return 0
 
 

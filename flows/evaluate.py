@@ -8,7 +8,6 @@ evaluated on any split of its environment, in a new MLflow run tagged with the s
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -17,12 +16,9 @@ from typing import Any
 import mlflow
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
-from mlflow.models import Model
-from mlflow.models.model import MLMODEL_FILE_NAME as MLMODEL
 from prefect import flow
 
 from horizonrl import tracking
-from horizonrl.checkpoint import STATE_FILE, CheckpointRef
 from horizonrl.config import CONFIG_FILE, TrainConfig, load_config
 from tasks.context import RunContext
 from tasks.evaluate import evaluate
@@ -37,12 +33,12 @@ def evaluate_policy(source: str, split: str = "test", n_tasks: int | None = None
     returns the figures and the new run's id. The environment, decoding and seed are the source run's."""
     c = tracking.client(tracking.tracking_uri(tracking_uri))
     mlflow.set_tracking_uri(c.tracking_uri)  # the fluent API (logged models, downloads) reads the global URI
-    source_run_id, model_uri = resolve_policy(c, source)
+    source_run_id, model_uri = tracking.resolve_policy(c, source)
     cfg = config_of_run(c, source_run_id)
     eval_cfg = cfg.eval.model_copy(update={"split": split, **({"n_tasks": n_tasks} if n_tasks else {}), **({"samples": samples} if samples else {})})
     run_name = f"{cfg.run_name}--eval-{split}-{time.strftime('%Y%m%dT%H%M%S')}"
     cfg = TrainConfig.model_validate({**cfg.model_dump(), "run_name": run_name, "eval": eval_cfg.model_dump(), "tracking_uri": c.tracking_uri})
-    policy = download_policy(model_uri, Path(cfg.data_dir) / "policies")
+    policy = tracking.download_policy(model_uri, Path(cfg.data_dir) / "policies")
     tags = {SOURCE_TAG: source_run_id, "horizonrl.kind": "evaluation", "horizonrl.policy_uri": model_uri, "method": cfg.method,
             "env": cfg.env.name, "split": split, "seed": str(cfg.seed)}
     run_id, _ = tracking.find_or_create_run(c, cfg.experiment, run_name, tags)
@@ -52,31 +48,6 @@ def evaluate_policy(source: str, split: str = "test", n_tasks: int | None = None
     c.set_terminated(run_id, "FINISHED")
     print(f"{model_uri} on {split} ({cfg.eval.n_tasks} tasks): success {metrics['success_rate']:.3f}; MLflow run {run_id}")
     return {"run_id": run_id, "source_run_id": source_run_id, **metrics}
-
-
-def resolve_policy(c: MlflowClient, source: str) -> tuple[str, str]:
-    """(source run id, model URI) of a run id, ``runs:/<id>`` or ``models:/<name>/<version>``."""
-    if source.startswith("models:/"):
-        name, _, version = source.removeprefix("models:/").partition("/")
-        if not version:
-            raise ValueError(f"source {source!r}: give models:/<name>/<version>")
-        return c.get_model_version(name, version).run_id, source
-    run_id = source.removeprefix("runs:/").split("/")[0]
-    run = c.get_run(run_id)
-    models = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], filter_string=f"source_run_id = '{run_id}'", output_format="list")
-    if not models:
-        raise ValueError(f"source run {run_id} has no logged policy model (it logs one when its training finishes)")
-    return run_id, f"models:/{models[0].model_id}"
-
-
-def download_policy(model_uri: str, cache: Path) -> CheckpointRef:
-    """The checkpoint packed in the pyfunc model (artifact ``policy``), downloaded once per model."""
-    dest = cache / model_uri.removeprefix("models:/").replace("/", "-")
-    if not (dest / MLMODEL).is_file():
-        dest.mkdir(parents=True, exist_ok=True)
-        mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dest))
-    path = dest / Model.load(dest / MLMODEL).flavors["python_function"]["artifacts"]["policy"]["path"]
-    return CheckpointRef(str(path), int(json.loads((path / STATE_FILE).read_text())["iteration"]))
 
 
 def config_of_run(c: MlflowClient, run_id: str) -> TrainConfig:

@@ -269,15 +269,8 @@ def _histories(c: MlflowClient, parent_id: str) -> dict[str, report.CellHistory]
 def _register_best(c: MlflowClient, parent_id: str, model_name: str) -> str:
     """Register the policy of the cell with the highest final held-out success (ties: larger AUC);
     returns the version (an existing one if this policy is already registered under the name)."""
-    import mlflow
-
     cells = _histories(c, parent_id)
     run_id = max(cells, key=lambda r: (report.seed_figures(cells[r])["final"], report.seed_figures(cells[r])["auc"]))
-    mlflow.set_tracking_uri(c.tracking_uri)
-    models = mlflow.search_logged_models(experiment_ids=[c.get_run(run_id).info.experiment_id], filter_string=f"source_run_id = '{run_id}'", output_format="list")
-    if not models:
-        raise ValueError(f"best cell run {run_id} has no logged policy model")
-    existing = c.search_model_versions(f"name = '{model_name}' and run_id = '{run_id}'")
-    version = existing[0].version if existing else mlflow.register_model(f"models:/{models[0].model_id}", model_name).version
+    version = tracking.register_policy(c, run_id, model_name)
     tracking.set_tags(c, parent_id, {"horizonrl.best_run_id": run_id, "horizonrl.registered_model": f"{model_name}/{version}"})
-    return str(version)
+    return version

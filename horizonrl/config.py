@@ -37,6 +37,10 @@ from methods.registry import LossParams
 CONFIG_FILE = "config.yaml"  # a run's config as it ran: in its data folder and among its MLflow artifacts
 
 
+MODEL_URI_PREFIXES = ("models:/", "runs:/")
+"""``model.path`` forms that name a policy in the MLflow store (a registered version, or a finished run's)."""
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
 
@@ -143,6 +147,12 @@ class ModelConfig(Strict):
     def _path_exists(cls, v: str | None) -> str | None:
         if v is None:
             return v
+        if v.startswith(MODEL_URI_PREFIXES):  # a logged policy, resolved against the tracking store at start
+            if v.startswith("models:/") and not re.fullmatch(r"models:/[^/]+/\d+", v):
+                raise ValueError(f"model path {v!r}: give models:/<name>/<version> (a version number)")
+            if v.startswith("runs:/") and not re.fullmatch(r"runs:/[0-9a-f]+/?", v):
+                raise ValueError(f"model path {v!r}: give runs:/<run id>")
+            return v
         looks_local = v.startswith((".", "/", "~")) or Path(v).expanduser().exists() or v.count("/") != 1
         if looks_local and not Path(v).expanduser().is_dir():
             raise ValueError(f"model path {v!r} does not exist (give a local model directory or a hub id 'org/name')")
@@ -216,6 +226,25 @@ class EvalConfig(Strict):
     """Also evaluate greedy decoding."""
 
 
+class WarmStartConfig(Strict):
+    """Behaviour cloning on walkthrough demonstrations (the ``warmstart`` flow): where RL starts from.
+
+    Fewer demonstrations, fewer epochs or a larger perturbed share give a weaker starting policy; the
+    study wants one with room both ways (README, "Warm start")."""
+
+    demonstrations: int = Field(64, ge=1)
+    """Training tasks whose walkthrough is played and stored (the first N of the train split)."""
+    perturbed_share: float = Field(0.0, ge=0, le=1)
+    """Share of demonstrations with one action replaced by a random other admissible command."""
+    epochs: int = Field(2, ge=1)
+    """Passes over the demonstrations (one checkpoint each)."""
+    lr: float = Field(1e-3, gt=0)
+    minibatch_size: int = Field(16, ge=1)
+    """Demonstration sequences per optimizer step."""
+    model_name: str = Field("horizonrl-warmstart", pattern=r"^[A-Za-z0-9_.-]+$")
+    """Registered model name the final policy is registered under (MLflow model registry)."""
+
+
 class VLLMConfig(Strict):
     """vLLM's OpenAI-compatible server, in its own virtual environment (``make vllm-venv``)."""
 
@@ -283,6 +312,9 @@ class TrainConfig(Strict):
     iterations: int = Field(60, ge=1)
     time_budget_s: float | None = Field(None, gt=0)
     """Stop after the iteration that crosses this much training wall time."""
+    env_step_budget: int | None = Field(None, ge=1)
+    """Stop after the iteration that crosses this many environment steps (every episode's turns, APPO's
+    branches and their replays included): a budget equal across methods and machines."""
     advantage_params: dict[str, Any] = {}
     """Fields of the method's estimator params (e.g. LOOP's ``normalize_std``)."""
     loss_params: dict[str, Any] = {}
@@ -299,6 +331,8 @@ class TrainConfig(Strict):
     trace: TraceConfig = TraceConfig()
     engine: EngineConfig = EngineConfig()
     ray: RayConfig = RayConfig()
+    warmstart: WarmStartConfig = WarmStartConfig()
+    """Read by the ``warmstart`` flow only."""
     data_dir: str = "data"
     tracking_uri: str | None = None
     """MLflow tracking URI; None takes $MLFLOW_TRACKING_URI, else sqlite:///mlflow/mlflow.db."""

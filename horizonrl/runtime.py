@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from horizonrl import lora
+from horizonrl import lora, tracking
 from horizonrl.checkpoint import CheckpointRef, checkpoint_dir, load_optimizer_state, read_state
-from horizonrl.config import RayConfig, TrainConfig
+from horizonrl.config import MODEL_URI_PREFIXES, RayConfig, TrainConfig
 from horizonrl.engines.base import Engine
 from horizonrl.engines.hf import TransformersEngine
 from horizonrl.envs import EnvSuite, make_suite
@@ -109,9 +109,12 @@ class PolicyRuntime:
         return self._pools[key]
 
     def initial_model_dir(self, cfg: TrainConfig) -> Path:
-        """The starting weights: ``model.path`` or the tiny model built for this environment; with
+        """The starting weights: ``model.path`` (a directory, hub id, or ``models:/<name>/<version>`` or
+        ``runs:/<run id>`` from the MLflow store) or the tiny model built for this environment; with
         ``model.lora``, a directory of fresh adapters over that base."""
-        if cfg.model.path is not None:
+        if cfg.model.path is not None and cfg.model.path.startswith(MODEL_URI_PREFIXES):  # a logged policy
+            base = Path(policy_from_store(cfg).path)
+        elif cfg.model.path is not None:
             base = Path(cfg.model.path)
         else:
             base = tiny_model_dir(cfg.data_dir, cfg.env.name, cfg.model, self.suite(cfg).corpus())
@@ -175,6 +178,14 @@ class PolicyRuntime:
 
     def drop(self) -> None:
         self.current = None
+
+
+def policy_from_store(cfg: TrainConfig) -> CheckpointRef:
+    """The checkpoint of ``model.path`` = ``models:/<name>/<version>`` or ``runs:/<run id>``, downloaded
+    once under ``<data_dir>/policies``."""
+    c = tracking.client(tracking_uri(cfg.tracking_uri))
+    _, model_uri = tracking.resolve_policy(c, cfg.model.path)
+    return tracking.download_policy(model_uri, Path(cfg.data_dir) / "policies")
 
 
 def sample_tasks(pool: list, n: int, seed: int, iteration: int) -> list:

@@ -13,12 +13,15 @@ import os
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlflow
 import pandas as pd
 from mlflow import MlflowClient
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, Run, RunTag
+
+if TYPE_CHECKING:
+    from horizonrl.checkpoint import CheckpointRef
 
 RUN_NAME_TAG = "horizonrl.run_name"
 DEFAULT_STORE = "mlflow"
@@ -127,3 +130,58 @@ def git_commit() -> str:
 
 def set_tags(c: MlflowClient, run_id: str, tags: dict[str, Any]) -> None:
     c.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in sorted(tags.items())])
+
+
+def resolve_policy(c: MlflowClient, source: str) -> tuple[str, str]:
+    """(source run id, model URI) of a run id, ``runs:/<id>`` or ``models:/<name>/<version>``."""
+    mlflow.set_tracking_uri(c.tracking_uri)  # the fluent API (logged models) reads the global URI
+    if source.startswith("models:/"):
+        name, _, version = source.removeprefix("models:/").partition("/")
+        if not version:
+            raise ValueError(f"source {source!r}: give models:/<name>/<version>")
+        return c.get_model_version(name, version).run_id, source
+    run_id = source.removeprefix("runs:/").split("/")[0]
+    run = c.get_run(run_id)
+    models = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], filter_string=f"source_run_id = '{run_id}'", output_format="list")
+    if not models:
+        raise ValueError(f"source run {run_id} has no logged policy model (it logs one when its training finishes)")
+    return run_id, f"models:/{models[0].model_id}"
+
+
+INIT_MODEL_TAG = "horizonrl.init.model"  # lineage of a run that starts from a logged policy
+INIT_SOURCE_TAG = "horizonrl.init.source_run_id"
+
+
+def lineage_tags(c: MlflowClient, model_path: str | None) -> dict[str, str]:
+    """Tags naming where a run's starting policy comes from (``models:/<name>/<version>`` or
+    ``runs:/<id>``, and the run that produced it); none for a local directory or hub id."""
+    if model_path is None or not model_path.startswith(("models:/", "runs:/")):
+        return {}
+    source_run_id, _ = resolve_policy(c, model_path)
+    return {INIT_MODEL_TAG: model_path, INIT_SOURCE_TAG: source_run_id}
+
+
+def download_policy(model_uri: str, cache: Path) -> CheckpointRef:
+    """The checkpoint packed in the pyfunc model (artifact ``policy``), downloaded once per model."""
+    from mlflow.models import Model
+    from mlflow.models.model import MLMODEL_FILE_NAME
+
+    from horizonrl.checkpoint import STATE_FILE, CheckpointRef  # here: the checkpoint module imports torch
+
+    dest = cache / model_uri.removeprefix("models:/").replace("/", "-")
+    if not (dest / MLMODEL_FILE_NAME).is_file():
+        dest.mkdir(parents=True, exist_ok=True)
+        mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dest))
+    path = dest / Model.load(dest / MLMODEL_FILE_NAME).flavors["python_function"]["artifacts"]["policy"]["path"]
+    return CheckpointRef(str(path), int(json.loads((path / STATE_FILE).read_text())["iteration"]))
+
+
+def register_policy(c: MlflowClient, run_id: str, model_name: str) -> str:
+    """Register the policy logged by run ``run_id`` under ``model_name``; returns the version (the existing
+    one if this run's policy is already registered under that name, so a rerun registers nothing new)."""
+    mlflow.set_tracking_uri(c.tracking_uri)
+    models = mlflow.search_logged_models(experiment_ids=[c.get_run(run_id).info.experiment_id], filter_string=f"source_run_id = '{run_id}'", output_format="list")
+    if not models:
+        raise ValueError(f"run {run_id} has no logged policy model")
+    existing = c.search_model_versions(f"name = '{model_name}' and run_id = '{run_id}'")
+    return str(existing[0].version if existing else mlflow.register_model(f"models:/{models[0].model_id}", model_name).version)

@@ -36,7 +36,8 @@ def start_run(cfg: TrainConfig) -> RunStart:
         get_run_logger().warning("removed a partial file left by an interrupted run: %s", p)
     uri = tracking.tracking_uri(cfg.tracking_uri)
     c = tracking.client(uri)
-    tags = {"method": cfg.method, "env": cfg.env.name, "tier": cfg.env.tier, "seed": str(cfg.seed), "context": cfg.rollout.context, "git_commit": tracking.git_commit()}
+    tags = {"method": cfg.method, "env": cfg.env.name, "tier": cfg.env.tier, "seed": str(cfg.seed), "context": cfg.rollout.context,
+            "git_commit": tracking.git_commit(), **tracking.lineage_tags(c, cfg.model.path)}
     run_id, resumed = tracking.find_or_create_run(c, cfg.experiment, cfg.run_name, tags)
     if resumed and not c.get_run(run_id).data.params:  # created ahead by a sweep, to nest it in the UI
         tracking.set_tags(c, run_id, tags)

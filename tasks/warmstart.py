@@ -1,0 +1,88 @@
+"""Warm-start stages: the demonstrations (walkthroughs stored as Parquet) and one epoch of behaviour cloning."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pyarrow.compute as pc
+from mlflow.entities import Metric
+from prefect import get_run_logger, task
+from prefect.cache_policies import NONE
+
+from horizonrl import store
+from horizonrl.checkpoint import CheckpointRef, read_state, save_checkpoint
+from horizonrl.cloning import clone_epoch
+from horizonrl.demonstrations import play_walkthroughs
+from horizonrl.seeding import derive_seed
+from horizonrl.sequences import train_rows
+from tasks.context import RUNTIME, RunContext
+from tasks.tracking import log_stage, logged
+
+
+@dataclass(frozen=True)
+class DemonstrationsRef:
+    episodes: str  # <run_dir>/demonstrations/episodes.parquet
+    turns: str
+
+
+@task(name="demonstrations", retries=1, retry_delay_seconds=1, cache_policy=NONE)
+def record_demonstrations(ctx: RunContext, policy: CheckpointRef) -> DemonstrationsRef:
+    """Play the walkthroughs of the first ``warmstart.demonstrations`` training tasks and store them in the
+    trajectory schema (``kind = demonstration``), tokenized by ``policy``'s tokenizer; stored once, reused
+    by a resumed run."""
+    cfg, ws = ctx.cfg, ctx.cfg.warmstart
+    d = ctx.path / "demonstrations"
+    ref = DemonstrationsRef(str(d / "episodes.parquet"), str(d / "turns.parquet"))
+    if not (d / "episodes.parquet").is_file():
+        suite = RUNTIME.suite(cfg)
+        fmt = RUNTIME.get(cfg, policy).fmt
+        tasks = suite.tasks("train", cfg.env.tier, ws.demonstrations)
+        records = play_walkthroughs(suite, tasks, fmt, action_mode=cfg.rollout.action_mode, context=cfg.rollout.context,
+                                    history_turns=cfg.rollout.history_turns, max_turns=cfg.env.max_turns or suite.max_turns(cfg.env.tier),
+                                    perturbed_share=ws.perturbed_share, seed=cfg.seed)
+        store.write_table(store.turns_table(records), ref.turns, "turns")
+        store.write_table(store.episodes_table(records, cfg.run_name, 0, 0), ref.episodes, "episodes")
+    episodes = store.read_table(ref.episodes, "episodes", columns=["won", "n_turns", "gen_tokens"])
+    stats = {"episodes": float(episodes.num_rows), "won_share": float(pc.mean(episodes["won"].cast("float64")).as_py()),
+             "mean_turns": float(pc.mean(episodes["n_turns"]).as_py()), "action_tokens": float(pc.sum(episodes["gen_tokens"]).as_py())}
+    inputs = {f"demonstrations/{name}": (path, store.file_digest(path)) for name, path in (("turns", ref.turns), ("episodes", ref.episodes))}
+    log_stage(ctx, "demonstrations", stats, 0, inputs=inputs)
+    get_run_logger().info("%d demonstrations (%.0f%% won, %.1f turns on average) in %s", episodes.num_rows, 100 * stats["won_share"], stats["mean_turns"], ref.episodes)
+    return ref
+
+
+@task(name="clone", cache_policy=NONE)
+def clone(ctx: RunContext, epoch: int, demos: DemonstrationsRef, policy: CheckpointRef) -> CheckpointRef:
+    """One epoch of behaviour cloning from ``policy``; its output is checkpoint ``epoch``. Logs the loss of
+    every optimizer step (``clone/loss``, step = optimizer step) and the epoch's mean (``clone/epoch_loss``).
+    Not retried, like the PPO update: a half-applied epoch lives only in memory."""
+    cfg, ws = ctx.cfg, ctx.cfg.warmstart
+    loaded = RUNTIME.get(cfg, policy)
+    try:
+        for group in loaded.optimizer.param_groups:
+            group["lr"] = ws.lr
+        rows = train_rows(store.read_table(demos.turns, "turns"), cfg.rollout.context)
+        losses = clone_epoch(loaded.model, loaded.optimizer, rows, ws.minibatch_size, cfg.update.grad_clip,
+                             loaded.tokenizer.pad_token_id, derive_seed(cfg.seed, "clone", epoch))
+        state = {"clone_losses": losses, "elapsed_s": 0.0, "nonfinite_steps": 0, "mlflow_run_id": ctx.mlflow_run_id, "seed": cfg.seed, "config_digest": cfg.digest()}
+        ref = save_checkpoint(ctx.path, epoch, loaded.model, loaded.tokenizer, loaded.optimizer, state)
+    except BaseException:
+        RUNTIME.drop()
+        raise
+    RUNTIME.advance(ref)
+    log_losses(ctx, ref)
+    get_run_logger().info("epoch %d: %d steps, loss %.4f -> %.4f", epoch, len(losses), losses[0], losses[-1])
+    return ref
+
+
+def log_losses(ctx: RunContext, ref: CheckpointRef) -> None:
+    """Log checkpoint ``ref``'s epoch losses once (also after a crash between its checkpoint and its log)."""
+    losses = read_state(ref).get("clone_losses")
+    if not losses or logged(ctx, "clone/epoch_loss", ref.iteration):
+        return
+    first_step, now = (ref.iteration - 1) * len(losses), int(time.time() * 1000)
+    metrics = [Metric("clone/loss", loss, now, first_step + k) for k, loss in enumerate(losses)]
+    for i in range(0, len(metrics), 1000):  # MLflow's batch limit
+        ctx.mlflow().log_batch(ctx.mlflow_run_id, metrics=metrics[i : i + 1000])
+    log_stage(ctx, "clone", {"epoch_loss": sum(losses) / len(losses)}, ref.iteration)
