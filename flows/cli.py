@@ -35,8 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     sw = sub.add_parser("sweep", help="run a sweep file's grid as child train runs, then the comparison report")
     sw.add_argument("sweep_file", help="sweep YAML (configs/sweeps/)")
     sw.add_argument("--here", action="store_true", help="run the cells in this process even if the file names a deployment")
-    rp = sub.add_parser("report", help="compare the finished cells of a sweep (MLflow parent run + Prefect artifacts)")
+    rp = sub.add_parser("report", help="compare the finished cells of a sweep (MLflow parent run + Prefect artifacts; --out: the results page)")
     rp.add_argument("sweep_file", help="sweep YAML the sweep ran from")
+    for p in (sw, rp):
+        p.add_argument("--instance", help="an instance of a scheduled sweep (<time>-<commit>, the parent run's name after '--')")
+        p.add_argument("--out", help="also write the results page here, figures beside it (e.g. docs/results.md)")
     ev = sub.add_parser("evaluate", help="evaluate a logged policy on a split, in a new MLflow run")
     ev.add_argument("--source", required=True, help="MLflow run id, runs:/<run id>, or models:/<name>/<version>")
     ev.add_argument("--split", default="test", help="environment split (default test)")
@@ -138,24 +141,24 @@ def _sweep(args: argparse.Namespace) -> int:
     from flows.sweep import load_sweep, sweep
 
     try:
-        load_sweep(args.sweep_file)
+        load_sweep(args.sweep_file, args.instance)
     except ValueError as err:
         print(f"horizonrl: bad sweep: {err}", file=sys.stderr)
         return 2
-    sweep(args.sweep_file, in_process=args.here)
+    sweep(args.sweep_file, in_process=args.here, instance=args.instance, out=args.out)
     return 0
 
 
 def _report(args: argparse.Namespace) -> int:
-    from flows.sweep import load_sweep, sweep_report
+    from flows.sweep import instance_name, load_sweep, sweep_report
     from horizonrl.tracking import tracking_uri
 
     try:
-        spec, cells = load_sweep(args.sweep_file)
+        spec, cells = load_sweep(args.sweep_file, args.instance)
     except ValueError as err:
         print(f"horizonrl: bad sweep: {err}", file=sys.stderr)
         return 2
-    sweep_report(spec.name, cells[0].config.experiment, tracking_uri(cells[0].config.tracking_uri))
+    sweep_report(instance_name(spec.name, args.instance), cells[0].config.experiment, tracking_uri(cells[0].config.tracking_uri), args.sweep_file, args.out)
     return 0
 
 

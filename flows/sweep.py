@@ -19,32 +19,39 @@ Rerunning a sweep skips finished cells; an unfinished one resumes, as ``train`` 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import re
-import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import yaml
 from mlflow import MlflowClient
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NONE
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, FlowRunFilterState, FlowRunFilterStateType
 from prefect.client.schemas.objects import StateType
 from prefect.deployments import run_deployment
+from prefect.flow_runs import wait_for_flow_run
+from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from horizonrl import report, tracking
 from horizonrl.config import TrainConfig, load_config
 
-HISTORIES = ("eval/success_rate", "collect/episodes", "collect/mean_turns", "collect/tokens_per_episode", "time/train_s")
+HISTORIES = ("eval/success_rate", "collect/episodes", "collect/mean_turns", "collect/tokens_per_episode", "time/train_s", "time/env_steps")
 REPORT_TABLE = "report/comparison.json"  # pandas "split" JSON: {"columns": [...], "data": [[...], ...]}
 CELL_TAG = "horizonrl.cell"  # the cell's coordinates as JSON; also one ``cell.<key>`` tag per coordinate
 SWEEP_TAG = "horizonrl.sweep"
+BASE_TAG = "horizonrl.sweep_base"  # the sweep file's name, shared by all its instances
+INSTANCE_TAG = "horizonrl.instance"  # <scheduled time>-<commit> of a scheduled firing
+PREVIOUS_TAG = "horizonrl.previous_instance"
 UNFINISHED = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING]
 
 
@@ -57,8 +64,9 @@ class SweepConfig(BaseModel):
     """Train config the cells start from, relative to the sweep file."""
     set: list[str] = []
     """Overrides applied to every cell, ``key.sub=value``."""
-    grid: dict[str, list[Any]]
-    """Dotted config key -> values; the cells are the product of all lists."""
+    grid: dict[str, list[Any]] | list[dict[str, list[Any]]]
+    """Dotted config key -> values; the cells are the product of all lists. A list of such grids is the
+    union of their products (e.g. every method, plus one method's ablations)."""
     deployment: str | None = None
     """``flow/deployment`` of ``train`` to fan cells out to; None runs them here, one after another."""
     concurrency: int = Field(1, ge=1)
@@ -68,13 +76,17 @@ class SweepConfig(BaseModel):
 
     @field_validator("grid")
     @classmethod
-    def _non_empty(cls, grid: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        if not grid:
-            raise ValueError("grid is empty: give at least one key with a list of values, e.g. method: [loop, grpo]")
-        for key, values in grid.items():
-            if not values:
-                raise ValueError(f"grid.{key} has no values")
+    def _non_empty(cls, grid: dict[str, list[Any]] | list[dict[str, list[Any]]]) -> dict[str, list[Any]] | list[dict[str, list[Any]]]:
+        for g in grid if isinstance(grid, list) else [grid]:
+            if not g:
+                raise ValueError("grid is empty: give at least one key with a list of values, e.g. method: [loop, grpo]")
+            for key, values in g.items():
+                if not values:
+                    raise ValueError(f"grid.{key} has no values")
         return grid
+
+    def grids(self) -> list[dict[str, list[Any]]]:
+        return self.grid if isinstance(self.grid, list) else [self.grid]
 
 
 @dataclass(frozen=True)
@@ -87,9 +99,10 @@ class Cell:
         return self.config.run_name
 
 
-def load_sweep(path: str | Path) -> tuple[SweepConfig, list[Cell]]:
+def load_sweep(path: str | Path, instance: str | None = None) -> tuple[SweepConfig, list[Cell]]:
     """Read and validate a sweep file and every cell's config before any work starts; errors name the
-    file and the field (``grid``, ``grid.method``, or the cell and its config field)."""
+    file and the field (``grid``, ``grid.method``, or the cell and its config field). An ``instance``
+    (a scheduled firing) names the sweep and its cells ``<name>--<instance>...``."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"sweep file {str(p)!r} does not exist")
@@ -97,16 +110,20 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, list[Cell]]:
         spec = SweepConfig.model_validate(yaml.safe_load(p.read_text()) or {})
     except (yaml.YAMLError, ValidationError) as err:
         raise ValueError(f"sweep file {str(p)!r}: {err}") from err
-    keys = list(spec.grid)
+    if instance is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", instance):
+        raise ValueError(f"sweep instance {instance!r}: use letters, digits, '_', '.' and '-' only")
+    prefix = instance_name(spec.name, instance)
     cells = []
-    for values in itertools.product(*spec.grid.values()):
-        coords = dict(zip(keys, values))
-        name = "--".join([spec.name, *(f"{k}={v}" for k, v in coords.items())])
+    for coords in (dict(zip(g, values)) for g in spec.grids() for values in itertools.product(*g.values())):
+        name = "--".join([prefix, *(f"{k}={v}" for k, v in coords.items())])
         sets = [*spec.set, *(f"{k}={json.dumps(v)}" for k, v in coords.items()), f"run_name={json.dumps(name)}"]
         try:
             cells.append(Cell(coords, load_config(p.parent / spec.base, sets)))
         except ValueError as err:
             raise ValueError(f"sweep file {str(p)!r}, grid cell {coords}: {err}") from err
+    duplicates = sorted({c.run_name for c in cells if sum(d.run_name == c.run_name for d in cells) > 1})
+    if duplicates:
+        raise ValueError(f"sweep file {str(p)!r}: the grids repeat cells {duplicates}")
     for field in ("experiment", "tracking_uri"):
         if len({getattr(c.config, field) for c in cells}) > 1:
             raise ValueError(f"sweep file {str(p)!r}: grid varies {field!r}; a sweep's runs share one experiment and store")
@@ -114,77 +131,128 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, list[Cell]]:
 
 
 def finished(c: MlflowClient, cell: Cell) -> bool:
-    """The cell's run ended (FINISHED) after all its iterations (or its time budget)."""
+    """The cell's run ended (FINISHED) after all its iterations (or its time or environment-step budget)."""
     run = tracking.find_run(c, cell.config.experiment, cell.run_name)
     if run is None or run.info.status != "FINISHED":
         return False
-    return cell.config.time_budget_s is not None or run.data.metrics.get("summary/iterations", 0) >= cell.config.iterations
+    budgeted = cell.config.time_budget_s is not None or cell.config.env_step_budget is not None
+    return budgeted or run.data.metrics.get("summary/iterations", 0) >= cell.config.iterations
 
 
 @flow(name="sweep", log_prints=True)
-def sweep(sweep_path: str, in_process: bool = False) -> list[dict[str, Any]]:
+def sweep(sweep_path: str, in_process: bool = False, new_instance: bool = False, instance: str | None = None,
+          out: str | None = None) -> list[dict[str, Any]]:
     """Run a sweep file's unfinished cells and report; returns the report's rows (one per variant).
-    ``in_process`` runs the cells here even where the file names a deployment (no server at hand)."""
+    ``in_process`` runs the cells here even where the file names a deployment (no server at hand).
+    ``new_instance`` (the scheduled deployment) makes this firing a new instance of the sweep, named by
+    the flow run's scheduled time and the commit, so a rerun of the same flow run resumes the same one;
+    ``instance`` resumes a named instance. ``out`` also writes the results page (``docs/results.md``)."""
     log = get_run_logger()
-    spec, cells = load_sweep(sweep_path)
+    if new_instance and instance is None:
+        instance = f"{scheduled_time():%Y%m%dT%H%M%SZ}-{tracking.git_commit()[:8]}"
+    spec, cells = load_sweep(sweep_path, instance)
+    name = instance_name(spec.name, instance)
     cfg0 = cells[0].config
     uri = tracking.tracking_uri(cfg0.tracking_uri)
     c = tracking.client(uri)
-    parent_id, _ = tracking.find_or_create_run(c, cfg0.experiment, spec.name, {SWEEP_TAG: spec.name, "horizonrl.kind": "sweep"})
+    tags = {SWEEP_TAG: name, "horizonrl.kind": "sweep", BASE_TAG: spec.name, **({INSTANCE_TAG: instance} if instance else {})}
+    parent_id, _ = tracking.find_or_create_run(c, cfg0.experiment, name, tags)
     tracking.set_tags(c, parent_id, {"git_commit": tracking.git_commit()})
     c.log_text(parent_id, Path(sweep_path).read_text(), "sweep.yaml")
     todo = [cell for cell in cells if not finished(c, cell)]
     deployment = None if in_process else spec.deployment
-    log.info("sweep %s: %d cells, %d finished, %d to run (%s)", spec.name, len(cells), len(cells) - len(todo), len(todo), deployment or "in process")
+    log.info("sweep %s: %d cells, %d finished, %d to run (%s)", name, len(cells), len(cells) - len(todo), len(todo), deployment or "in process")
     status = "FAILED"
     try:
         for cell in cells:
-            _link(c, parent_id, spec.name, cell)
+            _link(c, parent_id, name, cell)
         states = _run_deployed(todo, deployment, spec.concurrency) if deployment else _run_here(todo)
         failed = {name: state for name, state in states.items() if state != "Completed"}
         for cell in (cell for cell in todo if cell.run_name in failed):
             run = tracking.find_run(c, cell.config.experiment, cell.run_name)
             if run is not None and run.info.status == "RUNNING":
                 c.set_terminated(run.info.run_id, "FAILED")
-        rows = sweep_report(spec.name, cfg0.experiment, uri)
+        rows = sweep_report(name, cfg0.experiment, uri, sweep_path, out)
         if spec.register_best:
             version = _register_best(c, parent_id, spec.register_best)
             log.info("best policy registered as %s version %s", spec.register_best, version)
         if failed:
-            raise RuntimeError(f"sweep {spec.name}: cells did not complete: {failed}")
+            raise RuntimeError(f"sweep {name}: cells did not complete: {failed}")
         status = "FINISHED"
     finally:
         c.set_terminated(parent_id, status)
     return rows
 
 
+def instance_name(sweep_name: str, instance: str | None) -> str:
+    """The parent run's name: the sweep's, or ``<sweep>--<instance>`` for an instance."""
+    return sweep_name if instance is None else f"{sweep_name}--{instance}"
+
+
+def scheduled_time() -> datetime:
+    """When this flow run was scheduled to start (the same for every retry of it); now, outside a flow run."""
+    from prefect.runtime import flow_run
+
+    when = flow_run.scheduled_start_time
+    return when.astimezone(timezone.utc) if when is not None else datetime.now(timezone.utc)
+
+
 @flow(name="sweep-report", log_prints=True)
-def sweep_report(sweep_name: str, experiment: str, tracking_uri: str | None = None) -> list[dict[str, Any]]:
-    """Compare a sweep's cells from their MLflow metrics (``horizonrl.report``); log the table, a Markdown
-    summary and the learning curves to the parent run, and publish table and summary as Prefect artifacts.
-    Rerunning it replaces the parent's report files."""
+def sweep_report(sweep_name: str, experiment: str, tracking_uri: str | None = None, sweep_path: str | None = None,
+                 out: str | None = None) -> list[dict[str, Any]]:
+    """Compare a sweep's cells from their MLflow metrics (``horizonrl.report``); log the table, the page
+    (``report/report.md``, embedding the learning curves beside it) to the parent run, and publish table,
+    summary and, for an instance, the comparison with the previous instance as Prefect artifacts. ``out``
+    also writes the page and its figures there (``docs/results.md``, ``docs/results_<x>.png``). Rerunning
+    it replaces the parent's report files and gives the same page."""
     import matplotlib.pyplot as plt
 
     c = tracking.client(tracking.tracking_uri(tracking_uri))
     parent = tracking.find_run(c, experiment, sweep_name)
     if parent is None:
         raise ValueError(f"no sweep run named {sweep_name!r} in experiment {experiment!r}")
-    cells = list(_histories(c, parent.info.run_id).values())
-    if not cells:
+    found = _histories(c, parent.info.run_id)
+    if not found:
         raise ValueError(f"sweep {sweep_name!r} has no cell runs under it yet")
+    cells = list(found.values())
     summaries = report.summarize(cells)
-    rows, md = report.table(summaries), report.markdown(f"Sweep {sweep_name}", summaries)
-    c.log_text(parent.info.run_id, pd.DataFrame(rows).to_json(orient="split", index=False), REPORT_TABLE)
-    c.log_text(parent.info.run_id, md, "report/report.md")
-    log_comparison(c, parent.info.run_id, rows)
-    for x in ("iterations", "env_steps"):
-        fig = report.plot(report.curves(cells), x)
-        c.log_figure(parent.info.run_id, fig, f"report/success_vs_{x}.png")
-        plt.close(fig)
+    previous = _previous_instance(c, parent)
+    ctx = _page_context(c, parent, found, sweep_path, out, previous)
     key = artifact_key(sweep_name)
-    create_table_artifact(rows, key=f"{key}-report", description=f"Sweep {sweep_name}: held-out success per variant (mean, 95% CI over seeds)")
-    create_markdown_artifact(md, key=f"{key}-summary", description=f"Sweep {sweep_name}: comparison")
-    print(md)
+    curves = report.curves(cells)
+    pages = {"report": ("report/report.md", {x: f"success_vs_{x}.png" for x in report.X_AXES})}
+    if out is not None:
+        stem = Path(out).stem
+        pages["out"] = (out, {x: f"{stem}_{x}.png" for x in report.X_AXES})
+    for where, (page, figures) in pages.items():
+        md = report.results_page(cells, ctx, figures)
+        for x, name in figures.items():
+            fig = report.plot(curves, x)
+            if where == "report":
+                c.log_figure(parent.info.run_id, fig, f"report/{name}")
+            else:
+                fig.savefig(Path(out).parent / name, metadata={"Software": None})
+            plt.close(fig)
+        if where == "report":
+            c.log_text(parent.info.run_id, md, page)
+        else:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(md)
+    rows = report.table(summaries)
+    c.log_text(parent.info.run_id, pd.DataFrame(rows).to_json(orient="split", index=False), REPORT_TABLE)
+    log_comparison(c, parent.info.run_id, rows)
+    create_table_artifact(rows, key=f"{key}-report", description=f"Sweep {sweep_name}: held-out success per variant (mean, 95% bootstrap interval over seeds)")
+    create_markdown_artifact(report.markdown(f"Sweep {sweep_name}", summaries), key=f"{key}-summary", description=f"Sweep {sweep_name}: comparison")
+    if previous is not None:
+        drifted = report.drifts(summaries, ctx.previous_summaries)
+        lines = [f"- **{d.variant}**: final success {d.now:.3f}, outside [{d.before.low:.3f}, {d.before.high:.3f}] of {ctx.previous}" for d in drifted]
+        create_markdown_artifact("\n".join([f"# {sweep_name} against {ctx.previous}", "", *(lines or ["No variant left the previous interval."])]),
+                                 key=f"{artifact_key(parent.data.tags.get(BASE_TAG, sweep_name))}-drift",
+                                 description=f"Variants of {sweep_name} whose final success left {ctx.previous}'s interval")
+        tracking.set_tags(c, parent.info.run_id, {PREVIOUS_TAG: ctx.previous, "horizonrl.drifted": ",".join(d.variant for d in drifted)})
+    print(f"report: MLflow run {parent.info.run_id} ({sweep_name}), artifacts report/report.md and report/success_vs_*.png")
+    if out is not None:
+        print(f"page: {out}; figures: {', '.join(str(Path(out).parent / f) for f in pages['out'][1].values())}")
     return rows
 
 
@@ -199,6 +267,42 @@ def log_comparison(c: MlflowClient, parent_id: str, rows: list[dict[str, Any]]) 
     tracking.log_metrics(c, parent_id, "compare", figures, 0)
 
 
+def _previous_instance(c: MlflowClient, parent: Any) -> Any | None:
+    """The newest finished instance of the same sweep that started before ``parent`` (None if not an instance)."""
+    base = parent.data.tags.get(BASE_TAG)
+    if INSTANCE_TAG not in parent.data.tags or base is None:
+        return None
+    runs = c.search_runs([parent.info.experiment_id], filter_string=f"tags.`{BASE_TAG}` = '{base}' and attributes.status = 'FINISHED'",
+                         order_by=["attributes.start_time DESC"])
+    earlier = [r for r in runs if INSTANCE_TAG in r.data.tags and r.info.start_time < parent.info.start_time]
+    return earlier[0] if earlier else None
+
+
+def _page_context(c: MlflowClient, parent: Any, found: dict[str, report.CellHistory], sweep_path: str | None, out: str | None,
+                  previous: Any | None) -> report.PageContext:
+    """What the page prints besides the numbers: commit, configs, warm start, the regenerate command."""
+    runs = [c.get_run(run_id) for run_id in sorted(found)]
+    commits = sorted({r.data.tags.get("git_commit", "unknown") for r in runs})
+    configs = [sweep_path] if sweep_path else []
+    if sweep_path:
+        spec = SweepConfig.model_validate(yaml.safe_load(Path(sweep_path).read_text()))
+        configs.append(str(Path(sweep_path).parent / spec.base))
+    warm = None
+    sources = sorted({(r.data.tags[tracking.INIT_MODEL_TAG], r.data.tags[tracking.INIT_SOURCE_TAG]) for r in runs if tracking.INIT_SOURCE_TAG in r.data.tags})
+    if len(sources) == 1:
+        model_uri, source = sources[0]
+        h = {m.step: m.value for m in c.get_metric_history(source, "eval/success_rate")}
+        n = {m.step: m.value for m in c.get_metric_history(source, "eval/episodes")}
+        if h:
+            warm = report.WarmStart(model_uri, source, h[max(h)], int(n.get(max(h), 0)))
+    instance = parent.data.tags.get(INSTANCE_TAG)
+    command = f"horizonrl report {sweep_path or '<sweep file>'}" + (f" --instance {instance}" if instance else "") + (f" --out {out}" if out else "")
+    uri = c.tracking_uri
+    before = list(_histories(c, previous.info.run_id).values()) if previous is not None else []
+    return report.PageContext(f"Results: {parent.info.run_name}", commits, configs, f"MLFLOW_TRACKING_URI={uri} {command}", uri, parent.info.run_id, warm,
+                              previous.info.run_name if previous is not None else None, report.summarize(before) if before else [])
+
+
 def _run_here(cells: list[Cell]) -> dict[str, str]:
     """One child train flow after another; a failed cell does not stop the others."""
     from flows.train import train  # here, not at the top: a fanned-out sweep never needs the model stack (~10 s to import)
@@ -210,24 +314,25 @@ def _run_here(cells: list[Cell]) -> dict[str, str]:
     return states
 
 
-def _run_deployed(cells: list[Cell], deployment: str, concurrency: int, poll_s: float = 2.0) -> dict[str, str]:
-    """Submit cells to the train deployment, at most ``concurrency`` in flight; return final state names.
-    A cell whose flow run is still queued or running (an earlier attempt of this sweep) is waited for,
-    not submitted again: two runs of one run name would write the same checkpoints."""
-    pending, active, states = list(cells), {}, {}
+def _run_deployed(cells: list[Cell], deployment: str, concurrency: int) -> dict[str, str]:
+    """Run each cell as a flow run of the train deployment, at most ``concurrency`` at once: each cell is a
+    ``sweep-cell`` task that waits for its flow run, on a thread-pool task runner of ``concurrency``
+    workers; return final state names."""
+    with ThreadPoolTaskRunner(max_workers=concurrency) as runner:
+        futures = {cell.run_name: runner.submit(run_cell, {"run_name": cell.run_name, "config": cell.config.model_dump(), "deployment": deployment})
+                   for cell in cells}
+        return {name: f.result() for name, f in futures.items()}
+
+
+@task(name="sweep-cell", task_run_name="{run_name}", cache_policy=NONE)
+def run_cell(run_name: str, config: dict[str, Any], deployment: str) -> str:
+    """Start the cell's flow run on the deployment and wait for it; return its final state's name. A flow run
+    of this cell still queued or running (an earlier attempt of this sweep) is waited for, not submitted
+    again: two runs of one run name would write the same checkpoints."""
     with get_client(sync_client=True) as client:
-        while pending or active:
-            while pending and len(active) < concurrency:
-                cell = pending.pop(0)
-                running = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[cell.run_name]), state=FlowRunFilterState(type=FlowRunFilterStateType(any_=UNFINISHED))))
-                run = running[0] if running else run_deployment(deployment, parameters={"config": cell.config.model_dump()}, flow_run_name=cell.run_name, timeout=0)
-                active[run.id] = cell
-            time.sleep(poll_s)
-            for run_id in list(active):
-                state = client.read_flow_run(run_id).state
-                if state is not None and state.is_final():
-                    states[active.pop(run_id).run_name] = state.name
-    return states
+        running = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_name]), state=FlowRunFilterState(type=FlowRunFilterStateType(any_=UNFINISHED))))
+    run = running[0] if running else run_deployment(deployment, parameters={"config": config}, flow_run_name=run_name, timeout=0, as_subflow=False)
+    return asyncio.run(wait_for_flow_run(run.id, timeout=None)).state.name
 
 
 def _link(c: MlflowClient, parent_id: str, sweep_name: str, cell: Cell) -> None:
@@ -262,7 +367,8 @@ def _histories(c: MlflowClient, parent_id: str) -> dict[str, report.CellHistory]
             continue  # a cell that has not started (its run is created ahead) has nothing to compare yet
         train_s = h["time/train_s"][max(h["time/train_s"])] if h["time/train_s"] else float("nan")
         out[run.info.run_id] = report.CellHistory(variant, int(run.data.tags.get("seed", coords.get("seed", 0))), h["eval/success_rate"],
-                                                  h["collect/episodes"], h["collect/mean_turns"], h["collect/tokens_per_episode"], train_s)
+                                                  h["collect/episodes"], h["collect/mean_turns"], h["collect/tokens_per_episode"], train_s,
+                                                  h["time/env_steps"], h["time/train_s"])
     return out
 
 

@@ -13,7 +13,8 @@ from typing import Any
 
 from prefect import flow
 
-from horizonrl.config import train_config
+from horizonrl import store
+from horizonrl.config import TrainConfig, train_config
 from tasks.advantage import advantages
 from tasks.collect import collect_rollouts
 from tasks.evaluate import evaluate
@@ -31,18 +32,20 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, co
     if policy.iteration == 0 or _eval_missing(ctx, policy.iteration):
         evaluate(ctx, policy, policy.iteration)
     progress = Progress(ctx, policy.iteration)
+    steps = store.env_steps(cfg.data_dir, cfg.experiment, cfg.run_name, range(1, policy.iteration + 1))
     for it in range(policy.iteration + 1, cfg.iterations + 1):
-        if cfg.time_budget_s is not None and elapsed >= cfg.time_budget_s:
+        if _budget_spent(cfg, elapsed, steps):
             break
         t0 = time.perf_counter()
         rollouts = collect_rollouts(ctx, it, policy)                    # 1. rollouts of the current policy
+        steps += store.env_steps(cfg.data_dir, cfg.experiment, cfg.run_name, range(it, it + 1))
         adv = advantages(ctx, it, rollouts, policy)                     # 2. the method's advantages
         policy = update(ctx, it, rollouts, adv, policy, elapsed + time.perf_counter() - t0)  # 3. PPO -> checkpoint
         elapsed += time.perf_counter() - t0
-        log_stage(ctx, "time", {"iteration_s": time.perf_counter() - t0, "train_s": elapsed}, it)
+        log_stage(ctx, "time", {"iteration_s": time.perf_counter() - t0, "train_s": elapsed, "env_steps": steps}, it)
         log_stage(ctx, "system", {"max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, it)
         progress.advance(it, rollouts.episodes)
-        last = it == cfg.iterations or (cfg.time_budget_s is not None and elapsed >= cfg.time_budget_s)
+        last = it == cfg.iterations or _budget_spent(cfg, elapsed, steps)
         if it % cfg.eval.every == 0 or last:
             evaluate(ctx, policy, it)                                   # 4. held-out evaluation
     progress.close()
@@ -53,3 +56,8 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, co
 
 def _eval_missing(ctx, iteration: int) -> bool:
     return not logged(ctx, "eval/success_rate", iteration)
+
+
+def _budget_spent(cfg: TrainConfig, elapsed_s: float, env_steps: int) -> bool:
+    """The run's training wall time or environment steps have reached their budget (if it has one)."""
+    return (cfg.time_budget_s is not None and elapsed_s >= cfg.time_budget_s) or (cfg.env_step_budget is not None and env_steps >= cfg.env_step_budget)

@@ -2,11 +2,20 @@
 
 One *cell* is one training run; cells that differ only in their seed form a *variant* (usually a method).
 Per variant: final and best held-out success (``eval/success_rate``) and the area under the learning
-curve, each as a mean over seeds with a 95% Student-t interval (t_{0.975, n-1} * s / sqrt(n), sample std;
-undefined, NaN, for one seed); generated tokens and training wall time, as means over seeds.
+curve, each as a mean over seeds with a 95% percentile-bootstrap interval of that mean (resampling seeds,
+``BOOTSTRAP`` resamples, a fixed generator: the same numbers every time). The interval of a mean of
+success rates stays inside [0, 1]; with one seed there is none (NaN), and with 2 or 3 seeds it is the
+seeds' range (every extreme resample has probability > 2.5%), so the page warns below ``MIN_SEEDS`` and
+names every pair of variants whose intervals overlap. Generated tokens, environment steps and training
+wall time are means over seeds.
 
-Environment steps are counted from the collect figures: sum over iterations of ``collect/episodes`` x
-``collect/mean_turns`` (initial rollouts; APPO branch steps are not counted).
+Environment steps per iteration are the train flow's ``time/env_steps`` (cumulative, every episode's turns,
+APPO's branches included); runs that predate it fall back to ``collect/episodes`` x ``collect/mean_turns``.
+
+``results_page`` writes the published page (``docs/results.md``): the table with the warm-start row, the
+learning curves (each seed thin under the mean and its band), one line per paper claim judged by the
+intervals, the comparison with a previous instance, and how to regenerate it. Same histories in, same page
+out.
 """
 
 from __future__ import annotations
@@ -15,7 +24,10 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy import stats
+
+BOOTSTRAP = 10_000  # resamples of the seeds
+MIN_SEEDS = 3  # below this a variant has no interval (1 seed) or just its two values: too few to separate methods
+X_AXES = {"iterations": "iteration", "env_steps": "environment steps", "wall_s": "training wall time (s)"}
 
 
 @dataclass(frozen=True)
@@ -29,12 +41,20 @@ class CellHistory:
     mean_turns: dict[int, float] = field(default_factory=dict)  # collect/mean_turns
     tokens_per_episode: dict[int, float] = field(default_factory=dict)  # collect/tokens_per_episode
     train_s: float = float("nan")  # last time/train_s
+    env_steps: dict[int, float] = field(default_factory=dict)  # time/env_steps (cumulative)
+    wall_s: dict[int, float] = field(default_factory=dict)  # time/train_s (cumulative)
 
 
 @dataclass(frozen=True)
 class Interval:
     mean: float
-    half: float  # half-width of the 95% interval (NaN for one seed)
+    low: float  # 95% interval of the mean (NaN for one seed)
+    high: float
+
+    @property
+    def half(self) -> float:
+        """Half the interval's width (NaN for one seed)."""
+        return (self.high - self.low) / 2
 
 
 @dataclass(frozen=True)
@@ -46,29 +66,98 @@ class VariantSummary:
     auc: Interval
     tokens: float
     train_s: float
+    env_steps: float = float("nan")
 
 
 @dataclass(frozen=True)
 class Curve:
-    """A variant's learning curve: at each evaluated iteration, the mean over seeds and its interval."""
+    """A variant's learning curve: at each evaluated iteration, the mean over seeds and its interval;
+    ``seeds`` holds each seed's own (x, success) points for every x axis."""
 
     variant: str
     iterations: list[int]
     env_steps: list[float]  # the seeds' mean cumulative environment steps at that iteration
     mean: list[float]
     half: list[float]
+    low: list[float] = field(default_factory=list)
+    high: list[float] = field(default_factory=list)
+    wall_s: list[float] = field(default_factory=list)  # the seeds' mean training wall time at that iteration
+    seeds: list[dict[str, list[float]]] = field(default_factory=list)  # per seed: iterations, env_steps, wall_s, success
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    """The policy every cell starts from: its model URI, source run and held-out success."""
+
+    model_uri: str
+    run_id: str
+    success: float
+    episodes: int  # held-out episodes behind ``success`` (for its binomial interval)
+
+
+@dataclass(frozen=True)
+class PageContext:
+    """Where the page's numbers come from, printed on it so anyone can regenerate it."""
+
+    title: str
+    commits: list[str]
+    configs: list[str]  # sweep file and base config, repository paths
+    command: str  # the command that regenerates the page
+    tracking_uri: str
+    parent_run_id: str
+    warm_start: WarmStart | None = None
+    previous: str | None = None  # name of the instance compared against
+    previous_summaries: list[VariantSummary] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Claim:
+    text: str
+    order: list[str]  # variants, claimed best first
+
+
+@dataclass(frozen=True)
+class Drift:
+    """A variant whose final success left the previous instance's interval."""
+
+    variant: str
+    now: float
+    before: Interval
+
+
+CLAIMS = [
+    Claim("LOOP: importance ratio per token > per turn > per trajectory",
+          ["loop", "loop loss_params.ratio_level=turn", "loop loss_params.ratio_level=trajectory"]),
+    Claim("LOOP: std normalisation of the advantage hurts (without > with)", ["loop", "loop advantage_params.normalize_std=True"]),
+    Claim("BLPO > GiGPO > GRPO on long-horizon household tasks", ["blpo", "gigpo", "grpo"]),
+    Claim("APPO above its GRPO-style baseline", ["appo", "grpo"]),
+]
 
 
 def interval(values: list[float]) -> Interval:
-    """Mean and the half-width of the two-sided 95% t-interval over seeds."""
+    """Mean and the 95% percentile-bootstrap interval of the mean over seeds (fixed generator)."""
     x = np.asarray(values, dtype=float)
     if len(x) < 2:
-        return Interval(float(x.mean()) if len(x) else float("nan"), float("nan"))
-    return Interval(float(x.mean()), float(stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))))
+        return Interval(float(x.mean()) if len(x) else float("nan"), float("nan"), float("nan"))
+    rng = np.random.default_rng(0)
+    means = x[rng.integers(0, len(x), size=(BOOTSTRAP, len(x)))].mean(axis=1)  # (B,)
+    low, high = np.percentile(means, [2.5, 97.5])
+    return Interval(float(x.mean()), float(low), float(high))
+
+
+def wilson(p: float, n: int) -> tuple[float, float]:
+    """95% Wilson score interval of a success rate ``p`` over ``n`` episodes (inside [0, 1])."""
+    if n <= 0:
+        return float("nan"), float("nan")
+    z = 1.959963984540054
+    centre, spread = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - spread), min(1.0, centre + spread)
 
 
 def env_steps(cell: CellHistory) -> dict[int, float]:
     """Cumulative environment steps after each iteration (0 before the first)."""
+    if cell.env_steps:
+        return {0: 0.0, **cell.env_steps}
     total, out = 0.0, {0: 0.0}
     for it in sorted(cell.episodes):
         total += cell.episodes[it] * cell.mean_turns.get(it, 0.0)
@@ -93,38 +182,46 @@ def auc(success: dict[int, float]) -> float:
 
 
 def seed_figures(cell: CellHistory) -> dict[str, float]:
-    """final, best, auc, tokens and train_s of one run."""
+    """final, best, auc, tokens, env_steps and train_s of one run."""
     if not cell.success:
         raise ValueError(f"variant {cell.variant!r} seed {cell.seed}: no eval/success_rate logged")
     tokens = sum(n * cell.tokens_per_episode.get(it, 0.0) for it, n in cell.episodes.items())
+    steps = env_steps(cell)
     return {"final": cell.success[max(cell.success)], "best": max(cell.success.values()), "auc": auc(cell.success),
-            "tokens": float(tokens), "train_s": cell.train_s}
+            "tokens": float(tokens), "train_s": cell.train_s, "env_steps": steps[max(steps)]}
 
 
 def summarize(cells: list[CellHistory]) -> list[VariantSummary]:
-    """One summary per variant, in order of first appearance."""
+    """One summary per variant, by variant name; seeds in seed order."""
     out = []
     for variant, group in _by_variant(cells).items():
         figs = [seed_figures(c) for c in group]
         col = {k: [f[k] for f in figs] for k in figs[0]}
         out.append(VariantSummary(variant, len(group), interval(col["final"]), interval(col["best"]), interval(col["auc"]),
-                                  float(np.mean(col["tokens"])), float(np.mean(col["train_s"]))))
+                                  float(np.mean(col["tokens"])), float(np.mean(col["train_s"])), float(np.mean(col["env_steps"]))))
     return out
 
 
 def curves(cells: list[CellHistory]) -> list[Curve]:
-    """Per variant, the mean and interval over the seeds evaluated at each iteration."""
+    """Per variant, the mean and interval over the seeds evaluated at each iteration, and each seed's points."""
     out = []
     for variant, group in _by_variant(cells).items():
         iterations = sorted({it for c in group for it in c.success})
         steps = [env_steps(c) for c in group]
-        mean, half, xs = [], [], []
+        walls = [{0: 0.0, **c.wall_s} for c in group]
+        mean, low, high, xs, ws = [], [], [], [], []
         for it in iterations:
             ci = interval([c.success[it] for c in group if it in c.success])
             mean.append(ci.mean)
-            half.append(ci.half)
+            low.append(ci.low)
+            high.append(ci.high)
             xs.append(float(np.mean([at_iteration(s, it) for s in steps])))
-        out.append(Curve(variant, iterations, xs, mean, half))
+            ws.append(float(np.mean([at_iteration(w, it) for w in walls])))
+        seeds = [{"iterations": [float(it) for it in sorted(c.success)], "env_steps": [at_iteration(s, it) for it in sorted(c.success)],
+                  "wall_s": [at_iteration(w, it) for it in sorted(c.success)], "success": [c.success[it] for it in sorted(c.success)]}
+                 for c, s, w in zip(group, steps, walls)]
+        half = [(h - lo) / 2 for lo, h in zip(low, high)]
+        out.append(Curve(variant, iterations, xs, mean, half, low, high, ws, seeds))
     return out
 
 
@@ -135,43 +232,141 @@ def table(summaries: list[VariantSummary]) -> list[dict[str, float | int | str]]
         row: dict[str, float | int | str] = {"variant": s.variant, "seeds": s.seeds}
         for name in ("final", "best", "auc"):
             ci: Interval = getattr(s, name)
-            row.update({f"{name}_mean": ci.mean, f"{name}_ci95": ci.half})
-        row.update(tokens=s.tokens, train_s=s.train_s)
+            row.update({f"{name}_mean": ci.mean, f"{name}_low": ci.low, f"{name}_high": ci.high})
+        row.update(env_steps=s.env_steps, tokens=s.tokens, train_s=s.train_s)
         rows.append(row)
     return rows
 
 
+def judge(claim: Claim, summaries: list[VariantSummary]) -> str:
+    """``holds`` when every claimed-better variant's final-success interval lies above the next one's,
+    ``does not hold`` when one lies below, else ``cannot be told apart`` (or ``not measured``)."""
+    by = {s.variant: s for s in summaries}
+    missing = [v for v in claim.order if v not in by]
+    if missing:
+        return f"not measured ({', '.join(missing)} absent)"
+    verdicts = [_order(by[a].final, by[b].final) for a, b in zip(claim.order, claim.order[1:])]
+    if "below" in verdicts:
+        return "does not hold"
+    return "holds" if all(v == "above" for v in verdicts) else "cannot be told apart"
+
+
+def drifts(now: list[VariantSummary], before: list[VariantSummary]) -> list[Drift]:
+    """Variants whose final success (mean over seeds) falls outside the previous instance's interval."""
+    prev = {s.variant: s for s in before}
+    out = []
+    for s in now:
+        p = prev.get(s.variant)
+        if p is not None and not math.isnan(p.final.low) and not p.final.low <= s.final.mean <= p.final.high:
+            out.append(Drift(s.variant, s.final.mean, p.final))
+    return out
+
+
 def markdown(title: str, summaries: list[VariantSummary]) -> str:
-    """The table as Markdown, intervals written mean ± half-width."""
-    lines = [f"# {title}", "", "Held-out success (`eval/success_rate`), mean ± 95% t-interval over seeds.", "",
-             "| variant | seeds | final | best | AUC | tokens | train s |", "|---|---|---|---|---|---|---|"]
-    for s in summaries:
-        cells = " | ".join(f"{ci.mean:.3f} ± {ci.half:.3f}" for ci in (s.final, s.best, s.auc))
-        lines.append(f"| {s.variant} | {s.seeds} | {cells} | {s.tokens:,.0f} | {s.train_s:.1f} |")
-    return "\n".join(lines) + "\n"
+    """The table alone as Markdown (the sweep's Prefect artifact)."""
+    return "\n".join([f"# {title}", "", *_table_lines(summaries, None), ""])
+
+
+def results_page(cells: list[CellHistory], ctx: PageContext, figures: dict[str, str]) -> str:
+    """The published page: ``figures`` maps each x axis of ``X_AXES`` to the figure's file name beside it."""
+    summaries = summarize(cells)
+    lines = [f"# {ctx.title}", "",
+             "Generated by the report command from finished runs in the MLflow store; do not edit by hand.", "",
+             f"- commit: {', '.join(f'`{c}`' for c in ctx.commits) or 'unknown'}",
+             f"- configs: {', '.join(f'`{c}`' for c in ctx.configs)}",
+             f"- MLflow: `{ctx.tracking_uri}`, sweep parent run `{ctx.parent_run_id}`"]
+    if ctx.warm_start is not None:
+        lines.append(f"- every cell starts from the warm start `{ctx.warm_start.model_uri}` (run `{ctx.warm_start.run_id}`)")
+    lines += ["", "## Held-out success", "", *_table_lines(summaries, ctx.warm_start), "",
+              "Each cell: mean over seeds [95% percentile-bootstrap interval of the mean, resampling seeds]; "
+              "the warm start: one run [95% Wilson interval over its held-out episodes]. "
+              "AUC: area under success against iteration over the iterations spanned (the curve's mean height).", ""]
+    lines += _separation_warnings(summaries)
+    lines += ["## Learning curves", ""]
+    for n, (x, name) in enumerate(figures.items(), start=1):
+        lines += [f"![held-out success against {X_AXES[x]}]({name})", "",
+                  f"*Figure {n}. Held-out success against {X_AXES[x]}: thin lines are single seeds, the thick line their mean, "
+                  "the band the 95% percentile-bootstrap interval of the mean over seeds at each evaluation.*", ""]
+    lines += ["## The papers' claims at this scale", "",
+              "Judged by the final-success intervals: *holds* when each claimed-better interval lies above the next, "
+              "*does not hold* when one lies below, else *cannot be told apart*.", ""]
+    by = {s.variant: s for s in summaries}
+    for c in CLAIMS:
+        figures = " > ".join(f"{v} {_ci(by[v].final)}" for v in c.order if v in by)
+        lines.append(f"- {c.text}: **{judge(c, summaries)}**" + (f" ({figures})" if figures else ""))
+    if ctx.previous is not None:
+        found = drifts(summaries, ctx.previous_summaries)
+        lines += ["", f"## Compared with the previous instance ({ctx.previous})", ""]
+        lines += [f"- ⚠ {d.variant}: final success {d.now:.3f}, outside the previous interval [{d.before.low:.3f}, {d.before.high:.3f}]" for d in found]
+        lines += [] if found else ["- every variant's final success lies inside the previous instance's interval"]
+    lines += ["", "## Regenerate", "", f"    {ctx.command}", ""]
+    return "\n".join(lines)
 
 
 def plot(curve_list: list[Curve], x: str):
-    """Success against ``x`` ("iterations" or "env_steps"): one line per variant with its interval band."""
+    """Success against ``x`` (a key of ``X_AXES``): per variant each seed thin, the mean thick, its band."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    for c in curve_list:
-        xs, y, h = np.asarray(getattr(c, x), dtype=float), np.asarray(c.mean), np.nan_to_num(np.asarray(c.half))
-        ax.plot(xs, y, marker="o", label=c.variant)
-        ax.fill_between(xs, y - h, y + h, alpha=0.2)
-    ax.set_xlabel({"iterations": "iteration", "env_steps": "environment steps"}[x])
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+    colours = plt.get_cmap("tab20").colors
+    for k, c in enumerate(curve_list):
+        colour = colours[(2 * k) % 20] if len(curve_list) <= 10 else colours[k % 20]
+        for s in c.seeds:
+            ax.plot(s[x], s["success"], color=colour, linewidth=0.6, alpha=0.45)
+        xs = np.asarray(getattr(c, x), dtype=float)
+        ax.plot(xs, c.mean, color=colour, linewidth=2.0, marker="o", markersize=3, label=c.variant)
+        if c.low and not all(math.isnan(v) for v in c.low):
+            ax.fill_between(xs, c.low, c.high, color=colour, alpha=0.15, linewidth=0)
+    if x == "iterations":
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel(X_AXES[x])
     ax.set_ylabel("held-out success rate")
-    ax.legend()
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     return fig
 
 
+def _table_lines(summaries: list[VariantSummary], warm: WarmStart | None) -> list[str]:
+    lines = ["| variant | seeds | final | best | AUC | env steps | tokens | wall time (s) | note |", "|---|---|---|---|---|---|---|---|---|"]
+    if warm is not None:
+        low, high = wilson(warm.success, warm.episodes)
+        lines.append(f"| warm start (`{warm.model_uri}`) | 1 | {warm.success:.3f} [{low:.3f}, {high:.3f}] | | | | | | starting point |")
+    for s in summaries:
+        cells = " | ".join(_ci(ci) for ci in (s.final, s.best, s.auc))
+        note = f"⚠ {s.seeds} seed{'s' if s.seeds != 1 else ''}: too few to separate methods" if s.seeds < MIN_SEEDS else ""
+        lines.append(f"| {s.variant} | {s.seeds} | {cells} | {s.env_steps:,.0f} | {s.tokens:,.0f} | {s.train_s:,.0f} | {note} |")
+    return lines
+
+
+def _separation_warnings(summaries: list[VariantSummary]) -> list[str]:
+    """One line per pair of variants whose final-success intervals overlap: these seeds cannot order them."""
+    pairs = [(a.variant, b.variant) for i, a in enumerate(summaries) for b in summaries[i + 1:] if _order(a.final, b.final) == "overlap"]
+    if not pairs:
+        return []
+    return [f"⚠ Final-success intervals overlap, so these seeds cannot separate: {'; '.join(f'{a} vs {b}' for a, b in pairs)}.", ""]
+
+
+def _order(a: Interval, b: Interval) -> str:
+    """``above`` / ``below`` when the intervals are disjoint, else ``overlap`` (also without intervals)."""
+    if math.isnan(a.low) or math.isnan(b.low):
+        return "overlap"
+    if a.low > b.high:
+        return "above"
+    return "below" if a.high < b.low else "overlap"
+
+
+def _ci(ci: Interval) -> str:
+    return f"{ci.mean:.3f}" if math.isnan(ci.low) else f"{ci.mean:.3f} [{ci.low:.3f}, {ci.high:.3f}]"
+
+
 def _by_variant(cells: list[CellHistory]) -> dict[str, list[CellHistory]]:
+    """Variants by name, each one's seeds in seed order: the page does not depend on the cells' order."""
     groups: dict[str, list[CellHistory]] = {}
     for c in cells:
         groups.setdefault(c.variant, []).append(c)
-    return groups
+    return {v: sorted(groups[v], key=lambda c: c.seed) for v in sorted(groups)}

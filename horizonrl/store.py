@@ -190,6 +190,13 @@ def read_table(path: str | Path, kind: str, columns: list[str] | None = None) ->
         raise StoreError(f"{path}: not a readable Parquet file (truncated or corrupt): {err}") from err
 
 
+def env_steps(data_dir: str | Path, experiment: str, run_name: str, iterations: range) -> int:
+    """Environment steps taken by the stored rollouts of ``iterations``: every episode's turns, APPO's
+    branches included (a branch's turns copied from its parent were replayed in its environment)."""
+    return sum(int(read_table(iteration_dir(data_dir, experiment, run_name, it) / "episodes.parquet", "episodes", ["n_turns"])["n_turns"].to_numpy().sum())
+               for it in iterations)
+
+
 def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
     """Delete temporary files and folders (``.<name>.tmp-<pid>``) left by a writer that was killed.
 

@@ -1,15 +1,20 @@
-"""The sweep report's arithmetic on hand-derived vectors (horizonrl.report is pure: histories in, figures out)."""
+"""The report's arithmetic on hand-derived vectors (horizonrl.report is pure: histories in, figures out), and
+the results page generated from a stored fixture of metric histories: the same page and figures twice, and
+the numbers, warnings and claim verdicts the fixture's values were chosen to give."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from horizonrl import report
 from horizonrl.report import CellHistory
 
-T_975 = {1: 12.706204736174704, 2: 4.302652729749464}  # Student t quantiles 0.975 (df 1, 2), from tables
+FIXTURE = Path(__file__).parent / "fixtures" / "report_histories.json"
 
 # variant a, seed 0: evaluated at iterations 0, 2, 4; 4 episodes per iteration of 2, 3, 1, 2 turns
 A0 = CellHistory("a", 0, {0: 0.0, 2: 0.5, 4: 0.5}, {1: 4, 2: 4, 3: 4, 4: 4}, {1: 2, 2: 3, 3: 1, 4: 2}, {1: 10, 2: 10, 3: 10, 4: 10}, 8.0)
@@ -18,57 +23,131 @@ A1 = CellHistory("a", 1, {0: 0.25, 2: 0.25, 4: 1.0}, {1: 4, 2: 4, 3: 4, 4: 4}, {
 B0 = CellHistory("b", 0, {0: 0.1}, {}, {}, {}, 1.0)
 
 
+def _fixture() -> list[CellHistory]:
+    def keyed(d: dict) -> dict:
+        return {int(k): v for k, v in d.items()}
+
+    return [CellHistory(c["variant"], c["seed"], keyed(c["success"]), keyed(c["episodes"]), keyed(c["mean_turns"]),
+                        keyed(c["tokens_per_episode"]), c["train_s"], keyed(c["env_steps"]), keyed(c["wall_s"]))
+            for c in json.loads(FIXTURE.read_text())["cells"]]
+
+
+CTX = report.PageContext("Results: fixture", ["0123abcd"], ["configs/sweeps/x.yaml", "configs/x.yaml"], "horizonrl report configs/sweeps/x.yaml --out docs/results.md",
+                         "sqlite:///mlflow/mlflow.db", "parent-id", report.WarmStart("models:/ws/1", "ws-run", 0.3, 200))
+FIGURES = {x: f"results_{x}.png" for x in report.X_AXES}
+
+
 def test_seed_figures():
     f = report.seed_figures(A0)
-    # AUC: trapezoids (0 + .5)/2 * 2 + (.5 + .5)/2 * 2 = 1.5 over 4 iterations
-    assert f == {"final": 0.5, "best": 0.5, "auc": pytest.approx(0.375), "tokens": 160.0, "train_s": 8.0}
+    # AUC: trapezoids (0 + .5)/2 * 2 + (.5 + .5)/2 * 2 = 1.5 over 4 iterations; env steps 8 + 12 + 4 + 8
+    assert f == {"final": 0.5, "best": 0.5, "auc": pytest.approx(0.375), "tokens": 160.0, "train_s": 8.0, "env_steps": 32.0}
     assert report.seed_figures(A1)["auc"] == pytest.approx((0.5 + 1.25) / 4)
     assert report.seed_figures(B0)["auc"] == 0.1  # one evaluation: the curve's height
 
 
-def test_summary_means_and_t_intervals():
-    a, b = report.summarize([A0, A1, B0])
-    assert (a.variant, a.seeds, b.variant, b.seeds) == ("a", 2, "b", 1)
-    # final [0.5, 1.0]: mean 0.75, s = 0.5 / sqrt 2, half = t(1) * s / sqrt 2 = t(1) * 0.25
-    assert a.final.mean == pytest.approx(0.75) and a.final.half == pytest.approx(T_975[1] * 0.25, rel=1e-12)
-    assert a.best == a.final
-    # auc [0.375, 0.4375]: half = t(1) * |diff| / 2
-    assert a.auc.mean == pytest.approx(0.40625) and a.auc.half == pytest.approx(T_975[1] * 0.0625 / 2, rel=1e-12)
-    assert (a.tokens, a.train_s) == (120.0, 10.0)
-    assert b.final.mean == 0.1 and math.isnan(b.final.half)  # one seed: no interval
+def test_bootstrap_interval_of_two_or_three_seeds_is_their_range():
+    # every resample's mean lies in [min, max], and the extremes (all-min, all-max) have probability
+    # 1/4 (2 seeds) or 1/27 (3 seeds), both above 2.5%: the percentiles are the extremes
+    assert report.interval([0.5, 1.0]) == report.Interval(0.75, 0.5, 1.0)
+    ci = report.interval([0.1, 0.2, 0.6])
+    assert (ci.mean, ci.low, ci.high) == (pytest.approx(0.3), pytest.approx(0.1, abs=1e-15), pytest.approx(0.6, abs=1e-15))
+    assert math.isnan(report.interval([0.4]).low) and report.interval([0.4]).mean == 0.4
 
 
-def test_interval_three_seeds():
-    ci = report.interval([0.1, 0.2, 0.6])  # s^2 = (.04 + .01 + .09) / 2 = .07
-    assert ci.mean == pytest.approx(0.3) and ci.half == pytest.approx(T_975[2] * math.sqrt(0.07) / math.sqrt(3), rel=1e-12)
+def test_bootstrap_interval_stays_inside_zero_one_and_is_fixed():
+    values = [0.0, 0.0, 0.05, 0.9, 1.0, 1.0]
+    ci = report.interval(values)
+    assert 0.0 <= ci.low < ci.mean < ci.high <= 1.0
+    assert report.interval(values) == ci, "the bootstrap draws from a fixed generator"
+    se = np.std(values, ddof=1) / math.sqrt(len(values))
+    assert ci.high - ci.low == pytest.approx(2 * 1.96 * se, rel=0.25)  # near the normal interval's width
+
+
+def test_wilson_interval():
+    low, high = report.wilson(0.3, 200)  # 60 / 200: [0.2407, 0.3668] (Wilson's formula, by hand)
+    assert (low, high) == (pytest.approx(0.24075, abs=1e-4), pytest.approx(0.36680, abs=1e-4))
+    assert report.wilson(0.0, 10)[0] == 0.0 and report.wilson(1.0, 10)[1] == pytest.approx(1.0, abs=1e-12)
 
 
 def test_summary_does_not_depend_on_seed_order():
     assert report.summarize([A1, A0]) == report.summarize([A0, A1])
 
 
-def test_curves_against_iterations_and_env_steps():
+def test_curves_against_iterations_env_steps_and_wall_time():
     a, b = report.curves([A0, A1, B0])
     assert a.iterations == [0, 2, 4]
     assert a.mean == pytest.approx([0.125, 0.375, 0.75])
     # cumulative steps: seed 0 after iteration 2: 4*2 + 4*3 = 20, after 4: 32; seed 1: 8 and 16
     assert a.env_steps == pytest.approx([0.0, 14.0, 24.0])
-    assert a.half[0] == pytest.approx(T_975[1] * 0.125 / 1, rel=1e-12)  # [0, .25]: s = .25/sqrt2, half = t * .125
+    assert (a.low[0], a.high[0]) == (0.0, 0.25)
+    assert [s["success"] for s in a.seeds] == [[0.0, 0.5, 0.5], [0.25, 0.25, 1.0]]
     assert (b.iterations, b.env_steps) == ([0], [0.0])
 
 
-def test_table_markdown_and_plots(tmp_path):
-    summaries = report.summarize([A0, A1, B0])
-    rows = report.table(summaries)
-    assert rows[0] == {"variant": "a", "seeds": 2, "final_mean": 0.75, "final_ci95": summaries[0].final.half, "best_mean": 0.75,
-                       "best_ci95": summaries[0].best.half, "auc_mean": 0.40625, "auc_ci95": summaries[0].auc.half, "tokens": 120.0, "train_s": 10.0}
-    md = report.markdown("Sweep t", summaries)
-    assert "| a | 2 | 0.750 ± 3.177 |" in md and "| b | 1 | 0.100 ± nan |" in md
-    for x in ("iterations", "env_steps"):
-        fig = report.plot(report.curves([A0, A1, B0]), x)
-        assert [line.get_label() for line in fig.axes[0].get_lines()] == ["a", "b"]
-        fig.savefig(tmp_path / f"{x}.png")
-        assert (tmp_path / f"{x}.png").read_bytes()[:4] == b"\x89PNG"
+def test_fixture_numbers():
+    by = {s.variant: s for s in report.summarize(_fixture())}
+    loop = by["loop"]
+    assert (loop.seeds, loop.final.mean, loop.final.low, loop.final.high) == (3, pytest.approx(0.55), pytest.approx(0.5), pytest.approx(0.6))
+    # seed 0's curve: 0.2, 0.35, 0.5 at 0, 5, 10 -> AUC (0.275 * 5 + 0.425 * 5) / 10 = 0.35; seeds 1, 2: +0.01, +0.02 at 5
+    assert loop.auc.mean == pytest.approx(np.mean([0.35, (0.2 + 0.41) / 4 + (0.41 + 0.6) / 4, (0.2 + 0.395) / 4 + (0.395 + 0.55) / 4]))
+    assert loop.env_steps == 1000.0 and by["appo"].env_steps == 1500.0  # APPO's branches count
+    assert loop.tokens == 10 * 16 * 20.0 and loop.train_s == 101.0
+    assert by["appo"].seeds == 2 and (by["appo"].final.low, by["appo"].final.high) == (pytest.approx(0.2), pytest.approx(0.3))
+
+
+def test_claim_verdicts():
+    summaries = report.summarize(_fixture())
+    verdicts = {c.text: report.judge(c, summaries) for c in report.CLAIMS}
+    assert list(verdicts.values()) == ["cannot be told apart",  # token > turn holds, turn vs trajectory overlap
+                                       "does not hold",  # with std normalisation [0.62, 0.70] lies above loop [0.5, 0.6]
+                                       "holds",  # blpo [0.4, 0.5] > gigpo [0.3, 0.35] > grpo [0.1, 0.2]
+                                       "cannot be told apart"]  # appo [0.2, 0.3] touches grpo [0.1, 0.2]
+    assert report.judge(report.Claim("x", ["loop", "sarsa"]), summaries) == "not measured (sarsa absent)"
+
+
+def test_drifts_flag_finals_outside_the_previous_interval():
+    before = report.summarize(_fixture())
+    moved = [CellHistory(c.variant, c.seed, {**c.success, 10: c.success[10] + (0.3 if c.variant == "grpo" else 0.0)}) for c in _fixture()]
+    found = report.drifts(report.summarize(moved), before)
+    assert [(d.variant, d.now) for d in found] == [("grpo", pytest.approx(0.45))]
+    assert report.drifts(before, before) == []
+
+
+def test_results_page_is_deterministic_and_complete(tmp_path):
+    cells = _fixture()
+    page = report.results_page(cells, CTX, FIGURES)
+    assert report.results_page(list(reversed(cells)), CTX, FIGURES) == page, "cell order changed the page"
+    assert "| warm start (`models:/ws/1`) | 1 | 0.300 [0.241, 0.367] |" in page
+    assert "| loop | 3 | 0.550 [0.500, 0.600] |" in page
+    assert "| appo | 2 | 0.250 [0.200, 0.300] |" in page and "⚠ 2 seeds: too few to separate methods" in page
+    assert page.count("too few to separate methods") == 1
+    assert "loop loss_params.ratio_level=trajectory vs loop loss_params.ratio_level=turn" in page  # overlapping intervals named
+    for name in FIGURES.values():
+        assert f"]({name})" in page
+    assert "thin lines are single seeds" in page and "95% percentile-bootstrap interval of the mean over seeds" in page
+    assert "- BLPO > GiGPO > GRPO on long-horizon household tasks: **holds** (blpo 0.450 [0.400, 0.500] > gigpo 0.323 [0.300, 0.350] > grpo 0.150 [0.100, 0.200])" in page
+    assert "`0123abcd`" in page and "configs/sweeps/x.yaml" in page and CTX.command in page
+
+    images = []
+    for attempt in range(2):
+        out = tmp_path / str(attempt)
+        out.mkdir()
+        for x, name in FIGURES.items():
+            fig = report.plot(report.curves(cells), x)
+            fig.savefig(out / name, metadata={"Software": None})
+        images.append({name: (out / name).read_bytes() for name in FIGURES.values()})
+    assert images[0] == images[1] and all(b[:4] == b"\x89PNG" for b in images[0].values())
+
+
+def test_plot_draws_each_seed_thin_under_the_mean_with_integer_ticks():
+    cells = _fixture()
+    fig = report.plot(report.curves(cells), "iterations")
+    ax = fig.axes[0]
+    lines = ax.get_lines()
+    assert len(lines) == len(cells) + 8  # one thin line per seed, one mean per variant
+    assert [line.get_label() for line in lines if not line.get_label().startswith("_")] == sorted({c.variant for c in cells})
+    assert all(t == int(t) for t in ax.get_xticks())
+    assert max(line.get_linewidth() for line in lines if line.get_label().startswith("_")) < min(line.get_linewidth() for line in lines if not line.get_label().startswith("_"))
 
 
 def test_a_run_without_evaluation_is_named():
