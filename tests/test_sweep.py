@@ -14,7 +14,7 @@ from mlflow import MlflowClient
 
 from flowkit import tiny_config
 from flows.evaluate import config_of_run
-from flows.sweep import SWEEP_TAG, artifact_key, finished, load_sweep, sweep
+from flows.sweep import BASE_TAG, INSTANCE_TAG, PREVIOUS_TAG, SWEEP_TAG, artifact_key, finished, load_sweep, sweep
 from horizonrl import tracking
 from horizonrl.config import TrainConfig
 
@@ -24,7 +24,7 @@ SWEEPS = sorted((Path(__file__).parents[1] / "configs" / "sweeps").glob("*.y*ml"
 @pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.name)
 def test_every_shipped_sweep_loads(path):
     spec, cells = load_sweep(path)
-    assert len(cells) == math.prod(len(v) for v in spec.grid.values())
+    assert len(cells) == sum(math.prod(len(v) for v in g.values()) for g in spec.grids())
     assert len({c.run_name for c in cells}) == len(cells)
     for cell in cells:
         for key, value in cell.coords.items():
@@ -50,6 +50,13 @@ def test_cells_are_the_grid_product_with_overrides(tmp_path):
     assert spec.concurrency == 1 and spec.deployment is None
 
 
+def test_a_list_of_grids_is_the_union_of_their_products(tmp_path):
+    _, cells = load_sweep(_write(tmp_path, {"grid": [{"method": ["loop", "grpo"], "seed": [0]}, {"method": ["loop"], "loss_params.ratio_level": ["turn"], "seed": [0]}]}))
+    assert [c.run_name for c in cells] == ["s--method=loop--seed=0", "s--method=grpo--seed=0", "s--method=loop--loss_params.ratio_level=turn--seed=0"]
+    _, named = load_sweep(_write(tmp_path, {"grid": {"seed": [0]}}), instance="20260101T030000Z-abc")
+    assert named[0].run_name == "s--20260101T030000Z-abc--seed=0"
+
+
 @pytest.mark.parametrize("sweep, message", [
     ({"grid": {}}, r"grid\n.*grid is empty"),
     ({"grid": {"method": []}}, "grid.method has no values"),
@@ -58,6 +65,8 @@ def test_cells_are_the_grid_product_with_overrides(tmp_path):
     ({"grid": {"seed": [0]}, "concurrency": 0}, "concurrency"),
     ({"grid": {"seed": [0]}, "methods": ["loop"]}, "methods"),
     ({"grid": {"experiment": ["a", "b"]}}, "grid varies 'experiment'"),
+    ({"grid": [{"seed": [0]}, {"seed": [0, 1]}]}, r"repeat cells \['s--seed=0'\]"),
+    ({"grid": [{"seed": [0]}, {}]}, "grid is empty"),
 ])
 def test_bad_sweep_names_the_field(tmp_path, sweep, message):
     with pytest.raises(ValueError, match=message):
@@ -128,3 +137,48 @@ def test_cells_are_nested_under_the_sweep_before_they_run(prefect_harness, tmp_p
     for run in children:
         env_steps = sorted(m.step for m in c.get_metric_history(run.info.run_id, "eval/success_by_env_steps"))
         assert len(env_steps) == 2 and env_steps[0] == 0 and env_steps[1] > 0
+
+
+@pytest.mark.slow
+def test_each_scheduled_firing_is_a_new_instance_compared_with_the_previous(prefect_harness, tmp_path, tracking_uri):
+    """The scheduled deployment's logic fired twice: two instances (named by time and commit), the second's
+    report compared against the first (page section, parent tag, Prefect artifact); a manual rerun of an
+    instance resumes it. The cells stop on an environment-step budget, counted from the stored episodes."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from horizonrl import store
+
+    base = tiny_config(tmp_path, tracking_uri, iterations=3)
+    for key in ("run_name", "seed"):
+        base.pop(key)
+    base["env_step_budget"] = 1  # crossed by the first iteration's steps
+    path = _write(tmp_path, {"name": "weekly", "grid": {"seed": [0, 1]}}, base)
+    sweep(str(path), in_process=True, new_instance=True)
+    sweep(str(path), in_process=True, new_instance=True)
+
+    c = MlflowClient(tracking_uri)
+    exp = c.get_experiment_by_name("test")
+    parents = c.search_runs([exp.experiment_id], filter_string=f"tags.`{BASE_TAG}` = 'weekly'", order_by=["attributes.start_time ASC"])
+    assert len(parents) == 2 and all(p.info.status == "FINISHED" for p in parents)
+    first, second = (p.data.tags[INSTANCE_TAG] for p in parents)
+    assert first != second and [p.info.run_name for p in parents] == [f"weekly--{first}", f"weekly--{second}"]
+    assert PREVIOUS_TAG not in parents[0].data.tags and parents[1].data.tags[PREVIOUS_TAG] == f"weekly--{first}"
+    page = Path(c.download_artifacts(parents[1].info.run_id, "report/report.md", str(tmp_path / "dl"))).read_text()
+    assert f"## Compared with the previous instance (weekly--{first})" in page and "![held-out success against iteration](success_vs_iterations.png)" in page
+    with get_client(sync_client=True) as client:
+        drift = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["weekly-drift"])))
+    assert drift and f"weekly--{second} against weekly--{first}" in drift[0].data
+
+    for parent in parents:
+        cells = c.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+        assert len(cells) == 2
+        for run in cells:
+            assert run.data.metrics["summary/iterations"] == 1, "the environment-step budget did not stop the run"
+            steps = store.env_steps(base["data_dir"], "test", run.info.run_name, range(1, 2))
+            assert steps > 1 and run.data.metrics["time/env_steps"] == steps
+
+    sweep(str(path), in_process=True, instance=second)  # a manual rerun of the second instance
+    again = c.search_runs([exp.experiment_id], filter_string=f"tags.`{BASE_TAG}` = 'weekly'")
+    assert len(again) == 2, "a rerun of an instance made a new one"
+    assert len(c.search_runs([exp.experiment_id], filter_string="tags.`horizonrl.run_name` LIKE 'weekly--%--seed=%'")) == 4
