@@ -17,7 +17,7 @@ import random
 from horizonrl.engines.base import Generation, TokenTrie
 from horizonrl.envs.base import EnvSuite, Task
 from horizonrl.prompting import ChatFormat, full_delta, window_prompt
-from horizonrl.rollout import EpisodeRecord, TurnRecord
+from horizonrl.records import EpisodeRecord, TurnRecord
 from horizonrl.seeding import derive_seed
 
 DEMONSTRATION = "demonstration"  # the episodes table's ``kind`` of a demonstration
