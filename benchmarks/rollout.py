@@ -8,23 +8,28 @@
   its episode's first prompt, producing the same number of new tokens in total (the upper bound of
   what batching can give: no turns, no environment, no trie);
 * prefill: the positions the engine's session computed in prefill (left padding included) against
-  the observation tokens that were new, and the naive total of re-reading the whole history each turn.
+  the observation tokens that were new, and the naive total of re-reading the whole history each turn;
+* 150k vocabulary: the batched collect again with the same tiny sizes around the genuine Qwen3 tokenizer
+  and chat template (151,669 ids; the word-level model has a few hundred), beside the word-level figure.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
 from benchmarks.report import Figure
 from horizonrl.config import TrainConfig
 from horizonrl.engines.hf import TransformersEngine
-from horizonrl.models import load_policy
+from horizonrl.models import load_policy, tiny_model_dir
 from horizonrl.prompting import ChatFormat
 from horizonrl.records import EpisodeRecord
 from horizonrl.rollout import SamplingSettings, collect
 from horizonrl.runtime import PolicyRuntime
+
+TOKENIZER_CACHE = Path(__file__).resolve().parents[1] / "data" / "tokenizers"  # shared with the tests (npm, once)
 
 
 def _new_tokens(records: list[EpisodeRecord]) -> int:
@@ -41,6 +46,20 @@ def _naive_prefill(records: list[EpisodeRecord]) -> int:
             total += history
             history += len(t.gen.token_ids)
     return total
+
+
+def _chat_vocab_collect(cfg: TrainConfig, rt: PolicyRuntime, tasks: list, group: int, seed: int) -> tuple[float, int, int]:
+    """(tokens/s, new tokens, vocabulary size) of the batched collect with the tiny model of ``cfg`` built
+    around the genuine Qwen3 tokenizer (Qwen3 architecture)."""
+    model_cfg = cfg.model.model_copy(update={"tokenizer": "qwen3"})
+    model, tokenizer = load_policy(tiny_model_dir(cfg.data_dir, cfg.env.name, model_cfg, [], TOKENIZER_CACHE))
+    fmt = ChatFormat.for_tokenizer(tokenizer)
+    engine = TransformersEngine(model, tokenizer.pad_token_id, list(fmt.stop_ids))
+    suite, sampling = rt.suite(cfg), rt.sampling(cfg, seed)
+    collect(suite, tasks[:1], 2, engine, fmt, **sampling)  # warm-up
+    t0 = time.perf_counter()
+    records = collect(suite, tasks, group, engine, fmt, **sampling)
+    return _new_tokens(records) / (time.perf_counter() - t0), _new_tokens(records), len(tokenizer)
 
 
 def run(cfg: TrainConfig, tasks_n: int, group: int, seed: int = 0) -> list[Figure]:
@@ -79,6 +98,8 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, seed: int = 0) -> list[Figur
                        pad_token_id=tokenizer.pad_token_id)
     generate_s = time.perf_counter() - t0
 
+    chat_tps, chat_tokens, chat_vocab = _chat_vocab_collect(cfg, rt, tasks, group, seed)
+
     n = len(batched)
     batched_tps = _new_tokens(batched) / batched_s
     single_tps, generate_tps = single_tokens / single_s, n * per_row / generate_s
@@ -90,6 +111,8 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, seed: int = 0) -> list[Figur
         Figure("rollout/vs_one_at_a_time", batched_tps / single_tps, "x", ">= 8", batched_tps / single_tps >= 8, f"one at a time: {single_tps:,.0f} tok/s"),
         Figure("rollout/prefill_vs_new", prefill / new, "x", "<= 1.5", prefill / new <= 1.5, f"prefilled {prefill:,} (padding incl.), new {new:,}"),
         Figure("rollout/naive_prefill_vs_new", naive / new, "x", "", None, "re-reading the whole history each turn"),
+        Figure("rollout/qwen3_vocab_tokens_s", chat_tps, "tok/s", "", None,
+               f"{chat_vocab:,} ids (word-level: {len(tokenizer):,} ids, {batched_tps:,.0f} tok/s): x{chat_tps / batched_tps:.2f}; {chat_tokens} new tokens"),
         Figure("rollout/decode_padding", 1 - counts["decode_real"] / counts["decode_computed"], "frac", "", None,
                "decode positions fed for episodes whose action had ended"),
     ]

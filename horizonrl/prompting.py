@@ -45,6 +45,8 @@ class _Template:
 
     before_user: str  # everything up to the last user message (system, user, assistant, close)
     after_system: str  # everything after the system message
+    system_parts: tuple[str, str] | None  # (before, after) the goal where the template puts it verbatim
+    user_parts: tuple[str, str] | None  # (before, after) an observation, likewise; None: render each time
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,8 @@ class ChatFormat:
             goal = f"{goal}\n{REACT_INSTRUCTION}"
         if self.template is None:
             return self.encode(f"Task: {goal}\n")
+        if self.template.system_parts is not None:
+            return self.encode(goal.join(self.template.system_parts))
         text = self._render(_reference(goal))
         return self.encode(_cut(text, "", self.template.after_system, "system message"))
 
@@ -106,6 +110,8 @@ class ChatFormat:
         """The observation message followed by the assistant header the action is generated after."""
         if self.template is None:
             return self.encode(f"Observation: {observation}\nAction:")
+        if self.template.user_parts is not None:
+            return self.encode(observation.join(self.template.user_parts))
         text = self._render(_reference(_GOAL, observation))
         return self.encode(_cut(text, self.template.before_user, "", "user message"))
 
@@ -179,7 +185,15 @@ def _read_template(tokenizer: PreTrainedTokenizerBase, enable_thinking: bool) ->
 
     user1, user2 = message_start(g + len(_GOAL), o), message_start(a + len(_ACT), n)
     close = text[a + len(_ACT):user2]
-    return _Template(before_user=text[:user2], after_system=text[user1:]), close
+    system_parts, user_parts = (text[:g], text[g + len(_GOAL):user1]), (text[user2:n], text[n + len(_NEXT):])
+    # Where the template inserts any content verbatim (ChatML, Qwen3; Llama 3 trims it), the pieces are
+    # the parts around the marker, joined without a render per message (a probe with edge whitespace checks).
+    probe = " \n a probe  \n"
+    render = lambda goal, obs: tokenizer.apply_chat_template(_reference(goal, obs), tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking)
+    verbatim_system = render(probe, _NEXT) == probe.join(system_parts) + text[user1:]
+    verbatim_user = render(_GOAL, probe) == text[:user2] + probe.join(user_parts)
+    template = _Template(text[:user2], text[user1:], system_parts if verbatim_system else None, user_parts if verbatim_user else None)
+    return template, close
 
 
 def window_prompt(fmt: ChatFormat, goal_ids: list[int], history: list[tuple[list[int], list[int]]], obs_ids: list[int], h: int) -> list[int]:

@@ -84,20 +84,32 @@ def chat_tokenizer_cache():
 CHAT_TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
 
 
+@pytest.fixture(scope="session")
+def chat_model_dir(session_dir, chat_tokenizer_cache):
+    """``chat_model_dir(name)``: the directory of a tiny random-weight model of the tokenizer's architecture
+    (Qwen3 or Llama; hidden 64, 2 layers, ~10 M parameters, most in the 128k-152k embedding) around the
+    genuine tokenizer, under ``<session_dir>/models`` (the key a train run with ``model.tiny: CHAT_TINY``
+    computes); built once per session."""
+    from horizonrl.config import ModelConfig
+    from horizonrl.models import tiny_model_dir
+
+    def build(name: str):
+        return tiny_model_dir(session_dir, "household", ModelConfig(tokenizer=name, tiny=CHAT_TINY), [], chat_tokenizer_cache)
+
+    return build
+
+
 @pytest.fixture(scope="session", params=["qwen3", "llama3"])
-def chat_policy(request, session_dir, chat_tokenizer_cache):
-    """(name, model, tokenizer, fmt, engine) of a tiny random-weight model of the tokenizer's architecture
-    (Qwen3 or Llama; hidden 64, 2 layers, ~10 M parameters, most in the 128k-152k embedding) around a
-    genuine tokenizer, built once per session. Read-only, like ``tiny_policy``."""
+def chat_policy(request, chat_model_dir):
+    """(name, model, tokenizer, fmt, engine) of ``chat_model_dir(name)`` for each genuine tokenizer, loaded
+    once per session. Read-only, like ``tiny_policy``."""
     import torch
 
-    from horizonrl.config import ModelConfig
     from horizonrl.engines.hf import TransformersEngine
-    from horizonrl.models import load_policy, tiny_model_dir
+    from horizonrl.models import load_policy
     from horizonrl.prompting import ChatFormat
 
     torch.set_num_threads(1)
-    cfg = ModelConfig(tokenizer=request.param, tiny=CHAT_TINY)
-    model, tokenizer = load_policy(tiny_model_dir(session_dir, "household", cfg, [], chat_tokenizer_cache))
+    model, tokenizer = load_policy(chat_model_dir(request.param))
     fmt = ChatFormat.for_tokenizer(tokenizer)
     return request.param, model, tokenizer, fmt, TransformersEngine(model, tokenizer.pad_token_id, list(fmt.stop_ids))

@@ -248,3 +248,59 @@ def test_thinking_in_admissible_mode_is_refused_naming_the_fields():
     with pytest.raises(ValueError, match="rollout.enable_thinking needs rollout.action_mode"):
         load_config(None, ["rollout.enable_thinking=true", "model.tokenizer=qwen3"])
     assert load_config(None, ["rollout.enable_thinking=true", "rollout.action_mode=free"]).rollout.enable_thinking
+
+
+TRAIN_RUNS = [  # (tokenizer, context, action_mode, method): each tokenizer in both contexts, each action mode twice
+    ("qwen3", "full", "admissible", "loop"), ("qwen3", "window", "free", "rloo"),
+    ("llama3", "full", "free", "rloo"), ("llama3", "window", "admissible", "loop"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tokenizer,context,action_mode,method", TRAIN_RUNS)
+def test_two_iteration_train_run(prefect_harness, chat_model_dir, chat_tokenizer_cache, tmp_path, tracking_uri, tokenizer, context, action_mode, method):
+    """The real train flow for 2 iterations around a genuine tokenizer: every stage logs, the stored
+    prompts are rendered by the model's chat template, the update steps on the rows (admissible runs: the
+    weights move; free runs use RLOO, which keeps the zero-advantage rows an untrained model's all-error
+    replies give), and in free mode (ReAct, penalty 0.1) the logged format-error rate is the stored one
+    and each error's reward carries the penalty."""
+    from mlflow import MlflowClient
+    from safetensors.torch import load_file
+
+    from conftest import CHAT_TINY
+    from flowkit import run_of, steps, tiny_config
+    from flows.train import train
+    from horizonrl.models import load_policy
+
+    cfg = tiny_config(tmp_path, tracking_uri, f"{tokenizer}-{context}-{action_mode}")
+    cfg["method"] = method
+    cfg["env"]["max_turns"] = 3
+    cfg["model"] = {"tokenizer": tokenizer, "tiny": CHAT_TINY}
+    cfg["rollout"].update(context=context, action_mode=action_mode, max_action_tokens=6, free_format="react", format_penalty=0.1)
+    cfg["eval"] = {"every": 2, "n_tasks": 1}
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "tokenizers").symlink_to(chat_tokenizer_cache)  # fetched once per machine, not per run
+    (data / "models").symlink_to(chat_model_dir(tokenizer).parent)  # built once per session
+    train(config=cfg)
+
+    c = MlflowClient(tracking_uri)
+    run = run_of(c, cfg["run_name"])
+    assert run.info.status == "FINISHED" and run.data.params["model.tokenizer"] == tokenizer
+    for key in ("collect/success_rate", "collect/format_invalid_rate", "advantage/kept_fraction", "update/steps"):
+        assert steps(c, run.info.run_id, key) == [1, 2], key
+    assert sum(m.value for m in c.get_metric_history(run.info.run_id, "update/steps")) > 0
+    ckpt = data / "test" / cfg["run_name"] / "checkpoints"
+    model, tok = load_policy(ckpt / "iter=00002")
+    assert type(model).__name__ == {"qwen3": "Qwen3ForCausalLM", "llama3": "LlamaForCausalLM"}[tokenizer] and len(tok) > 128_000
+    if action_mode == "admissible":
+        before, after = load_file(ckpt / "iter=00000" / "model.safetensors"), load_file(ckpt / "iter=00002" / "model.safetensors")
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+    turns = store.read_table(store.iteration_dir(data, "test", cfg["run_name"], 2) / "turns.parquet", "turns").to_pylist()
+    header = {"qwen3": "<|im_start|>system\n", "llama3": "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"}[tokenizer]
+    assert all(tok.decode(t["prompt_ids"]).startswith(header) for t in turns if t["turn"] == 0 or context == "window")
+    invalid = [not t["format_valid"] for t in turns]
+    logged = [m.value for m in c.get_metric_history(run.info.run_id, "collect/format_invalid_rate") if m.step == 2]
+    assert logged == [pytest.approx(sum(invalid) / len(invalid))]
+    if action_mode == "free":
+        assert all(t["reward"] == pytest.approx(float(t["won"]) - 0.1 * bad) for t, bad in zip(turns, invalid))
