@@ -55,10 +55,11 @@ def _chat_vocab_collect(cfg: TrainConfig, rt: PolicyRuntime, tasks: list, group:
     model, tokenizer = load_policy(tiny_model_dir(cfg.data_dir, cfg.env.name, model_cfg, [], TOKENIZER_CACHE))
     fmt = ChatFormat.for_tokenizer(tokenizer)
     engine = TransformersEngine(model, tokenizer.pad_token_id, list(fmt.stop_ids))
-    suite, sampling = rt.suite(cfg), rt.sampling(cfg, seed)
-    collect(suite, tasks[:1], 2, engine, fmt, **sampling)  # warm-up
+    suite = rt.suite(cfg)
+    sampling = SamplingSettings.from_config(cfg, suite, seed)
+    collect(suite, tasks[:1], 2, engine, fmt, sampling)  # warm-up
     t0 = time.perf_counter()
-    records = collect(suite, tasks, group, engine, fmt, **sampling)
+    records = collect(suite, tasks, group, engine, fmt, sampling)
     return _new_tokens(records) / (time.perf_counter() - t0), _new_tokens(records), len(tokenizer)
 
 
