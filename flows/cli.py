@@ -77,9 +77,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "train":
         from flows.train import train
+        from horizonrl.checkpoint import CheckpointDamaged
+        from horizonrl.runlock import RunInUse
         from horizonrl.tracking import tracking_uri
 
-        summary = train(config=cfg.model_dump())
+        try:
+            summary = train(config=cfg.model_dump())
+        except (RunInUse, CheckpointDamaged) as err:
+            print(f"horizonrl: run {cfg.run_name!r} not started: {err}", file=sys.stderr)
+            return 1
         uri = tracking_uri(cfg.tracking_uri)
         print("\n== horizonrl: run finished ==")
         print(f"held-out success (sampled, {cfg.eval.n_tasks} tasks): {summary['initial_success_rate']:.3f} -> {summary['final_success_rate']:.3f} "
@@ -103,14 +109,30 @@ def _recompute(args: argparse.Namespace) -> int:
 
     from flows.recompute import recompute_advantages
     from horizonrl.config import estimator_of
+    from horizonrl.runlock import RunInUse
+    from horizonrl.store import StoreError
+    import methods
 
     try:
-        estimator_of(args.method)
+        name = estimator_of(args.method)
     except ValueError as err:
         print(f"horizonrl: --method {err}", file=sys.stderr)
         return 2
-    params = {k: yaml.safe_load(v) for k, v in (p.split("=", 1) for p in args.param)}
-    written = recompute_advantages(args.run_dir, args.method, params)
+    bad = [p for p in args.param if "=" not in p or not p.split("=", 1)[0].strip()]
+    if bad:
+        print(f"horizonrl: --param {bad[0]!r}: expected KEY=VALUE, e.g. --param gamma=0.95", file=sys.stderr)
+        return 2
+    params = {k.strip(): yaml.safe_load(v) for k, v in (p.split("=", 1) for p in args.param)}
+    try:
+        methods.ADVANTAGES.get(name).params_cls(**params)
+    except (TypeError, ValueError) as err:
+        print(f"horizonrl: --param for estimator {name!r}: {err}", file=sys.stderr)
+        return 2
+    try:
+        written = recompute_advantages(args.run_dir, args.method, params)
+    except (StoreError, RunInUse, ValueError) as err:
+        print(f"horizonrl: recompute: {err}; nothing was written", file=sys.stderr)
+        return 1
     for it, path in sorted(written.items()):
         print(f"iteration {it}: {path}")
     return 0
@@ -164,7 +186,13 @@ def _report(args: argparse.Namespace) -> int:
 
 def _evaluate(args: argparse.Namespace) -> int:
     from flows.evaluate import evaluate_policy
+    from horizonrl import tracking
 
+    try:  # before the flow, so that an unknown source is one line, not a flow's traceback
+        tracking.resolve_policy(tracking.client(tracking.tracking_uri()), args.source)
+    except ValueError as err:
+        print(f"horizonrl: evaluate: {err}", file=sys.stderr)
+        return 2
     evaluate_policy(args.source, args.split, args.n_tasks, args.samples)
     return 0
 

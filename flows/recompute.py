@@ -13,26 +13,31 @@ from pathlib import Path
 
 from prefect import flow
 
-from horizonrl import tracking
+from horizonrl import runlock, store, tracking
 from horizonrl.config import load_config
 from tasks.advantage import recompute_iteration, shared_names
 
 
 @flow(name="recompute-advantages")
 def recompute_advantages(run_dir: str, method: str, params: dict | None = None) -> dict[int, str]:
-    """Write ``advantages-<method>.parquet`` into every complete ``iter=<n>`` folder of ``run_dir``."""
+    """Write ``advantages-<method>.parquet`` into every complete ``iter=<n>`` folder of ``run_dir``, once
+    every iteration's tables have passed the store's checks (nothing is written if one fails)."""
     iterations = sorted(p for p in Path(run_dir).glob("iter=*") if (p / "episodes.parquet").is_file())
     if not iterations:
         raise ValueError(f"run_dir {run_dir!r} holds no stored iteration (iter=<n>/episodes.parquet)")
-    c, run_id = _recompute_run(Path(run_dir), method, params or {})
+    for d in iterations:  # every input first: a bad later iteration must not leave earlier ones rewritten
+        for kind in ("episodes", "turns"):
+            store.check_table(d / f"{kind}.parquet", kind)
     written, state = {}, None
-    for d in iterations:
-        path, state, stats = recompute_iteration(str(d), method, params or {}, state)
-        it = int(d.name.split("=")[1])
-        written[it] = path
-        if not any(m.step == it for m in c.get_metric_history(run_id, "advantage/trajectories")):  # a rerun logs no step twice
-            tracking.log_metrics(c, run_id, "advantage", shared_names(stats, method), it)
-    c.set_terminated(run_id, "FINISHED")
+    with runlock.hold(run_dir):  # not while a train process writes the run
+        c, run_id = _recompute_run(Path(run_dir), method, params or {})
+        for d in iterations:
+            path, state, stats = recompute_iteration(str(d), method, params or {}, state)
+            it = int(d.name.split("=")[1])
+            written[it] = path
+            if not any(m.step == it for m in c.get_metric_history(run_id, "advantage/trajectories")):  # a rerun logs no step twice
+                tracking.log_metrics(c, run_id, "advantage", shared_names(stats, method), it)
+        c.set_terminated(run_id, "FINISHED")
     return written
 
 

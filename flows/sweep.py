@@ -272,7 +272,7 @@ def _previous_instance(c: MlflowClient, parent: Any) -> Any | None:
     base = parent.data.tags.get(BASE_TAG)
     if INSTANCE_TAG not in parent.data.tags or base is None:
         return None
-    runs = c.search_runs([parent.info.experiment_id], filter_string=f"tags.`{BASE_TAG}` = '{base}' and attributes.status = 'FINISHED'",
+    runs = c.search_runs([parent.info.experiment_id], filter_string=f"tags.`{BASE_TAG}` = {tracking.quoted(base)} and attributes.status = 'FINISHED'",
                          order_by=["attributes.start_time DESC"])
     earlier = [r for r in runs if INSTANCE_TAG in r.data.tags and r.info.start_time < parent.info.start_time]
     return earlier[0] if earlier else None
@@ -357,7 +357,7 @@ def _histories(c: MlflowClient, parent_id: str) -> dict[str, report.CellHistory]
     """Run id -> the metric histories of every cell run nested under ``parent_id`` that has evaluated at
     least once; the variant is the cell's coordinates without its seed."""
     exp_id = c.get_run(parent_id).info.experiment_id
-    runs = c.search_runs([exp_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}'", order_by=["attributes.start_time ASC"])
+    runs = c.search_runs([exp_id], filter_string=f"tags.`mlflow.parentRunId` = {tracking.quoted(parent_id)}", order_by=["attributes.start_time ASC"])
     out = {}
     for run in runs:
         coords = json.loads(run.data.tags.get(CELL_TAG, "{}"))

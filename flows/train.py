@@ -2,7 +2,10 @@
 
     for each iteration:  collect -> advantages -> update (writes the checkpoint) -> evaluate (every N)
 
-Running it again with the same ``run_name`` resumes after the last completed iteration.
+Running it again with the same ``run_name`` resumes after the last completed iteration, and evaluates on
+the same schedule as an uninterrupted run (never at the iteration it resumes from), so a cell's numbers
+do not depend on whether it was killed. One process at a time: a second one on a running run name is
+refused, naming the holder (``horizonrl.runlock``).
 """
 
 from __future__ import annotations
@@ -12,13 +15,14 @@ import time
 from typing import Any
 
 from prefect import flow
+from prefect.runtime import flow_run
 
-from horizonrl import store
+from horizonrl import runlock, store
 from horizonrl.config import TrainConfig, train_config
 from tasks.advantage import advantages
 from tasks.collect import collect_rollouts
 from tasks.evaluate import evaluate
-from tasks.run import end_failed_run, finish_run, start_run
+from tasks.run import end_failed_run, finish_run, run_dir, start_run
 from tasks.tracking import Progress, log_stage, logged
 from tasks.update import update
 
@@ -27,35 +31,36 @@ from tasks.update import update
 def train(config_path: str | None = None, overrides: list[str] | None = None, config: dict[str, Any] | None = None) -> dict[str, float]:
     """Train one method on one environment; returns the summary figures (held-out success before/after)."""
     cfg = train_config(config_path, overrides, config)
-    run = start_run(cfg)
-    ctx, policy, elapsed = run.ctx, run.policy, run.elapsed_s
-    if policy.iteration == 0 or _eval_missing(ctx, policy.iteration):
-        evaluate(ctx, policy, policy.iteration)
-    progress = Progress(ctx, policy.iteration)
-    steps = store.env_steps(cfg.data_dir, cfg.experiment, cfg.run_name, range(1, policy.iteration + 1))
-    for it in range(policy.iteration + 1, cfg.iterations + 1):
-        if _budget_spent(cfg, elapsed, steps):
-            break
-        t0 = time.perf_counter()
-        rollouts = collect_rollouts(ctx, it, policy)                    # 1. rollouts of the current policy
-        steps += store.env_steps(cfg.data_dir, cfg.experiment, cfg.run_name, range(it, it + 1))
-        adv = advantages(ctx, it, rollouts, policy)                     # 2. the method's advantages
-        policy = update(ctx, it, rollouts, adv, policy, elapsed + time.perf_counter() - t0)  # 3. PPO -> checkpoint
-        elapsed += time.perf_counter() - t0
-        log_stage(ctx, "time", {"iteration_s": time.perf_counter() - t0, "train_s": elapsed, "env_steps": steps}, it)
-        log_stage(ctx, "system", {"max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, it)
-        progress.advance(it, rollouts.episodes)
-        last = it == cfg.iterations or _budget_spent(cfg, elapsed, steps)
-        if it % cfg.eval.every == 0 or last:
-            evaluate(ctx, policy, it)                                   # 4. held-out evaluation
-    progress.close()
-    if _eval_missing(ctx, policy.iteration):
-        evaluate(ctx, policy, policy.iteration)
-    return finish_run(ctx, policy)
+    with runlock.hold(run_dir(cfg)) as lock:
+        lock.record(flow_run_id=flow_run.get_id())
+        run = start_run(cfg, lock.previous)
+        ctx, policy, elapsed = run.ctx, run.policy, run.elapsed_s
+        steps = store.env_steps(cfg.data_dir, cfg.experiment, cfg.run_name, range(1, policy.iteration + 1))
+        if _eval_due(cfg, policy.iteration, elapsed, steps) and not logged(ctx, "eval/success_rate", policy.iteration):
+            evaluate(ctx, policy, policy.iteration)                         # before training (or a missed one)
+        progress = Progress(ctx, policy.iteration)
+        for it in range(policy.iteration + 1, cfg.iterations + 1):
+            if _budget_spent(cfg, elapsed, steps):
+                break
+            t0 = time.perf_counter()
+            rollouts = collect_rollouts(ctx, it, policy)                    # 1. rollouts of the current policy
+            steps += store.env_steps(cfg.data_dir, cfg.experiment, cfg.run_name, range(it, it + 1))
+            adv = advantages(ctx, it, rollouts, policy)                     # 2. the method's advantages
+            policy = update(ctx, it, rollouts, adv, policy, elapsed + time.perf_counter() - t0)  # 3. PPO -> checkpoint
+            elapsed += time.perf_counter() - t0
+            log_stage(ctx, "time", {"iteration_s": time.perf_counter() - t0, "train_s": elapsed, "env_steps": steps}, it)
+            log_stage(ctx, "system", {"max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, it)
+            progress.advance(it, rollouts.episodes)
+            if _eval_due(cfg, it, elapsed, steps) and not logged(ctx, "eval/success_rate", it):
+                evaluate(ctx, policy, it)                                   # 4. held-out evaluation
+        progress.close()
+        return finish_run(ctx, policy)
 
 
-def _eval_missing(ctx, iteration: int) -> bool:
-    return not logged(ctx, "eval/success_rate", iteration)
+def _eval_due(cfg: TrainConfig, iteration: int, elapsed_s: float, env_steps: int) -> bool:
+    """The evaluation schedule: before training, every ``eval.every`` iterations, and after the last one
+    (the configured number, or the one that spent the budget)."""
+    return iteration == 0 or iteration % cfg.eval.every == 0 or iteration >= cfg.iterations or _budget_spent(cfg, elapsed_s, env_steps)
 
 
 def _budget_spent(cfg: TrainConfig, elapsed_s: float, env_steps: int) -> bool:

@@ -1,6 +1,11 @@
 """Checkpoints: the policy (safetensors, loadable as a transformers model), the optimizer state, the
 estimator's state (BLPO memory) and the run counters, written as one directory that appears atomically.
 
+Each checkpoint's ``manifest.json``, written last, lists every file with its size and sha256. A resume
+verifies the newest checkpoint against it: a checkpoint with a part missing or changed is named with the
+file and the reason and is not used (the run falls back to the newest one that verifies), so a deleted
+``optimizer.pt`` can never mean a silently fresh optimizer, nor a deleted estimator state an empty memory.
+
 Randomness needs no saved state: every stream derives its seed from (run seed, iteration, purpose), so a
 resumed run draws what an uninterrupted one would.
 """
@@ -19,6 +24,11 @@ import torch
 from horizonrl.faults import kill_point
 
 STATE_FILE = "state.json"
+MANIFEST = "manifest.json"
+
+
+class CheckpointDamaged(RuntimeError):
+    """No checkpoint of a run verifies against its manifest; the message names each one and why."""
 
 
 class CheckpointWriteError(OSError):
@@ -56,6 +66,8 @@ def save_checkpoint(run_dir: Path, iteration: int, model: torch.nn.Module, token
             (tmp / "estimator_state.json").write_text(json.dumps(estimator_state, sort_keys=True))
         (tmp / STATE_FILE).write_text(json.dumps({"iteration": iteration, **state}, indent=1, sort_keys=True))
         _fsync_dir(tmp)
+        (tmp / MANIFEST).write_text(json.dumps({"files": _inventory(tmp)}, indent=1, sort_keys=True))
+        _fsync_dir(tmp)
     except Exception as err:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(f"could not write checkpoint {final}: {err}; earlier checkpoints are untouched") from err
@@ -67,15 +79,49 @@ def save_checkpoint(run_dir: Path, iteration: int, model: torch.nn.Module, token
     return CheckpointRef(str(final), iteration)
 
 
+def checkpoints(run_dir: Path) -> list[CheckpointRef]:
+    """Every checkpoint folder of the run, oldest first (a folder appears only once written whole)."""
+    root = Path(run_dir) / "checkpoints"
+    found = sorted(p for p in root.glob("iter=*") if p.is_dir()) if root.is_dir() else []
+    return [CheckpointRef(str(p), int(p.name.split("=")[1])) for p in found]
+
+
 def latest_checkpoint(run_dir: Path) -> CheckpointRef | None:
-    """The newest complete checkpoint (its state file present), or None."""
-    root = run_dir / "checkpoints"
-    if not root.is_dir():
-        return None
-    done = sorted(p for p in root.glob("iter=*") if (p / STATE_FILE).is_file())
-    if not done:
-        return None
-    return CheckpointRef(str(done[-1]), int(done[-1].name.split("=")[1]))
+    """The newest checkpoint that verifies against its manifest, or None."""
+    return resume_checkpoint(run_dir)[0]
+
+
+def resume_checkpoint(run_dir: Path) -> tuple[CheckpointRef | None, list[tuple[CheckpointRef, str]]]:
+    """(the newest checkpoint that verifies or None, [(newer checkpoint, what is wrong with it)])."""
+    damaged = []
+    for ref in reversed(checkpoints(run_dir)):
+        problem = verify(ref)
+        if problem is None:
+            return ref, damaged
+        damaged.append((ref, problem))
+    return None, damaged
+
+
+def verify(ref: CheckpointRef) -> str | None:
+    """What is wrong with checkpoint ``ref`` (a file missing, of another size or content than its
+    manifest says, or no manifest), or None if every file is as written."""
+    folder = Path(ref.path)
+    try:
+        listed = json.loads((folder / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return f"{MANIFEST} is missing (deleted, or the checkpoint predates manifests)"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{MANIFEST} is unreadable: {err}"
+    actual = _inventory(folder, exclude=MANIFEST)
+    for name, want in sorted(listed.items()):
+        got = actual.get(name)
+        if got is None:
+            return f"{name} is missing"
+        if got["size"] != want["size"]:
+            return f"{name} has {got['size']} bytes, its manifest says {want['size']}"
+        if got["sha256"] != want["sha256"]:
+            return f"{name} differs from the file written (sha256 {got['sha256'][:12]}..., its manifest says {want['sha256'][:12]}...)"
+    return None
 
 
 def read_state(ref: CheckpointRef) -> dict[str, Any]:
@@ -96,9 +142,17 @@ def load_optimizer_state(ref: CheckpointRef, optimizer: torch.optim.Optimizer) -
 
 
 def _prune(run_dir: Path, keep_last: int) -> None:
-    done = sorted(p for p in (run_dir / "checkpoints").glob("iter=*") if (p / STATE_FILE).is_file())
+    done = [Path(ref.path) for ref in checkpoints(run_dir)]
     for p in done[1:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(p, ignore_errors=True)
+
+
+def _inventory(folder: Path, exclude: str | None = None) -> dict[str, dict[str, Any]]:
+    """{relative path: {size, sha256}} of every file under ``folder``."""
+    from horizonrl.store import file_digest
+
+    return {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": file_digest(p)}
+            for p in sorted(folder.rglob("*")) if p.is_file() and str(p.relative_to(folder)) != exclude}
 
 
 def _fsync_dir(path: Path) -> None:

@@ -22,12 +22,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 import methods
 from methods.appo import BranchingParams
@@ -36,13 +38,29 @@ from methods.registry import LossParams
 
 CONFIG_FILE = "config.yaml"  # a run's config as it ran: in its data folder and among its MLflow artifacts
 
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._=+,@-]{0,199}")
+"""Run and experiment names: a plain folder name (no path separator, no quote, no leading dot), since a
+name becomes a folder under ``data_dir`` and a value in MLflow filter strings."""
+
 
 MODEL_URI_PREFIXES = ("models:/", "runs:/")
 """``model.path`` forms that name a policy in the MLflow store (a registered version, or a finished run's)."""
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
+    """Every config section: unknown keys refused, numbers finite, integers exactly integers (``true``
+    or ``2.5`` is not read as 1 or 2)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_ints(cls, v: Any, info: ValidationInfo) -> Any:
+        annotation = cls.model_fields[info.field_name].annotation
+        is_int = annotation is int or (get_origin(annotation) in (Union, UnionType) and int in get_args(annotation))
+        if v is not None and is_int and type(v) is not int:
+            raise ValueError(f"{v!r} is not a valid integer (write integers without quotes or decimal point; true/false are not integers)")
+        return v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +174,9 @@ class ModelConfig(Strict):
         looks_local = v.startswith((".", "/", "~")) or Path(v).expanduser().exists() or v.count("/") != 1
         if looks_local and not Path(v).expanduser().is_dir():
             raise ValueError(f"model path {v!r} does not exist (give a local model directory or a hub id 'org/name')")
+        if looks_local and not (Path(v).expanduser() / "config.json").is_file():
+            raise ValueError(f"model path {v!r} holds no config.json: not a transformers model folder "
+                             f"(expected {str(Path(v) / 'config.json')!r})")
         return v
 
 
@@ -337,6 +358,14 @@ class TrainConfig(Strict):
     tracking_uri: str | None = None
     """MLflow tracking URI; None takes $MLFLOW_TRACKING_URI, else sqlite:///mlflow/mlflow.db."""
 
+    @field_validator("run_name", "experiment")
+    @classmethod
+    def _plain_name(cls, v: str, info: ValidationInfo) -> str:
+        if not NAME_PATTERN.fullmatch(v):
+            raise ValueError(f"{info.field_name} = {v!r} is not a plain name: up to 200 letters, digits and . _ = + , @ -, "
+                             "not starting with a dot")
+        return v
+
     @field_validator("method")
     @classmethod
     def _known_method(cls, v: str) -> str:
@@ -362,6 +391,9 @@ class TrainConfig(Strict):
 
         if self.env.name not in SUITES:
             raise ValueError(f"env.name = {self.env.name!r} is unknown; known: {', '.join(sorted(SUITES))}")
+        from horizonrl.envs import check_tier
+
+        check_tier(self.env.name, self.env.tier)
         return self
 
     @model_validator(mode="after")
@@ -426,9 +458,11 @@ def _check_params(where: str, method: str, given: dict[str, dict[str, Any]], und
 
 def _check_fields(where: str, params_cls: type, values: dict[str, Any], base: dict[str, Any]) -> None:
     names = {f.name for f in dataclasses.fields(params_cls)}
-    for key in values:
+    for key, value in values.items():
         if key not in names:
             raise ValueError(f"{where}.{key} is not a field of {params_cls.__name__}; fields: {', '.join(sorted(names))}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{where}.{key} = {value}: numbers must be finite")
     try:
         params_cls(**{**base, **values})
     except (TypeError, ValueError) as err:

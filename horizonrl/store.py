@@ -172,22 +172,41 @@ def write_json(obj: dict, path: str | Path) -> None:
 
 
 def read_table(path: str | Path, kind: str, columns: list[str] | None = None) -> pa.Table:
-    """Read a stored table, checking it is complete and of this schema version."""
+    """Read a stored table, checking it is complete, of this schema version and has its kind's columns."""
+    check_table(path, kind)
+    unknown = sorted(set(columns or []) - set(_SCHEMAS[kind].names))
+    if unknown:
+        raise StoreError(f"{path}: the {kind!r} table has no column {', '.join(unknown)}")
+    try:
+        return pq.read_table(path, columns=columns)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise StoreError(f"{path}: not a readable Parquet file (truncated or corrupt): {err}") from err
+
+
+def check_table(path: str | Path, kind: str) -> None:
+    """Raise ``StoreError`` naming ``path`` unless it is a readable Parquet file of ``kind`` in this schema
+    version with exactly its kind's columns and types. Reads only the footer, so a command can check all
+    its inputs before it writes anything."""
     path = Path(path)
     if not path.is_file():
         raise StoreError(f"{path}: no such file")
     try:
-        meta = pq.read_schema(path).metadata or {}
-        version = meta.get(_META_VERSION, b"?").decode()
-        # checked before reading columns, so a file of another kind is named as such, not as corrupt
-        if version != SCHEMA_VERSION or meta.get(_META_TABLE, b"").decode() != kind:
-            raise StoreError(f"{path}: schema version {version!r} of table {meta.get(_META_TABLE, b'?').decode()!r}; this code reads version {SCHEMA_VERSION!r} of {kind!r}")
-        unknown = sorted(set(columns or []) - set(_SCHEMAS[kind].names))
-        if unknown:
-            raise StoreError(f"{path}: the {kind!r} table has no column {', '.join(unknown)}")
-        return pq.read_table(path, columns=columns)
+        stored = pq.read_schema(path)
     except (pa.ArrowInvalid, OSError) as err:
         raise StoreError(f"{path}: not a readable Parquet file (truncated or corrupt): {err}") from err
+    meta = stored.metadata or {}
+    version = meta.get(_META_VERSION, b"?").decode()
+    # checked before the columns, so a file of another kind is named as such, not as damaged
+    if version != SCHEMA_VERSION or meta.get(_META_TABLE, b"").decode() != kind:
+        raise StoreError(f"{path}: schema version {version!r} of table {meta.get(_META_TABLE, b'?').decode()!r}; this code reads version {SCHEMA_VERSION!r} of {kind!r}")
+    expected = _SCHEMAS[kind]
+    missing = [name for name in expected.names if name not in stored.names]
+    extra = [name for name in stored.names if name not in expected.names]
+    retyped = [f"{f.name} ({stored.field(f.name).type}, expected {f.type})" for f in expected
+               if f.name in stored.names and not stored.field(f.name).type.equals(f.type)]
+    for what, names in (("lacks column", missing), ("has unknown column", extra), ("has a column of another type:", retyped)):
+        if names:
+            raise StoreError(f"{path}: the {kind!r} table {what} {', '.join(names)}")
 
 
 def env_steps(data_dir: str | Path, experiment: str, run_name: str, iterations: range) -> int:

@@ -59,8 +59,8 @@ def experiment_id(c: MlflowClient, name: str) -> str:
     if exp is not None:
         return exp.experiment_id
     artifacts = None
-    if c.tracking_uri.startswith("sqlite:"):
-        artifacts = (Path(DEFAULT_STORE) / "artifacts").resolve().as_uri()
+    if c.tracking_uri.startswith("sqlite:///"):  # beside the database, wherever the process runs
+        artifacts = (Path(c.tracking_uri.removeprefix("sqlite:///")).parent / "artifacts").resolve().as_uri()
     try:
         return c.create_experiment(name, artifact_location=artifacts)
     except mlflow.exceptions.MlflowException:  # created concurrently by another run
@@ -72,8 +72,18 @@ def find_run(c: MlflowClient, experiment: str, run_name: str) -> Run | None:
     exp = c.get_experiment_by_name(experiment)
     if exp is None:
         return None
-    found = c.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'", order_by=["attributes.start_time DESC"], max_results=1)
+    found = c.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = {quoted(run_name)}", order_by=["attributes.start_time DESC"], max_results=1)
     return found[0] if found else None
+
+
+def quoted(value: str) -> str:
+    """``value`` as a string literal of an MLflow filter string. The filter grammar has no escapes, so a
+    value holding both quote characters cannot be searched for and is refused."""
+    if "'" not in value:
+        return f"'{value}'"
+    if '"' not in value:
+        return f'"{value}"'
+    raise ValueError(f"{value!r} holds both quote characters and cannot go into an MLflow filter string")
 
 
 def find_or_create_run(c: MlflowClient, experiment: str, run_name: str, tags: dict[str, str]) -> tuple[str, bool]:
@@ -112,6 +122,11 @@ def log_parquet_input(c: MlflowClient, run_id: str, name: str, path: str | Path,
     c.log_inputs(run_id, datasets=[DatasetInput(ds, tags=[InputTag("mlflow.data.context", context)])])
 
 
+def recorded_digests(c: MlflowClient, run_id: str) -> dict[str, str]:
+    """{dataset name: digest} of the run's input datasets (``log_parquet_input``)."""
+    return {d.dataset.name: d.dataset.digest for d in c.get_run(run_id).inputs.dataset_inputs}
+
+
 def log_table(c: MlflowClient, run_id: str, frame: pd.DataFrame, artifact_file: str) -> None:
     """Log ``frame`` as a table artifact, once: MLflow appends to a table that exists, so a retried
     stage logging it again would double its rows."""
@@ -133,16 +148,23 @@ def set_tags(c: MlflowClient, run_id: str, tags: dict[str, Any]) -> None:
 
 
 def resolve_policy(c: MlflowClient, source: str) -> tuple[str, str]:
-    """(source run id, model URI) of a run id, ``runs:/<id>`` or ``models:/<name>/<version>``."""
+    """(source run id, model URI) of a run id, ``runs:/<id>`` or ``models:/<name>/<version>``; a source
+    the store does not hold raises ``ValueError`` naming it and the store."""
     mlflow.set_tracking_uri(c.tracking_uri)  # the fluent API (logged models) reads the global URI
     if source.startswith("models:/"):
         name, _, version = source.removeprefix("models:/").partition("/")
         if not version:
             raise ValueError(f"source {source!r}: give models:/<name>/<version>")
-        return c.get_model_version(name, version).run_id, source
+        try:
+            return c.get_model_version(name, version).run_id, source
+        except mlflow.exceptions.MlflowException as err:
+            raise ValueError(f"source {source!r}: no version {version} of a registered model {name!r} in {c.tracking_uri}") from err
     run_id = source.removeprefix("runs:/").split("/")[0]
-    run = c.get_run(run_id)
-    models = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], filter_string=f"source_run_id = '{run_id}'", output_format="list")
+    try:
+        run = c.get_run(run_id)
+    except mlflow.exceptions.MlflowException as err:
+        raise ValueError(f"source {source!r}: no run with id {run_id!r} in {c.tracking_uri}") from err
+    models = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], filter_string=f"source_run_id = {quoted(run_id)}", output_format="list")
     if not models:
         raise ValueError(f"source run {run_id} has no logged policy model (it logs one when its training finishes)")
     return run_id, f"models:/{models[0].model_id}"
@@ -180,8 +202,8 @@ def register_policy(c: MlflowClient, run_id: str, model_name: str) -> str:
     """Register the policy logged by run ``run_id`` under ``model_name``; returns the version (the existing
     one if this run's policy is already registered under that name, so a rerun registers nothing new)."""
     mlflow.set_tracking_uri(c.tracking_uri)
-    models = mlflow.search_logged_models(experiment_ids=[c.get_run(run_id).info.experiment_id], filter_string=f"source_run_id = '{run_id}'", output_format="list")
+    models = mlflow.search_logged_models(experiment_ids=[c.get_run(run_id).info.experiment_id], filter_string=f"source_run_id = {quoted(run_id)}", output_format="list")
     if not models:
         raise ValueError(f"run {run_id} has no logged policy model")
-    existing = c.search_model_versions(f"name = '{model_name}' and run_id = '{run_id}'")
+    existing = c.search_model_versions(f"name = {quoted(model_name)} and run_id = {quoted(run_id)}")
     return str(existing[0].version if existing else mlflow.register_model(f"models:/{models[0].model_id}", model_name).version)

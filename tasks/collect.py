@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
-from horizonrl import faults, store
+from horizonrl import faults, store, tracking
 from horizonrl.branching import collect_branches, plan_branches
 from horizonrl.checkpoint import CheckpointRef
 from horizonrl.records import EpisodeRecord
@@ -45,8 +45,9 @@ def collect_rollouts(ctx: RunContext, iteration: int, policy: CheckpointRef) -> 
     d = store.iteration_dir(cfg.data_dir, cfg.experiment, cfg.run_name, iteration)
     ref = RolloutRef(iteration, str(d / "episodes.parquet"), str(d / "turns.parquet"))
     if (d / "episodes.parquet").is_file() and (d / "turns.parquet").is_file():
-        get_run_logger().info("iteration %d: rollouts already stored, reused", iteration)
         digests = {"turns": store.file_digest(ref.turns), "episodes": store.file_digest(ref.episodes)}
+        _check_recorded(ctx, iteration, ref, digests)
+        get_run_logger().info("iteration %d: rollouts already stored, reused", iteration)
     else:
         records = _play(ctx, iteration, policy)
         digests = {"turns": store.write_table(store.turns_table(records), ref.turns, "turns")}
@@ -65,6 +66,18 @@ def collect_rollouts(ctx: RunContext, iteration: int, policy: CheckpointRef) -> 
     log_stage(ctx, "collect", metrics, iteration, inputs=inputs)
     get_run_logger().info("iteration %d collect: success %.3f, mixed groups %.2f", iteration, metrics["success_rate"], metrics["mixed_group_fraction"])
     return ref
+
+
+def _check_recorded(ctx: RunContext, iteration: int, ref: RolloutRef, digests: dict[str, str]) -> None:
+    """Stored rollouts are reused only as they were written: a file whose digest differs from the one the
+    run recorded for it in MLflow (its dataset input) is named, never taken for the original."""
+    recorded = tracking.recorded_digests(ctx.mlflow(), ctx.mlflow_run_id)
+    for name, path in (("turns", ref.turns), ("episodes", ref.episodes)):
+        want = recorded.get(f"iter={iteration}/{name}")
+        if want is not None and not digests[name].startswith(want):
+            raise store.StoreError(f"{path}: sha256 {digests[name][:12]}... differs from the digest recorded when it was written "
+                                   f"({want[:12]}..., MLflow run {ctx.mlflow_run_id}); the file was changed since. Move iteration "
+                                   f"{iteration}'s folder away to collect its rollouts again")
 
 
 @task(name="collect-shard", task_run_name="collect-shard-{shard.index}", cache_policy=NONE)

@@ -4,19 +4,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from uuid import UUID
 
 import yaml
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 from prefect.client.schemas.objects import FlowRun, State
+from prefect.settings import PREFECT_HOME
 
-from horizonrl import tracking
+from horizonrl import runlock, tracking
 from horizonrl.store import remove_stale_temporaries
-from horizonrl.checkpoint import CheckpointRef, latest_checkpoint, read_state, save_checkpoint
+from horizonrl.checkpoint import CheckpointDamaged, CheckpointRef, read_state, resume_checkpoint, save_checkpoint
 from horizonrl.config import CONFIG_FILE, TrainConfig, train_config
 from horizonrl.models import load_policy
 from tasks.context import RUNTIME, RunContext
 from tasks.tracking import log_stage
+
+
+ITERATION_TAG = "horizonrl.iteration"  # on the logged policy model: the checkpoint it packs
 
 
 @dataclass(frozen=True)
@@ -27,13 +33,35 @@ class RunStart:
     resumed: bool
 
 
+def run_dir(cfg: TrainConfig) -> Path:
+    """The run's folder: ``<data_dir>/<experiment>/<run_name>``."""
+    return Path(cfg.data_dir) / cfg.experiment / cfg.run_name
+
+
 @task(name="start-run", retries=1, retry_delay_seconds=2, cache_policy=NONE)
-def start_run(cfg: TrainConfig) -> RunStart:
-    """Resume after the last completed iteration if this run name has a checkpoint, else start fresh."""
-    run_dir = Path(cfg.data_dir) / cfg.experiment / cfg.run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for p in remove_stale_temporaries(run_dir):
-        get_run_logger().warning("removed a partial file left by an interrupted run: %s", p)
+def start_run(cfg: TrainConfig, killed_holder: dict[str, Any] | None = None) -> RunStart:
+    """Resume from the newest checkpoint that verifies if this run name has one, else start fresh.
+
+    Called under the run folder's lock (``horizonrl.runlock``). ``killed_holder`` is what a previous
+    process that died holding the lock recorded: its Prefect flow run is marked crashed. Temporary Prefect
+    servers left by killed processes, of this run or another, are stopped."""
+    log = get_run_logger()
+    for pid in runlock.stop_orphaned_prefect_servers(PREFECT_HOME.value()):
+        log.warning("stopped Prefect's temporary API server (pid %d) left running by a killed process", pid)
+    if killed_holder:
+        _mark_crashed(killed_holder)
+    d = run_dir(cfg)
+    for p in remove_stale_temporaries(d):
+        log.warning("removed a partial file left by an interrupted run: %s", p)
+    policy, damaged = resume_checkpoint(d)  # verified before anything is logged
+    for ref, problem in damaged:
+        log.warning("checkpoint %s fails verification: %s; it is not used", ref.path, problem)
+    if damaged and policy is None:
+        raise CheckpointDamaged(f"no checkpoint of run {cfg.run_name!r} verifies ({'; '.join(f'{r.path}: {p}' for r, p in damaged)}); "
+                                f"to start the run again from its initial weights, move {d / 'checkpoints'} away")
+    if damaged:
+        log.warning("falling back to checkpoint %s, the newest that verifies: iterations %d to %d are replayed from it "
+                    "(stored rollouts are reused, logged figures are not logged again)", policy.path, policy.iteration + 1, damaged[0][0].iteration)
     uri = tracking.tracking_uri(cfg.tracking_uri)
     c = tracking.client(uri)
     tags = {"method": cfg.method, "env": cfg.env.name, "tier": cfg.env.tier, "seed": str(cfg.seed), "context": cfg.rollout.context,
@@ -44,18 +72,37 @@ def start_run(cfg: TrainConfig) -> RunStart:
         resumed = False
     if not resumed:
         tracking.log_params(c, run_id, cfg.flat())
-    (run_dir / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=True))
-    c.log_artifact(run_id, str(run_dir / CONFIG_FILE))  # the run's config as it ran: the evaluate flow reloads it
-    ctx = RunContext(cfg, str(run_dir), uri, run_id)
-    policy = latest_checkpoint(run_dir)
+    (d / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=True))
+    c.log_artifact(run_id, str(d / CONFIG_FILE))  # the run's config as it ran: the evaluate flow reloads it
+    ctx = RunContext(cfg, str(d), uri, run_id)
     if policy is None:
         model, tokenizer = load_policy(RUNTIME.initial_model_dir(cfg))
-        policy = save_checkpoint(run_dir, 0, model, tokenizer, None, {"nonfinite_steps": 0, "elapsed_s": 0.0, "mlflow_run_id": run_id, "seed": cfg.seed, "config_digest": cfg.digest()})
+        policy = save_checkpoint(d, 0, model, tokenizer, None, {"nonfinite_steps": 0, "elapsed_s": 0.0, "mlflow_run_id": run_id, "seed": cfg.seed, "config_digest": cfg.digest()})
         RUNTIME.drop()
     state = read_state(policy)
     log_stage(ctx, "update", state.get("update_stats", {}), policy.iteration)  # if a crash came between checkpoint and log
-    get_run_logger().info("run %s (MLflow %s): %s at iteration %d", cfg.run_name, run_id, "resumed" if policy.iteration else "starting", policy.iteration)
+    log.info("run %s (MLflow %s): %s at iteration %d", cfg.run_name, run_id, "resumed" if policy.iteration else "starting", policy.iteration)
     return RunStart(ctx, policy, float(state.get("elapsed_s", 0.0)), resumed or policy.iteration > 0)
+
+
+def _mark_crashed(holder: dict[str, Any]) -> None:
+    """Mark the Prefect flow run of a process that died holding the run's lock as crashed, if its
+    state still says it runs (a SIGKILLed process reports nothing)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.states import Crashed
+
+    flow_run_id = holder.get("flow_run_id")
+    if not flow_run_id:
+        return
+    with get_client(sync_client=True) as client:
+        try:
+            flow_run = client.read_flow_run(UUID(flow_run_id))
+        except ObjectNotFound:  # recorded by another Prefect API
+            return
+        if flow_run.state is not None and not flow_run.state.is_final():
+            client.set_flow_run_state(flow_run.id, Crashed(message=f"the process ({runlock.describe(holder)}) ended without reporting; found by the next run"), force=True)
+            get_run_logger().warning("marked flow run %s (%s) crashed: its process, %s, was killed", flow_run.name, flow_run_id, runlock.describe(holder))
 
 
 @task(name="finish-run", retries=1, retry_delay_seconds=2, cache_policy=NONE)
@@ -73,14 +120,17 @@ def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
     by_step = {m.step: m.value for m in history}
     first, last = (by_step[min(by_step)], by_step[max(by_step)]) if by_step else (float("nan"), float("nan"))
     summary = {"initial_success_rate": first, "final_success_rate": last, "improvement": last - first, "iterations": float(policy.iteration)}
-    tracking.log_metrics(c, ctx.mlflow_run_id, "summary", summary, policy.iteration)
+    log_stage(ctx, "summary", summary, policy.iteration)  # once: a finished run run again logs nothing twice
     mlflow.set_tracking_uri(ctx.tracking_uri)
-    with mlflow.start_run(run_id=ctx.mlflow_run_id):
-        state_file = Path(policy.path) / "estimator_state.json"
-        if state_file.is_file():  # BLPO memory: load with methods.state_from_json, inspect with .records()
-            mlflow.log_artifact(str(state_file), artifact_path="estimator_state")
-        mlflow.pyfunc.log_model(name="policy", python_model=PolicyModel(), artifacts={"policy": policy.path}, signature=SIGNATURE,
-                                 pip_requirements=["torch", "transformers", "safetensors"])
+    logged = mlflow.search_logged_models(experiment_ids=[c.get_run(ctx.mlflow_run_id).info.experiment_id],
+                                         filter_string=f"source_run_id = {tracking.quoted(ctx.mlflow_run_id)}", output_format="list")
+    if not any(m.name == "policy" and m.tags.get(ITERATION_TAG) == str(policy.iteration) for m in logged):
+        with mlflow.start_run(run_id=ctx.mlflow_run_id):
+            state_file = Path(policy.path) / "estimator_state.json"
+            if state_file.is_file():  # BLPO memory: load with methods.state_from_json, inspect with .records()
+                mlflow.log_artifact(str(state_file), artifact_path="estimator_state")
+            mlflow.pyfunc.log_model(name="policy", python_model=PolicyModel(), artifacts={"policy": policy.path}, signature=SIGNATURE,
+                                    pip_requirements=["torch", "transformers", "safetensors"], tags={ITERATION_TAG: str(policy.iteration)})
     c.set_terminated(ctx.mlflow_run_id, "FINISHED")
     get_run_logger().info("run %s finished: held-out success %.3f -> %.3f", ctx.cfg.run_name, first, last)
     return summary
@@ -97,7 +147,12 @@ def end_failed_run(flow: object, flow_run: FlowRun, state: State) -> None:
         cfg = train_config(params.get("config_path"), params.get("overrides"), params.get("config"))
     except (ValueError, OSError):
         return
-    c = tracking.client(tracking.tracking_uri(cfg.tracking_uri))
+    if runlock.held_elsewhere(run_dir(cfg)):  # refused because another process runs it: not ours to mark
+        return
+    uri = tracking.tracking_uri(cfg.tracking_uri)
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        return  # stopped before its store was created: nothing to mark, and no store to create now
+    c = tracking.client(uri)
     run = tracking.find_run(c, cfg.experiment, cfg.run_name)
     if run is not None and run.info.status == "RUNNING":
         c.set_terminated(run.info.run_id, "FAILED")

@@ -104,6 +104,9 @@ def test_model_path_must_exist_unless_it_is_a_hub_id(tmp_path):
         load_config(None, [f"model.path={missing}"])
     with pytest.raises(ValueError, match="model.path"):
         load_config(None, ["model.path=not-a-dir"])  # no slash: a local name, not 'org/name'
+    with pytest.raises(ValueError, match=re.escape(repr(str(tmp_path / "config.json")))):
+        load_config(None, [f"model.path={tmp_path}"])  # a folder, but not a transformers model's
+    (tmp_path / "config.json").write_text("{}")
     assert load_config(None, [f"model.path={tmp_path}"]).model.path == str(tmp_path)
     assert load_config(None, ["model.path=Qwen/Qwen2.5-0.5B-Instruct"]).model.path == "Qwen/Qwen2.5-0.5B-Instruct"
 

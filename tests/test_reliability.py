@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import errno
 import gc
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -24,8 +26,8 @@ import yaml
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 
-from flowkit import flat, run_of, steps, tiny_config
-from horizonrl import faults, store
+from flowkit import flat, leftovers, run_of, steps, tiny_config
+from horizonrl import faults, report, runlock, store
 from horizonrl.checkpoint import CheckpointWriteError, checkpoint_dir, latest_checkpoint, load_optimizer_state, save_checkpoint
 from horizonrl.models import load_policy
 
@@ -54,10 +56,13 @@ def api_url(prefect_harness) -> str:
     return PREFECT_API_URL.value()
 
 
-def start_cli(cfg: dict, api_url: str, log: Path, fault: str | None = None, command: list[str] | None = None) -> subprocess.Popen:
-    """``horizonrl train`` with ``cfg`` as --set overrides (or ``horizonrl <command>``), in its own session."""
-    env = {k: v for k, v in os.environ.items() if k != faults.ENV}
-    env.update(PREFECT_API_URL=api_url, PREFECT_HOME=str(log.parent / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+def start_cli(cfg: dict, api_url: str | None, log: Path, fault: str | None = None, command: list[str] | None = None) -> subprocess.Popen:
+    """``horizonrl train`` with ``cfg`` as --set overrides (or ``horizonrl <command>``), in its own session;
+    ``api_url`` None: with no API, so that it starts Prefect's temporary server as a user's run does."""
+    env = {k: v for k, v in os.environ.items() if k not in (faults.ENV, "PREFECT_API_URL")}
+    env.update(PREFECT_HOME=str(log.parent / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
     if fault:
         env[faults.ENV] = fault
     args = command or ["train", *(f"--set={k}={v}" for k, v in flat(cfg).items())]
@@ -337,3 +342,91 @@ def test_full_disk_while_writing_a_checkpoint_keeps_the_previous_one(full_disk, 
     assert {p.name: store.file_digest(p) for p in first.iterdir()} == before
     assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["iter=00001"]  # no partial folder
     assert latest_checkpoint(disk).iteration == 1
+
+
+def eval_curve(tracking_uri: str, run_name: str) -> dict[int, float]:
+    c = MlflowClient(tracking_uri)
+    return {m.step: m.value for m in c.get_metric_history(run_of(c, run_name).info.run_id, "eval/success_rate")}
+
+
+@pytest.mark.slow
+def test_a_killed_and_resumed_run_evaluates_on_the_same_schedule(api_url, tmp_path):
+    """eval.every 2 over 2 iterations: killed in iteration 2's collect, the run resumes at iteration 1,
+    off the schedule, and must not evaluate there; its evaluation points and the report's numbers (best,
+    area under the curve) equal an uninterrupted run's."""
+    from flows.train import train
+
+    straight_root, killed_root = tmp_path / "straight", tmp_path / "killed"
+    killed_root.mkdir()
+    schedule = {"every": 2, "n_tasks": 4, "greedy": False}
+    assert finish(start_cli(config(killed_root, eval=schedule), api_url, killed_root / "cli.log", "collect:2")) == -signal.SIGKILL
+    assert latest_checkpoint(run_dir(killed_root)).iteration == 1
+    train(config=config(killed_root, eval=schedule))  # the resume, in this process
+    train(config=config(straight_root, eval=schedule))
+    killed, straight = (eval_curve(f"sqlite:///{root}/mlflow.db", RUN) for root in (killed_root, straight_root))
+    assert sorted(killed) == sorted(straight) == [0, 2], f"evaluated at {sorted(killed)} after the resume"
+    assert killed == straight
+    assert max(killed.values()) == max(straight.values()) and report.auc(killed) == report.auc(straight)
+
+
+def test_a_second_process_on_a_held_run_is_refused_naming_the_holder(prefect_harness, tmp_path, capsys):
+    """While a process holds the run folder (here this test itself), ``horizonrl train`` on the same run
+    name stops before it touches anything: no MLflow store, no checkpoint, the holder's temporary file
+    (which a stale-temporary clean-up would delete) left alone, and the holder's lock intact."""
+    from flows.cli import main
+
+    d = run_dir(tmp_path)
+    with runlock.hold(d) as lock:
+        partial = d / ".episodes.parquet.tmp-1"  # a file the holder is writing
+        partial.write_bytes(b"half")
+        assert main(["train", *(f"--set={k}={v}" for k, v in flat(config(tmp_path, iterations=1)).items())]) == 1
+        err = capsys.readouterr().err
+        assert f"run folder {d} is in use by pid {os.getpid()} on host {lock.holder['host']}, started {lock.holder['started']}" in err, err
+        assert partial.read_bytes() == b"half"
+    assert sorted(p.name for p in d.iterdir()) == [".episodes.parquet.tmp-1", runlock.LOCK_FILE]
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def flow_run_state(prefect_home: Path, flow_run_id: str) -> str:
+    import sqlite3
+
+    with sqlite3.connect(prefect_home / "prefect.db") as db:
+        rows = db.execute("SELECT id, state_type FROM flow_run").fetchall()
+    return {str(i).replace("-", ""): state for i, state in rows}[flow_run_id.replace("-", "")]
+
+
+@pytest.mark.slow
+def test_second_process_refused_and_a_killed_run_leaves_no_server(api_url, tmp_path):
+    """A user's ``horizonrl train`` (no Prefect server configured: it starts a temporary one) is running; a
+    second process on the same run name is refused, naming it. The first is then SIGKILLed: its temporary
+    server survives it (re-parented). The next run of that name stops that server, marks the dead flow
+    run crashed, and finishes; afterwards no server process of this Prefect home is left."""
+    home = tmp_path / "prefect"
+    long = config(tmp_path, iterations=50, eval={"every": 50, "n_tasks": 2, "greedy": False})
+    first = start_cli(long, None, tmp_path / "first.log")
+    lock_file = run_dir(tmp_path) / runlock.LOCK_FILE
+    holder: dict = {}
+    for _ in range(1200):  # the temporary server takes ~20 s to start on a busy machine
+        holder = json.loads(lock_file.read_text() or "{}") if lock_file.is_file() else {}
+        if holder.get("flow_run_id") or first.poll() is not None:
+            break
+        time.sleep(0.25)
+    assert holder.get("pid") == first.pid and first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+
+    second = start_cli(long, api_url, tmp_path / "second.log")
+    assert finish(second) == 1
+    out = (tmp_path / "second.log").read_text()
+    assert f"is in use by pid {first.pid} on host {holder['host']}" in out and "Traceback" not in out.split("horizonrl: run")[-1], out[-3000:]
+
+    os.kill(first.pid, signal.SIGKILL)  # the CLI process alone, as `kill -9` does
+    first.wait()
+    orphans = runlock.orphaned_prefect_servers(home)
+    assert orphans and leftovers(str(home)), "the killed run left no server behind, so the test would check nothing"
+
+    third = start_cli(config(tmp_path, iterations=1, eval={"every": 50, "n_tasks": 2, "greedy": False}), None, tmp_path / "third.log")
+    assert finish(third) == 0, (tmp_path / "third.log").read_text()[-3000:]
+    out = (tmp_path / "third.log").read_text()
+    assert f"stopped Prefect's temporary API server (pid {orphans[0]})" in out and "crashed" in out, out[-3000:]
+    assert leftovers(str(home)) == []
+    assert flow_run_state(home, holder["flow_run_id"]) == "CRASHED"
+    assert run_of(MlflowClient(f"sqlite:///{tmp_path}/mlflow.db"), RUN).info.status == "FINISHED"

@@ -54,10 +54,33 @@ SUITES: dict[str, Callable[[int], EnvSuite]] = {
 }
 
 
+def check_tier(name: str, tier: str) -> None:
+    """Raise ``ValueError`` naming the allowed values when ``tier`` is not a tier of suite ``name``, read
+    from the suites' own tables without building a suite (the adapters' benchmarks check their own)."""
+    if name == "household":
+        from horizonrl.envs.household_world import TIERS
+
+        allowed = tuple(TIERS)
+        if tier not in TIERS:
+            raise ValueError(f"env.tier = {tier!r} is not a tier of household; allowed: {', '.join(allowed)}")
+        return
+    try:
+        if name.startswith("textworld-"):
+            from horizonrl.envs.textworld_env import CHALLENGES, game_spec
+
+            game_spec(CHALLENGES[name], tier, "train")
+        elif name.startswith("scienceworld-"):
+            from horizonrl.envs.scienceworld_env import simplification
+
+            simplification(tier)
+    except ValueError as err:
+        raise ValueError(f"env.tier = {tier!r}: {err}") from err
+
+
 def make_suite(name: str, seed: int = 0) -> EnvSuite:
     if name not in SUITES:
         raise ValueError(f"env.name = {name!r} is unknown; known: {', '.join(sorted(SUITES))}")
     return SUITES[name](seed)
 
 
-__all__ = ["Env", "EnvSuite", "Task", "SUITES", "make_suite"]
+__all__ = ["Env", "EnvSuite", "Task", "SUITES", "check_tier", "make_suite"]
