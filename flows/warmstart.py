@@ -14,11 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow
+from prefect.runtime import flow_run
 
-from horizonrl import tracking
+from horizonrl import runlock, tracking
 from horizonrl.config import train_config
 from tasks.evaluate import evaluate
-from tasks.run import end_failed_run, finish_run, start_run
+from tasks.run import end_failed_run, finish_run, run_dir, start_run
 from tasks.tracking import logged
 from tasks.warmstart import clone, log_losses, record_demonstrations
 
@@ -28,18 +29,20 @@ def warmstart(config_path: str | None = None, overrides: list[str] | None = None
     """Clone the walkthroughs; returns the summary (held-out success before and after) and the registered
     model's URI under ``model_uri``."""
     cfg = train_config(config_path, overrides, config)
-    run = start_run(cfg)
-    ctx, policy = run.ctx, run.policy
-    tracking.set_tags(ctx.mlflow(), ctx.mlflow_run_id, {"horizonrl.kind": "warmstart"})
-    log_losses(ctx, policy)  # a resumed run whose last epoch crashed before its log
-    demos = record_demonstrations(ctx, policy)                          # 1. walkthroughs as Parquet
-    if not logged(ctx, "eval/success_rate", 0):
-        evaluate(ctx, policy, 0)                                        # the starting point
-    for epoch in range(policy.iteration + 1, cfg.warmstart.epochs + 1):
-        policy = clone(ctx, epoch, demos, policy)                       # 2. cross-entropy on action tokens
-        if epoch % cfg.eval.every == 0 or epoch == cfg.warmstart.epochs:
-            evaluate(ctx, policy, epoch)                                # 3. held-out success
-    summary: dict[str, Any] = dict(finish_run(ctx, policy))             # 4. logged as an MLflow model
+    with runlock.hold(run_dir(cfg)) as lock:  # one process per run name, as for train
+        lock.record(flow_run_id=flow_run.get_id())
+        run = start_run(cfg, lock.previous)
+        ctx, policy = run.ctx, run.policy
+        tracking.set_tags(ctx.mlflow(), ctx.mlflow_run_id, {"horizonrl.kind": "warmstart"})
+        log_losses(ctx, policy)  # a resumed run whose last epoch crashed before its log
+        demos = record_demonstrations(ctx, policy)                      # 1. walkthroughs as Parquet
+        if not logged(ctx, "eval/success_rate", 0):
+            evaluate(ctx, policy, 0)                                    # the starting point
+        for epoch in range(policy.iteration + 1, cfg.warmstart.epochs + 1):
+            policy = clone(ctx, epoch, demos, policy)                   # 2. cross-entropy on action tokens
+            if epoch % cfg.eval.every == 0 or epoch == cfg.warmstart.epochs:
+                evaluate(ctx, policy, epoch)                            # 3. held-out success
+        summary: dict[str, Any] = dict(finish_run(ctx, policy))         # 4. logged as an MLflow model
     c = ctx.mlflow()
     version = tracking.register_policy(c, ctx.mlflow_run_id, cfg.warmstart.model_name)
     summary["model_uri"] = f"models:/{cfg.warmstart.model_name}/{version}"
