@@ -157,11 +157,13 @@ class Browser:
             time.sleep(0.5)
 
     def click(self, text: str) -> None:
-        """Click, with the mouse, the innermost element whose whole text is ``text``."""
+        """Click, with the mouse, the innermost element whose whole text is ``text``; a page tab
+        (``role="tab"``) before a link of the same name (MLflow's sidebar and a run's tabs both say "Traces")."""
         import json
 
         at = self.js(f"""(() => {{ const all = [...document.querySelectorAll('body *')].filter(e => e.innerText && e.innerText.trim() === {json.dumps(text)});
-            const leaf = all.find(e => ![...e.children].some(c => all.includes(c))); if (!leaf) return null;
+            const leaves = all.filter(e => ![...e.children].some(c => all.includes(c)));
+            const leaf = leaves.find(e => e.closest('[role="tab"]')) || leaves[0]; if (!leaf) return null;
             leaf.scrollIntoView({{block: 'center'}}); const r = leaf.getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; }})()""")
         assert at, f"no element shows {text!r}"
         for kind in ("mouseMoved", "mousePressed", "mouseReleased"):

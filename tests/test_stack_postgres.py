@@ -88,10 +88,13 @@ def test_sweep_and_two_runs_write_at_once_on_postgres(pg_stack):
     for log in [*logs.values(), s.home / "worker.log", s.home / "mlflow.log", s.home / "prefect.log"]:
         text = log.read_text()
         assert not [e for e in ERRORS if e in text], f"{log.name}:\n{text[-3000:]}"
-    # MLflow re-sends a run's metrics when a model is logged (to link them to it) and skips the rows it
-    # already has after the primary key refuses them: PostgreSQL logs that refusal, the only error allowed
+    # PostgreSQL logs a refused INSERT even when the writer expects it and recovers; the only ones allowed:
+    # metric_pk (MLflow re-sends a run's metrics when a model is logged and skips the rows it has),
+    # trace_info_pk (MLflow's trace start racing the same trace's spans: it rereads the row and merges),
+    # pk_task_run (Prefect's task-run recorder racing a concurrent one: it retries against the row).
+    recovered = ('unique constraint "metric_pk"', 'unique constraint "trace_info_pk"', 'unique constraint "pk_task_run"')
     pg_errors = [line for line in (s.home / "postgres.log").read_text().splitlines() if " ERROR: " in line]
-    assert all('unique constraint "metric_pk"' in line for line in pg_errors), pg_errors
+    assert all(any(r in line for r in recovered) for line in pg_errors), pg_errors
 
     # the four cells really ran at the same time, as flow runs of the train deployment
     flow_runs = httpx.post(f"{s.prefect_api}/flow_runs/filter", json={"flow_runs": {"name": {"like_": f"{SWEEP}--"}}}).json()
