@@ -111,7 +111,12 @@ class EnvConfig(Strict):
     train_pool: int = Field(10_000, ge=1)
     """Number of training tasks sampled from."""
     max_turns: int | None = Field(None, ge=1)
-    """Horizon; None takes the tier's."""
+    """Horizon; None takes the tier's (the user's games: 10 + 2 x their longest walkthrough)."""
+    games: str | None = None
+    """TextWorld suites only: a folder (searched recursively) or glob of the user's own games (``.z8``
+    with their ``.json``), played instead of generated challenge games; split by a ``splits.yaml`` in the
+    folder, else by a hash of each file name and ``suite_seed`` (README, "Your own TextWorld games").
+    ``tier`` is then only a label in task ids."""
 
 
 class TinyModelConfig(Strict):
@@ -391,9 +396,12 @@ class TrainConfig(Strict):
 
         if self.env.name not in SUITES:
             raise ValueError(f"env.name = {self.env.name!r} is unknown; known: {', '.join(sorted(SUITES))}")
-        from horizonrl.envs import check_tier
+        from horizonrl.envs import check_games, check_tier
 
-        check_tier(self.env.name, self.env.tier)
+        if self.env.games is not None:
+            check_games(self.env.name, self.env.games, self.env.suite_seed)
+        else:
+            check_tier(self.env.name, self.env.tier)
         return self
 
     @model_validator(mode="after")

@@ -19,7 +19,7 @@ from horizonrl.checkpoint import CheckpointRef, checkpoint_dir, load_optimizer_s
 from horizonrl.config import MODEL_URI_PREFIXES, RayConfig, TrainConfig
 from horizonrl.engines.base import Engine
 from horizonrl.engines.hf import TransformersEngine
-from horizonrl.envs import EnvSuite, make_suite
+from horizonrl.envs import EnvSuite, make_suite, suite_ref
 from horizonrl.envs.batch import EpisodeBatch, InProcess
 from horizonrl.envs.pool import EnvPool
 from horizonrl.models import load_policy, resolve_device, resolve_dtype, tiny_model_dir
@@ -44,7 +44,7 @@ class PolicyRuntime:
 
     def __init__(self) -> None:
         self.current: Loaded | None = None
-        self._suites: dict[tuple[str, int], EnvSuite] = {}
+        self._suites: dict[tuple[str, int, str | None], EnvSuite] = {}
         self._pools: dict[tuple, list] = {}
         self._reference: torch.nn.Module | None = None
         self._vllm = None  # VLLMEngine: one server per process, kept across checkpoints (reloaded, not restarted)
@@ -52,7 +52,7 @@ class PolicyRuntime:
         self._ray: RayConfig | None = None  # the Ray cluster this process joined (rollout.runner: ray)
 
     def suite(self, cfg: TrainConfig) -> EnvSuite:
-        key = (cfg.env.name, cfg.env.suite_seed)
+        key = (cfg.env.name, cfg.env.suite_seed, cfg.env.games)
         if key not in self._suites:
             os.environ["HORIZONRL_DATA_DIR"] = cfg.data_dir  # where suites cache generated games
             self._suites[key] = make_suite(*key)
@@ -62,11 +62,12 @@ class PolicyRuntime:
         """Where the run's episodes step: ``rollout.env_workers`` worker processes, started once and kept
         warm across iterations (JVMs, loaded games), or this process when it is 0."""
         r = cfg.rollout
-        key = (cfg.env.name, cfg.env.suite_seed, r.env_workers, r.step_timeout_s)
+        key = (cfg.env.name, cfg.env.suite_seed, cfg.env.games, r.env_workers, r.step_timeout_s)
         if self._episodes is None or self._episodes[0] != key:
             self.close_episodes()
             suite = self.suite(cfg)  # also sets HORIZONRL_DATA_DIR, which the workers inherit
-            batch = EnvPool(cfg.env.name, cfg.env.suite_seed, r.env_workers, step_timeout_s=r.step_timeout_s) if r.env_workers else InProcess(suite)
+            ref = suite_ref(cfg.env.name, cfg.env.games)
+            batch = EnvPool(ref, cfg.env.suite_seed, r.env_workers, step_timeout_s=r.step_timeout_s) if r.env_workers else InProcess(suite)
             self._episodes = (key, batch)
         return self._episodes[1]
 
@@ -103,7 +104,7 @@ class PolicyRuntime:
 
     def task_pool(self, cfg: TrainConfig, split: str, n: int) -> list:
         """The first ``n`` tasks of ``split`` at the configured tier (generated once per process)."""
-        key = (cfg.env.name, cfg.env.suite_seed, split, cfg.env.tier, n)
+        key = (cfg.env.name, cfg.env.suite_seed, cfg.env.games, split, cfg.env.tier, n)
         if key not in self._pools:
             self._pools[key] = self.suite(cfg).tasks(split, cfg.env.tier, n)
         return self._pools[key]

@@ -100,6 +100,26 @@ def test_group_size_one_is_fine_for_a_method_that_needs_one():
     assert load_config(None, ["method=blpo", "rollout.group_size=1"]).rollout.group_size == 1
 
 
+@pytest.mark.parametrize("name", ["household", "scienceworld-boil", "alfworld"])
+def test_games_folder_is_only_for_textworld_suites(tmp_path, name):
+    with pytest.raises(ValueError, match=re.escape(f"env.games is only for the TextWorld suites (textworld-coin, textworld-treasure, "
+                                                   f"textworld-cooking); env.name = {name!r}")):
+        load_config(None, [f"env.name={name}", f"env.games={tmp_path}"])
+
+
+def test_games_folder_is_checked_at_load_naming_it(tmp_path):
+    """Before any work: a missing folder, an empty one, a pattern matching nothing (no TextWorld needed)."""
+    missing, empty = tmp_path / "missing", tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=re.escape(f"env.games = {str(missing)!r}: no such folder")):
+        load_config(None, ["env.name=textworld-cooking", f"env.games={missing}"])
+    with pytest.raises(ValueError, match=re.escape(f"env.games = {str(empty)!r}: the folder {empty} holds no game file")):
+        load_config(None, ["env.name=textworld-coin", f"env.games={empty}"])
+    with pytest.raises(ValueError, match=re.escape(f"env.games = {str(empty / '**/*.z8')!r}: the pattern matches no game file")):
+        load_config(None, ["env.name=textworld-coin", f"env.games={empty / '**/*.z8'}"])
+    assert load_config(None, ["env.name=textworld-coin"]).env.games is None  # unset: challenge games, as before
+
+
 def test_model_path_must_exist_unless_it_is_a_hub_id(tmp_path):
     missing = tmp_path / "no-model"
     with pytest.raises(ValueError, match=re.escape("model.path") + r"[\s\S]*" + re.escape(repr(str(missing)))):

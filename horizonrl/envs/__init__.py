@@ -2,11 +2,12 @@
 (TextWorld, ScienceWorld, ALFWorld, WebShop, AppWorld) is needed only when its suite is used.
 
 ``textworld-coin|treasure|cooking``: TextWorld challenge games (tier: easy/medium/hard, ``level7``, or a
-cooking spec); ``scienceworld-<task>`` for each of ScienceWorld's 30 tasks (tier: easy/medium/hard or
+cooking spec), or with ``games`` (``env.games``) the user's own games from a folder or glob; ``scienceworld-<task>`` for each of ScienceWorld's 30 tasks (tier: easy/medium/hard or
 simplifications); ``alfworld``, ``webshop``, ``appworld``: adapters to the installed benchmarks."""
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 from horizonrl.envs.base import Env, EnvSuite, Task
@@ -77,10 +78,37 @@ def check_tier(name: str, tier: str) -> None:
         raise ValueError(f"env.tier = {tier!r}: {err}") from err
 
 
-def make_suite(name: str, seed: int = 0) -> EnvSuite:
+def check_games(name: str, games: str, seed: int) -> None:
+    """Raise ``ValueError`` naming ``env.games`` unless ``name`` is a TextWorld suite and every game of
+    ``games`` loads (the check ``TextWorldSuite`` makes, here before any work starts)."""
+    _textworld_only(name)
+    from horizonrl.envs.textworld_games import load_games
+
+    load_games(games, seed)
+
+
+def _textworld_only(name: str) -> None:
+    if not name.startswith("textworld-"):
+        textworld = ", ".join(n for n in SUITES if n.startswith("textworld-"))
+        raise ValueError(f"env.games is only for the TextWorld suites ({textworld}); env.name = {name!r} makes its own tasks")
+
+
+def make_suite(name: str, seed: int = 0, games: str | None = None) -> EnvSuite:
+    """Suite ``name`` with task seed ``seed``; ``games``: the user's TextWorld games (``env.games``)."""
     if name not in SUITES:
         raise ValueError(f"env.name = {name!r} is unknown; known: {', '.join(sorted(SUITES))}")
-    return SUITES[name](seed)
+    if games is None:
+        return SUITES[name](seed)
+    _textworld_only(name)
+    from horizonrl.envs.textworld_env import TextWorldSuite
+
+    return TextWorldSuite(name, seed=seed, games=games)
 
 
-__all__ = ["Env", "EnvSuite", "Task", "SUITES", "check_tier", "make_suite"]
+def suite_ref(name: str, games: str | None = None) -> str | Callable[[int], EnvSuite]:
+    """What a worker process builds its suite from (``EnvPool``): the name, or a picklable factory of
+    the suite on the user's games."""
+    return name if games is None else functools.partial(make_suite, name, games=games)
+
+
+__all__ = ["Env", "EnvSuite", "Task", "SUITES", "check_games", "check_tier", "make_suite", "suite_ref"]

@@ -16,6 +16,10 @@ train|valid|test``), so its test games use foods and preparations unseen in trai
 won, as in ``household``. The progress key and the action labels read only the objective, the recipe
 once the agent has read it, the observations and the reported score (``progress.py``); the
 walkthrough is read only by ``walkthrough()`` (tests).
+
+With ``games`` (``env.games``) the suite plays the user's own games instead (``textworld_games.py``:
+how they are found, checked and split); the challenge then only picks the progress key (cooking's
+adds whether the recipe was read) and the tier is only a label in task ids.
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Mapping
 
 from horizonrl.envs.base import Task
 from horizonrl.envs.progress import content_words, render_key, split_command, tidy, verb_label
+from horizonrl.envs.textworld_games import GameFolder, UserGame, load_games
 from horizonrl.seeding import derive_seed
 
 CHALLENGES = MappingProxyType({
@@ -183,12 +188,14 @@ def abstract_action_label(tracker: Tracker, action: str) -> str:
 
 
 class TextWorldEnv:
-    """One TextWorld episode; ``reset(task)`` loads (generating once) the task's game."""
+    """One TextWorld episode; ``reset(task)`` loads (generating once) the task's game, or with ``games``
+    the user's game named by the task's family."""
 
-    def __init__(self, challenge: str, root: Path) -> None:
-        self.challenge, self.root = challenge, root
+    def __init__(self, challenge: str, root: Path, games: Mapping[str, UserGame] | None = None) -> None:
+        self.challenge, self.root, self.games = challenge, root, games
         self._game: Any = None
         self._path: Path | None = None
+        self._user: UserGame | None = None  # the user's game being played (with ``games``)
         self._tracker = Tracker()
         self._obs, self._info = "", {}
         self._done = False
@@ -197,19 +204,30 @@ class TextWorldEnv:
         import textworld
 
         self.close()
-        self._path = ensure_game(self.root, game_spec(self.challenge, task.tier, task.split), task.seed)
+        self._user = self._user_game(task)
+        self._path = self._user.path if self._user else ensure_game(self.root, game_spec(self.challenge, task.tier, task.split), task.seed)
         request = textworld.EnvInfos(admissible_commands=True, won=True, lost=True, score=True, max_score=True,
                                      objective=True)
-        with warnings.catch_warnings():  # jericho cannot read TextWorld's score; TextWorld's wrapper tracks it
-            warnings.filterwarnings("ignore", message=".*is not fully supported.*")
-            self._game = textworld.start(str(self._path), request_infos=request)
-        self._game.seed(FROTZ_SEED)
-        state = self._game.reset()
+        try:
+            with warnings.catch_warnings():  # jericho cannot read TextWorld's score; TextWorld's wrapper tracks it
+                warnings.filterwarnings("ignore", message=".*is not fully supported.*")
+                self._game = textworld.start(str(self._path), request_infos=request)
+            self._game.seed(FROTZ_SEED)
+            state = self._game.reset()
+        except Exception as err:
+            raise ValueError(f"{self._path}: TextWorld cannot load the game ({type(err).__name__}: {err})") from err
         self._tracker = Tracker(objective=tidy(state["objective"]), max_score=int(state["max_score"]))
         self._done = False
         self._obs = clean(state.feedback)
         self._info = self._info_of(state, valid=True)
         return self._obs, self._info
+
+    def _user_game(self, task: Task) -> UserGame | None:
+        if self.games is None:
+            return None
+        if task.family not in self.games:
+            raise ValueError(f"task {task.task_id}: {task.family!r} is not one of this suite's games")
+        return self.games[task.family]
 
     def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         """Play ``action`` as typed (the game answers inadmissible ones too); after the end, nothing moves."""
@@ -244,9 +262,15 @@ class TextWorldEnv:
         return abstract_action_label(self._tracker, action)
 
     def walkthrough(self) -> list[str]:
-        """The generator's own walkthrough, from the game's ``.json`` (tests and warm-start only)."""
+        """The generator's own walkthrough, from the game's ``.json`` (tests and warm-start only); a user's
+        game's is TextWorld's ``Game.walkthrough``, and a game without one is an error naming it."""
         if self._path is None:
             raise RuntimeError("TextWorldEnv: call reset() first")
+        if self._user is not None:
+            if self._user.walkthrough is None:
+                raise ValueError(f"{self._path}: the game has no walkthrough (none in its .json metadata, none "
+                                 "TextWorld can derive from its quests)")
+            return list(self._user.walkthrough)
         return list(json.loads(self._path.with_suffix(".json").read_text())["metadata"]["walkthrough"])
 
     def close(self) -> None:
@@ -269,12 +293,17 @@ class TextWorldSuite:
     Candidate ``counter = 0, 1, ...`` gets the game seed ``derive_seed(seed, name, tier, counter) mod 2^31``
     (``tw-make`` takes a 32-bit seed); ``split_of`` files it. ``tasks`` generates nothing; ``prepare``
     generates the games of a task list ahead of time, ``reset`` generates a missing one.
+
+    With ``games`` (a folder or glob of the user's games) nothing is generated: the games are checked
+    here (``load_games``: a bad one is a ``ValueError`` naming it), a split's tasks are its games in the
+    seed's order (task seed = the game's index in the sorted names, family = its name), at most all of them.
     """
 
-    def __init__(self, name: str, seed: int = 0, root: str | Path | None = None) -> None:
+    def __init__(self, name: str, seed: int = 0, root: str | Path | None = None, games: str | None = None) -> None:
         self.name, self.seed = name, seed
         self.challenge = CHALLENGES[name]
-        self.splits = ("train", "dev", "test") if self.challenge == "tw-cooking" else ("train", "test")
+        self.folder: GameFolder | None = load_games(games, seed) if games is not None else None
+        self.splits = ("train", "dev", "test") if self.challenge == "tw-cooking" or self.folder else ("train", "test")
         data = Path(os.environ.get("HORIZONRL_DATA_DIR", "data"))
         self.root = Path(root) if root is not None else data / "envs" / "textworld"
         self._seeds: dict[str, _Seeds] = {}
@@ -282,6 +311,10 @@ class TextWorldSuite:
     def tasks(self, split: str, tier: str, n: int, offset: int = 0) -> list[Task]:
         if split not in self.splits:
             raise ValueError(f"{self.name}: split must be one of {self.splits}")
+        if self.folder is not None:
+            index = {name: i for i, name in enumerate(sorted(self.folder.games))}
+            names = self.folder.names(split)[offset:offset + n]
+            return [Task(self.name, split, tier, offset + i, index[g], g) for i, g in enumerate(names)]
         game_spec(self.challenge, tier, split)  # validates the tier
         state = self._seeds.setdefault(tier, _Seeds())
         while len(state.found[split]) < offset + n:
@@ -293,21 +326,26 @@ class TextWorldSuite:
 
     def prepare(self, tasks: list[Task]) -> list[Path]:
         """Generate (or find) the games of ``tasks``, e.g. once before fanning out workers."""
+        if self.folder is not None:
+            return [self.folder.games[t.family].path for t in tasks]
         return [ensure_game(self.root, game_spec(self.challenge, t.tier, t.split), t.seed) for t in tasks]
 
     def make(self) -> TextWorldEnv:
-        return TextWorldEnv(self.challenge, self.root)
+        return TextWorldEnv(self.challenge, self.root, self.folder.games if self.folder else None)
 
     def max_turns(self, tier: str) -> int:
-        return game_spec(self.challenge, tier, "train").horizon
+        """The tier's horizon; the user's games': 10 + 2 x their longest walkthrough."""
+        return self.folder.horizon if self.folder else game_spec(self.challenge, tier, "train").horizon
 
     def corpus(self, n_tasks: int = 200, n_games: int = 4) -> list[str]:
         """The challenge's text-grammar phrases, then walkthrough and random play on ``min(n_tasks,
-        n_games)`` easy train games (each new game costs a ``tw-make`` run of 3-6 s)."""
-        lines = _grammar_lines(self.challenge)
+        n_games)`` easy train games (each new game costs a ``tw-make`` run of 3-6 s). The user's games: play
+        only (walkthrough where the game has one), on as many train games."""
+        lines = _grammar_lines(self.challenge) if self.folder is None else []
         env = self.make()
         for task in self.tasks("train", "easy", min(n_tasks, n_games)):
-            lines += _episode_lines(env, task, oracle=True) + _episode_lines(env, task, oracle=False)
+            oracle = self.folder is None or self.folder.games[task.family].walkthrough is not None
+            lines += (_episode_lines(env, task, oracle=True) if oracle else []) + _episode_lines(env, task, oracle=False)
         env.close()
         return list(dict.fromkeys(lines))
 
