@@ -2,8 +2,9 @@
 (TextWorld, ScienceWorld, ALFWorld, WebShop, AppWorld) is needed only when its suite is used.
 
 ``textworld-coin|treasure|cooking``: TextWorld challenge games (tier: easy/medium/hard, ``level7``, or a
-cooking spec), or with ``games`` (``env.games``) the user's own games from a folder or glob; ``scienceworld-<task>`` for each of ScienceWorld's 30 tasks (tier: easy/medium/hard or
-simplifications); ``alfworld``, ``webshop``, ``appworld``: adapters to the installed benchmarks."""
+cooking spec), or with ``games`` (``env.games``) the user's own games from a folder or glob;
+``scienceworld-<task>`` for each of ScienceWorld's 30 tasks (tier: easy/medium/hard or simplifications);
+``alfworld``, ``webshop``, ``appworld``: adapters to the installed benchmarks."""
 
 from __future__ import annotations
 
