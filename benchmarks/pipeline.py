@@ -127,7 +127,7 @@ def plain_iterations(cfg: TrainConfig) -> list[float]:
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay)
     name, params = cfg.advantage_spec()
-    s = UpdateSettings.from_config(cfg, tokenizer.pad_token_id)
+    s = UpdateSettings.from_config(cfg, tokenizer.pad_token_id, sampled_here=True)
     suite = rt.suite(cfg)
     collect(suite, rt.task_pool(cfg, "test", 1), 1, engine, fmt, SamplingSettings.from_config(cfg, suite, 0))  # warm-up, as the flow's first evaluation is
     state, times = None, []

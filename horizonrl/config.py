@@ -239,6 +239,10 @@ class UpdateConfig(Strict):
     """Abort the run after more non-finite steps than this."""
     micro_batch_tokens: int = Field(16_384, ge=64)
     """Padded tokens per forward pass; bounds memory."""
+    pi_old_tol: float | None = Field(1e-3, gt=0)
+    """With the transformers engine sampling in the flow's process (no LoRA), pi_old is the stored sampling
+    log-probs when a sample of rows recomputed differs from them by at most this (max absolute log-prob,
+    nats: moves a PPO ratio by at most 0.1%); else every row is recomputed. None: always recompute."""
 
 
 class EvalConfig(Strict):

@@ -1,6 +1,15 @@
-"""The PPO update over stored rollouts (ALGORITHMS.md 1.6): recompute pi_old with the training model,
-then epochs of shuffled minibatches, one AdamW step each, with grad-norm clipping, the trajectory-level
-KL early stop, and non-finite steps skipped and counted.
+"""The PPO update over stored rollouts (ALGORITHMS.md 1.6): pi_old from the training model, then epochs of
+shuffled minibatches, one AdamW step each, with grad-norm clipping, the trajectory-level KL early stop,
+and non-finite steps skipped and counted.
+
+pi_old is the learner's log-prob of every policy token before the update. When the sampler was this very
+model (the transformers engine in this process, no LoRA; ``UpdateSettings.pi_old_tol`` set), the stored
+sampling log-probs are that quantity already: the engine records them under the temperature and, in
+admissible mode, renormalised over the allowed ids with the same ``allowed_log_softmax`` as the learner,
+and they differ from a recompute only by float summation order (KV-cache decode vs one full forward;
+tests/test_engine.py). Then a random sample of ``PI_OLD_CHECK_ROWS`` rows is recomputed per update and the
+stored values are used when they agree within ``pi_old_tol`` (max absolute log-prob difference); else,
+and for vLLM or LoRA-served engines, every row is recomputed (removing the sampler/learner mismatch).
 
 The loss is computed per *unit*: a trajectory. In full context a trajectory is one row; in window context
 it is several rows (one per turn) whose policy tokens are concatenated before the loss, so LOOP's
@@ -19,6 +28,7 @@ buckets). Each row's values are the same as in one batch up to float summation o
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -46,14 +56,20 @@ class UpdateSettings:
     temperature: float
     micro_batch_tokens: int
     pad_id: int
+    pi_old_tol: float | None = None  # stored sampling log-probs as pi_old within this max |diff| (None: recompute)
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig, pad_id: int) -> UpdateSettings:
-        """The run's update settings: the method's loss and epochs, ``update.*``, the sampling temperature."""
+    def from_config(cls, cfg: TrainConfig, pad_id: int, sampled_here: bool) -> UpdateSettings:
+        """The run's update settings: the method's loss and epochs, ``update.*``, the sampling temperature.
+
+        ``sampled_here``: the rows were just sampled by this process's model, the one about to be trained.
+        Only then, and with the transformers engine playing locally without LoRA, can the stored sampling
+        log-probs stand for pi_old (module docstring)."""
         loss_name, loss_params = cfg.loss_spec()
         u = cfg.update
+        learner_sampled = sampled_here and cfg.engine.name == "transformers" and cfg.model.lora is None and cfg.rollout.runner == "local"
         return cls(loss_name, loss_params, cfg.epochs, u.minibatch_size, cfg.preset.fixed_row_divisor, u.grad_clip,
-                   u.high_kl_threshold, cfg.rollout.temperature, u.micro_batch_tokens, pad_id)
+                   u.high_kl_threshold, cfg.rollout.temperature, u.micro_batch_tokens, pad_id, u.pi_old_tol if learner_sampled else None)
 
     @property
     def needs_reference(self) -> bool:
@@ -68,6 +84,7 @@ class UpdateResult:
 
 
 MAX_PAD = 0.08  # padding share allowed in one decoder batch (the issue's budget is 10% overall)
+PI_OLD_CHECK_ROWS = 4  # rows recomputed per update to check the stored sampling log-probs
 
 
 def length_buckets(lengths: list[int], max_pad: float = MAX_PAD) -> list[list[int]]:
@@ -182,12 +199,27 @@ def recompute_old_logprobs(model: torch.nn.Module, rows: list[TrainRow], s: Upda
     return old
 
 
+def old_logprobs(model: torch.nn.Module, rows: list[TrainRow], s: UpdateSettings, seed: int, counts: Counter | None = None) -> tuple[list[list[float]], dict[str, float]]:
+    """pi_old per row, and how it was obtained: ``pi_old_shortcut`` (1: the stored sampling log-probs,
+    0: the check failed and every row was recomputed) and ``pi_old_max_diff`` (max |stored - recomputed|
+    over the checked rows); no figures when ``s.pi_old_tol`` is None (every row recomputed)."""
+    if s.pi_old_tol is None:
+        return recompute_old_logprobs(model, rows, s, counts), {}
+    picked = random.Random(seed).sample(range(len(rows)), min(PI_OLD_CHECK_ROWS, len(rows)))
+    checked = recompute_old_logprobs(model, [rows[i] for i in picked], s, counts)
+    stored = torch.tensor([v for i in picked for v in rows[i].sample_logp], dtype=torch.float64)
+    diff = float((torch.tensor([v for c in checked for v in c], dtype=torch.float64) - stored).abs().max()) if stored.numel() else 0.0
+    if diff <= s.pi_old_tol:  # False for NaN: a non-finite stored value falls back
+        return [list(r.sample_logp) for r in rows], {"pi_old_shortcut": 1.0, "pi_old_max_diff": diff}
+    return recompute_old_logprobs(model, rows, s, counts), {"pi_old_shortcut": 0.0, "pi_old_max_diff": diff}
+
+
 def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: list[TrainRow], s: UpdateSettings, seed: int, ref_model: torch.nn.Module | None = None) -> UpdateResult:
     """Epochs of minibatch PPO over the trajectories of ``rows``; pi_old is frozen for the whole call.
 
     ``ref_model`` (frozen initial policy) is needed only by losses with a KL-to-reference term."""
     counts: Counter = Counter()  # decoder positions, real and computed (padding = the difference)
-    old = recompute_old_logprobs(model, rows, s, counts)
+    old, pi_old_stats = old_logprobs(model, rows, s, seed, counts)
     units = trajectory_units(rows)
     gen = torch.Generator().manual_seed(seed)
     agg: dict[str, list[float]] = defaultdict(list)
@@ -215,7 +247,7 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: l
     result.stats = {k: float(sum(v) / len(v)) if v else 0.0 for k, v in agg.items()}
     result.stats.update(steps=steps, kl_stop=float(stopped), nonfinite_steps=result.nonfinite_steps, rows=len(rows), trajectories=len(units),
                         policy_tokens=sum(len(r.positions) for r in rows), tokens_per_s=tokens / max(elapsed, 1e-9), seconds=elapsed,
-                        pad_fraction=1.0 - counts["real_tokens"] / max(counts["computed_tokens"], 1))
+                        pad_fraction=1.0 - counts["real_tokens"] / max(counts["computed_tokens"], 1), **pi_old_stats)
     return result
 
 

@@ -31,7 +31,7 @@ def update(ctx: RunContext, iteration: int, rollouts: RolloutRef, adv: Advantage
     loaded = RUNTIME.get(cfg, policy)
     try:
         rows = attach_advantages(train_rows(store.read_table(rollouts.turns, "turns"), cfg.rollout.context), store.read_table(adv.table, "advantages"))
-        s = UpdateSettings.from_config(cfg, loaded.tokenizer.pad_token_id)
+        s = UpdateSettings.from_config(cfg, loaded.tokenizer.pad_token_id, sampled_here=rollouts.played)
         ref_model = RUNTIME.reference(cfg, ctx.path) if s.needs_reference else None
         with faults.nan_gradients(loaded.model, iteration):
             result = ppo_update(loaded.model, loaded.optimizer, rows, s, derive_seed(cfg.seed, "update", iteration), ref_model) if rows else None
@@ -52,6 +52,9 @@ def update(ctx: RunContext, iteration: int, rollouts: RolloutRef, adv: Advantage
     stats["skipped"] = float(not rows)
     if not rows:
         get_run_logger().info("iteration %d update: skipped, no row to learn from (every row filtered: no mixed group)", iteration)
+    if stats.get("pi_old_shortcut") == 0.0:
+        get_run_logger().warning("iteration %d update: stored sampling log-probs differ from the learner's by %.2g > update.pi_old_tol = %g on the checked rows; pi_old recomputed for every row",
+                                 iteration, stats["pi_old_max_diff"], cfg.update.pi_old_tol)
     log_stage(ctx, "update", stats, iteration)
     get_run_logger().info("iteration %d update: %d steps, loss %.4f, clip %.3f, kl %.4f", iteration, stats.get("steps", 0), stats.get("loss", 0.0), stats.get("clip_frac", 0.0), stats.get("approx_kl", 0.0))
     return ref

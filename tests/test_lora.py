@@ -72,7 +72,7 @@ def test_lora_trains_adapters_only_lowers_the_loss_and_round_trips_exactly(tiny_
     for r in rows:
         r.adv = [1.0] * len(r.positions)
     cfg = load_config(None, ["method=rloo", "update.minibatch_size=4", "update.high_kl_threshold=1e9"])  # verl's clip, 1 epoch
-    s = UpdateSettings.from_config(cfg, tokenizer.pad_token_id)
+    s = UpdateSettings.from_config(cfg, tokenizer.pad_token_id, sampled_here=False)  # cloned since sampling: pi_old recomputed
     stats = ppo_update(model, optimizer, rows, s, seed=0).stats  # the real PPO step runs on the peft model
     assert stats["steps"] >= 1 and all(torch.isfinite(torch.tensor(v)) for v in stats.values())
 

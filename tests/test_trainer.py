@@ -15,14 +15,19 @@ import pytest
 import torch
 
 import methods
+from horizonrl import store
+from horizonrl.config import load_config
 from horizonrl.engines.base import allowed_log_softmax
 from horizonrl.models import load_policy
-from horizonrl.sequences import TrainRow
+from horizonrl.rollout import SamplingSettings, collect
+from horizonrl.sequences import TrainRow, train_rows
 from horizonrl.trainer import (
+    PI_OLD_CHECK_ROWS,
     UpdateSettings,
     _chunks,
     _minibatch_step,
     length_buckets,
+    old_logprobs,
     policy_logprobs,
     ppo_update,
     recompute_old_logprobs,
@@ -179,3 +184,76 @@ def test_appo_loss_discounts_over_response_positions(setup):
     assert abs(mean_scale(pos) - mean_scale(list(range(len(pos))))) > 1e-3  # policy-token distances differ
     window = TrainRow(7, 1, [5, 6, 7, 8], [2, 3], [[], []], [0.0, 0.0], [1, 1], [4, 5], [1.0, 1.0])
     assert response_positions(window) == [4, 5]  # window context: index among the trajectory's action tokens
+
+
+@pytest.fixture(scope="module")
+def sampled_rows(tiny_policy, household_suite) -> list[TrainRow]:
+    """Full-context admissible rollouts of the tiny policy at T = 0.7 (2 tasks x 4, up to 5 turns), with
+    fixed random advantages: the rows the flow's update gets, log-probs read back from the turns table."""
+    _, _, fmt, engine = tiny_policy
+    records = collect(household_suite, household_suite.tasks("train", "easy", 2), 4, engine, fmt,
+                      SamplingSettings("admissible", "full", 2, 5, 12, 0.7, seed=3))
+    rows = [r for r in train_rows(store.turns_table(records), "full") if r.positions]
+    rng = random.Random(0)
+    for r in rows:
+        r.adv = [rng.gauss(0.0, 1.0)] * len(r.positions)
+    assert len(rows) == 8 and any(any(a) for r in rows for a in r.allowed)  # renormalised over allowed ids
+    return rows
+
+
+def _update(tiny_policy_dir, rows: list[TrainRow], s: UpdateSettings) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """Weights and figures after one ``ppo_update`` (2 epochs of AdamW) from the tiny policy's initial weights."""
+    model, _ = load_policy(tiny_policy_dir)
+    stats = ppo_update(model, torch.optim.AdamW(model.parameters(), lr=1e-3), rows, s, seed=5).stats
+    return [p.detach().clone() for p in model.parameters()], stats
+
+
+def test_pi_old_shortcut_gives_the_update_of_the_recompute(tiny_policy_dir, tiny_policy, sampled_rows):
+    """The sampler was this model: its stored log-probs pass the check (max |diff| <= update.pi_old_tol, in
+    fact <= 1e-4 on CPU float32) and the update with them as pi_old gives the recompute's loss and weights
+    up to that difference; the recompute path logs no shortcut figures."""
+    pad = tiny_policy[1].pad_token_id
+    base = dict(temperature=0.7, minibatch_size=4, epochs=2, grad_clip=1.0)
+    recomputed, stats_r = _update(tiny_policy_dir, sampled_rows, settings(pad, **base))
+    shortcut, stats_s = _update(tiny_policy_dir, sampled_rows, settings(pad, **base, pi_old_tol=1e-3))
+    assert "pi_old_shortcut" not in stats_r
+    assert stats_s["pi_old_shortcut"] == 1.0 and 0.0 < stats_s["pi_old_max_diff"] <= 1e-4
+    assert stats_s["steps"] == stats_r["steps"] == 4
+    assert stats_s["loss"] == pytest.approx(stats_r["loss"], abs=1e-5)
+    assert stats_s["approx_kl"] == pytest.approx(stats_r["approx_kl"], abs=1e-5)
+    initial = [p.detach() for p in load_policy(tiny_policy_dir)[0].parameters()]
+    moved = max(float((a - b).abs().max()) for a, b in zip(recomputed, initial))
+    assert moved > 1e-3  # the update really moved the weights
+    for a, b in zip(shortcut, recomputed):
+        torch.testing.assert_close(a, b, rtol=0, atol=moved * 1e-2)
+
+
+def test_pi_old_falls_back_to_the_recompute_when_stored_logprobs_differ(tiny_policy_dir, tiny_policy, sampled_rows):
+    """Stored log-probs shifted by 0.01 (another sampler): the checked rows differ by more than the tolerance,
+    every row is recomputed and the update is exactly the recompute's."""
+    pad = tiny_policy[1].pad_token_id
+    base = dict(temperature=0.7, minibatch_size=4, epochs=2, grad_clip=1.0)
+    perturbed = [TrainRow(r.rollout_id, r.turn, r.input_ids, r.positions, r.allowed, [v + 0.01 for v in r.sample_logp], r.turn_id, r.flat_index, r.adv)
+                 for r in sampled_rows]
+    recomputed, stats_r = _update(tiny_policy_dir, sampled_rows, settings(pad, **base))
+    fallback, stats_f = _update(tiny_policy_dir, perturbed, settings(pad, **base, pi_old_tol=1e-3))
+    assert stats_f["pi_old_shortcut"] == 0.0 and stats_f["pi_old_max_diff"] == pytest.approx(0.01, abs=2e-4)
+    assert stats_f["loss"] == stats_r["loss"]
+    assert all(torch.equal(a, b) for a, b in zip(fallback, recomputed))
+    old, figures = old_logprobs(load_policy(tiny_policy_dir)[0], perturbed, settings(pad, temperature=0.7, pi_old_tol=0.02), seed=5)
+    assert figures["pi_old_shortcut"] == 1.0 and old == [r.sample_logp for r in perturbed]  # within a looser tolerance: used
+    assert PI_OLD_CHECK_ROWS < len(sampled_rows)  # only a sample is recomputed for the check
+
+
+@pytest.mark.parametrize("overrides, sampled_here, eligible", [
+    ([], True, True),
+    ([], False, False),  # rollouts reused from the store (a resumed run): recomputed
+    (["update.pi_old_tol=null"], True, False),
+    (["engine.name=vllm"], True, False),
+    (["model.lora.rank=4"], True, False),
+    (["rollout.runner=ray"], True, False),
+])
+def test_pi_old_shortcut_only_where_the_sampler_is_the_learner(overrides, sampled_here, eligible):
+    cfg = load_config("configs/loop_household_easy.yaml", overrides)
+    s = UpdateSettings.from_config(cfg, 0, sampled_here=sampled_here)
+    assert s.pi_old_tol == (cfg.update.pi_old_tol if eligible else None)
