@@ -15,6 +15,7 @@ import torch
 
 from horizonrl import store
 from horizonrl.engines.base import TokenTrie
+from horizonrl.engines.hf import Session
 from horizonrl.rollout import SamplingSettings, collect
 from horizonrl.sequences import train_rows
 from horizonrl.trainer import policy_logprobs
@@ -183,3 +184,41 @@ def test_generate_restores_the_training_flag(tiny_policy, household_suite):
         model.eval()
     engine.generate(prompts, [None, None], 2, 1.0, False, 0)
     assert not model.training
+
+
+def test_sampling_draws_what_torch_multinomial_draws(tiny_policy, household_suite):
+    """The first token of each of 8 rows at T = 1 is ``torch.multinomial``'s sample (one per row, the
+    seed's generator) from the row's softmax recomputed unbatched: the engine's draw is multinomial's
+    own, so a seed samples the stream it sampled when the engine called ``torch.multinomial``."""
+    model, _, _, engine = tiny_policy
+    prompts = _prompts(tiny_policy, household_suite, 4)[0] * 2
+    probs = torch.stack([torch.softmax(_next_logits(model, p), -1) for p in prompts])
+    for seed in (0, 1, 2):
+        expected = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)).squeeze(-1).tolist()
+        assert [g.token_ids[0] for g in engine.generate(prompts, [None] * len(prompts), 1, 1.0, False, seed)] == expected
+
+
+@pytest.mark.parametrize("admissible", [True, False])
+@pytest.mark.parametrize("keep_cache", [True, False])
+def test_rows_leaving_the_batch_change_no_other_rows_samples(tiny_policy, household_suite, admissible, keep_cache):
+    """8 rows sampled at T = 1 for 8 tokens; rows 0-3 are forced either to end at once (a trie of the end
+    id alone) or to run the whole budget (a trie of one 9-token sequence). Rows 4-7 sample the same
+    tokens either way, with log-probs and entropies within 1e-6 (the forward calls have 8 rows or 4: the
+    floats may move in the last bits, the random numbers do not), and rows 0-3 left the decode batch:
+    the early batch computed 4 x 7 fewer decode positions (the late one feeds each of them 7 times; a
+    row's last token is never fed within its turn)."""
+    _, _, fmt, engine = tiny_policy
+    prompts, commands = _prompts(tiny_policy, household_suite, 4)
+    rest = [TokenTrie([fmt.command(c) for c in cs], cs) if admissible else None for cs in commands]
+    word = fmt.command(commands[0][0])[0]
+    gens, decoded = {}, {}
+    for case, forced in (("early", [fmt.end_id]), ("late", [word] * 8 + [fmt.end_id])):
+        before = engine.counts["decode_computed"]
+        session = Session(engine, keep_cache=keep_cache)
+        gens[case] = session.extend(list(range(8)), prompts * 2, [TokenTrie([forced])] * 4 + rest, 8, 1.0, False, 7)
+        decoded[case] = engine.counts["decode_computed"] - before
+        assert [g.token_ids for g in gens[case][:4]] == [forced[:8]] * 4
+    for early, late in zip(gens["early"][4:], gens["late"][4:]):
+        assert early.token_ids == late.token_ids and early.finished == late.finished
+        assert early.logprobs == pytest.approx(late.logprobs, abs=1e-6) and early.entropy == pytest.approx(late.entropy, abs=1e-6)
+    assert decoded["late"] - decoded["early"] == 4 * 7
