@@ -1,4 +1,5 @@
-# Entry points (README): `make run` trains the default LOOP run; `make test` runs the test suite;
+# Entry points (README): `make run` trains the default LOOP run; `make test` runs the test suite
+# (`make test-fast`: its unit tests);
 # `make bench` runs the benchmark suite (issue 8).
 # Both create or reuse .venv, install torch 2.13.0 (CPU build) first, then the project.
 PY ?= python3
@@ -13,7 +14,7 @@ export PREFECT_HOME ?= $(CURDIR)/.prefect
 export TOKENIZERS_PARALLELISM := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
-.PHONY: setup setup-test run test bench clean-venv vllm-venv gpu-check
+.PHONY: setup setup-test run test test-fast bench clean-venv vllm-venv gpu-check
 
 $(VENV)/.base-$(HASH): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,6 +42,10 @@ run: setup
 
 test: setup-test
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile $(ARGS)
+
+# The edit-test loop: unit tests only (no end-to-end run; under 2 minutes on 2 cores). CI runs `make test`.
+test-fast: setup-test
+	$(BIN)/python -m pytest -q -n 2 -m "not slow" $(ARGS)
 
 bench: setup
 	$(BIN)/python -m benchmarks $(ARGS)

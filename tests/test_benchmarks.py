@@ -39,6 +39,6 @@ def test_quick_suite_in_process_sections(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_quick_suite_every_section(tmp_path, capsys):
-    """The whole suite, including one shortened train run through Prefect and MLflow (a minute or more)."""
-    run_quick(tmp_path, capsys, list(FIGURES))
+def test_quick_suite_pipeline_section(tmp_path, capsys):
+    """The pipeline section: one shortened train run through Prefect and MLflow (a minute or more)."""
+    run_quick(tmp_path, capsys, ["pipeline"])

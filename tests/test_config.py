@@ -233,13 +233,13 @@ def test_appo_branching_params_come_from_the_config_file(tmp_path):
 def test_presets_say_what_the_update_needs():
     """Reference model, row divisor and ratio level come from the preset's loss settings, never the name."""
     pad = 0
-    loop = UpdateSettings.from_config(load_config(None, ["method=loop"]), pad)
+    loop = UpdateSettings.from_config(load_config(None, ["method=loop"]), pad, sampled_here=True)
     assert (loop.needs_reference, loop.fixed_row_divisor, loop.loss_params.ratio_level, loop.epochs) == (False, True, "token", 2)
-    appo = UpdateSettings.from_config(load_config(None, ["method=appo"]), pad)
+    appo = UpdateSettings.from_config(load_config(None, ["method=appo"]), pad, sampled_here=True)
     assert (appo.needs_reference, appo.fixed_row_divisor, appo.loss_params.ratio_level) == (True, False, "token")
-    assert UpdateSettings.from_config(load_config(None, ["method=grpo"]), pad).needs_reference
-    assert not UpdateSettings.from_config(load_config(None, ["method=grpo", "loss_params.kl_coef=0"]), pad).needs_reference
-    rpp = UpdateSettings.from_config(load_config(None, ["method=reinforce_pp_baseline"]), pad)
+    assert UpdateSettings.from_config(load_config(None, ["method=grpo"]), pad, sampled_here=True).needs_reference
+    assert not UpdateSettings.from_config(load_config(None, ["method=grpo", "loss_params.kl_coef=0"]), pad, sampled_here=True).needs_reference
+    rpp = UpdateSettings.from_config(load_config(None, ["method=reinforce_pp_baseline"]), pad, sampled_here=True)
     assert (rpp.loss_name, rpp.loss_params.kl_kind, rpp.loss_params.kl_coef, rpp.loss_params.aggregation) == ("ppo_clip", "mse", 0.001, "token-mean")
     assert estimator_of("reinforce_pp_baseline") == "reinforce_pp_baseline" and estimator_of("loop") == "loo" and estimator_of("loo") == "loo"
     with pytest.raises(ValueError, match=r"'ppo9' is neither a method \(appo, .*\) nor an estimator"):
@@ -258,7 +258,7 @@ def test_loop_ablations_are_grid_keys_on_the_main_config(tmp_path):
     cells = _sweep(tmp_path, {"loss_params.ratio_level": ["token", "turn", "trajectory"], "advantage_params.normalize_std": [False, True]})
     got = {(c.config.loss_spec()[1].ratio_level, c.config.advantage_spec()[1].normalize_std) for c in cells}
     assert got == {(r, n) for r in ("token", "turn", "trajectory") for n in (False, True)}
-    assert {UpdateSettings.from_config(c.config, 0).loss_params.ratio_level for c in cells} == {"token", "turn", "trajectory"}
+    assert {UpdateSettings.from_config(c.config, 0, sampled_here=True).loss_params.ratio_level for c in cells} == {"token", "turn", "trajectory"}
     assert all(c.config.loss_spec()[1].eps == 0.2 for c in cells)  # the base's LOOP tuning stays
 
 
