@@ -113,3 +113,16 @@ def chat_policy(request, chat_model_dir):
     model, tokenizer = load_policy(chat_model_dir(request.param))
     fmt = ChatFormat.for_tokenizer(tokenizer)
     return request.param, model, tokenizer, fmt, TransformersEngine(model, tokenizer.pad_token_id, list(fmt.stop_ids))
+
+
+END_TO_END = {"prefect_harness", "api_url"}  # fixtures of tests that run a flow
+SIMULATORS = ("textworld", "scienceworld")  # games made by tw-make, a JVM per ScienceWorld episode
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that run a flow (they ask for the Prefect harness) or an external simulator (TextWorld's
+    tw-make and interpreter, ScienceWorld's JVM) are marked ``slow`` like the ones marked by hand, so
+    ``make test-fast`` (``-m "not slow"``) keeps to unit tests; CI runs everything."""
+    for item in items:
+        if END_TO_END & set(getattr(item, "fixturenames", ())) or any(s in item.nodeid for s in SIMULATORS):
+            item.add_marker(pytest.mark.slow)
