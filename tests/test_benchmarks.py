@@ -13,7 +13,7 @@ from benchmarks.__main__ import main
 FIGURES = {
     "advantages": [f"advantage/{m}_{k}" for m in ("loo", "grpo", "rloo", "gigpo", "blpo") for k in ("s", "speedup")],
     "store": ["store/write_MB_s", "store/read_MB_s", "store/jsonl_vs_parquet_size", "store/one_column_read_share"],
-    "rollout": ["rollout/batched_tokens_s", "rollout/vs_one_generate", "rollout/vs_one_at_a_time", "rollout/prefill_vs_new",
+    "rollout": ["rollout/batched_tokens_s", "rollout/vs_bare_replay", "rollout/vs_one_generate", "rollout/vs_one_at_a_time", "rollout/prefill_vs_new",
                 "rollout/naive_prefill_vs_new", "rollout/decode_padding", "rollout/qwen3_vocab_tokens_s"],
     "update": ["update/ppo_tokens_s", "update/vs_bare_loop", "update/padding", "update/pi_old_max_diff"],
     "pipeline": ["tracing/share_of_iteration", "tracing/store_kb_per_iteration", "pipeline/flow_vs_plain", "pipeline/helper_cpu_s",
