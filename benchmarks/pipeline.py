@@ -1,4 +1,4 @@
-"""Targets 5 and 6: the orchestration overhead of a train iteration, and the main run's peak memory.
+"""Targets 5 and 6: the orchestration overhead of a train iteration, the main run's peak memory, and its start-up.
 
 One subprocess runs the README's main run shortened to a few iterations (``horizonrl train --config
 configs/loop_household_easy.yaml --set iterations=N``, everything else as shipped, evaluation of 200
@@ -12,14 +12,23 @@ Each iteration's time through Prefect tasks, MLflow logging and Parquet is what 
 as ``time/iteration_s``. The same iterations are then run here as plain library calls from the same
 initial weights with the same seeds (tables stay in memory; no checkpoint is written), and the two
 sums are compared. Evaluation and the flow's start-up are outside both.
+
+Start-up: ``time/startup_s``, which the flow logs when started by ``horizonrl train``: from its process's
+start to its first stage (the evaluation before training). Once from the run above (Prefect's temporary
+API server, which the flow starts and waits for), once from a short run against a Prefect server started
+beforehand (``PREFECT_API_URL``; how sweeps and deployments run).
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +50,8 @@ from horizonrl.sequences import attach_advantages, step_batch, train_rows
 from horizonrl.trainer import UpdateSettings, ppo_update
 
 MEMORY_LIMIT_MB = 4096
+STARTUP_LIMIT_S = 8.0
+STARTUP_RUN = ["iterations=1", "env.max_turns=2", "rollout.tasks_per_iteration=1", "rollout.group_size=2", "eval.n_tasks=1"]  # only its start is read
 # The run is started from this small launcher, whose RUSAGE_CHILDREN then covers the run alone: a child
 # forked straight from the suite would count the suite's own pages (shared until exec) in its peak.
 _MAXRSS = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[2:]); "
@@ -62,14 +73,19 @@ def _tree_rss(launcher: psutil.Process, helper_cpu: dict[int, float]) -> int:
     return total
 
 
+def _train_command(config: str, overrides: list[str]) -> list[str]:
+    return [str(Path(sys.executable).with_name("horizonrl")), "train", "--config", config, *(a for o in overrides for a in ("--set", o))]
+
+
 def train_subprocess(config: str, overrides: list[str], log: Path) -> tuple[float, float, float, float]:
-    """Run ``horizonrl train``; return (largest process peak MB, process-tree peak MB, wall seconds,
-    CPU seconds of its helper processes: Prefect's API server, which competes with torch for cores)."""
-    train = [str(Path(sys.executable).with_name("horizonrl")), "train", "--config", config, *(a for o in overrides for a in ("--set", o))]
-    cmd = [sys.executable, "-c", _MAXRSS, str(log.with_suffix(".maxrss")), *train]
+    """Run ``horizonrl train`` with Prefect's temporary API server (``PREFECT_API_URL`` unset); return
+    (largest process peak MB, process-tree peak MB, wall seconds, CPU seconds of its helper processes:
+    Prefect's API server, which competes with torch for cores)."""
+    cmd = [sys.executable, "-c", _MAXRSS, str(log.with_suffix(".maxrss")), *_train_command(config, overrides)]
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     peak, t0, helper_cpu = 0, time.perf_counter(), {}
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         watched = psutil.Process(proc.pid)
         done = threading.Event()
 
@@ -90,6 +106,45 @@ def train_subprocess(config: str, overrides: list[str], log: Path) -> tuple[floa
         raise RuntimeError(f"benchmark train run failed (exit {rc}); log: {log}")
     largest = int(log.with_suffix(".maxrss").read_text()) / 1024  # KiB on Linux
     return largest, peak / 2**20, time.perf_counter() - t0, sum(helper_cpu.values())
+
+
+def startup_seconds(cfg: TrainConfig) -> float:
+    """``time/startup_s`` the flow logged: from its process's start to its first stage."""
+    c = tracking.client(cfg.tracking_uri)
+    return c.get_metric_history(tracking.find_run(c, cfg.experiment, cfg.run_name).info.run_id, "time/startup_s")[0].value
+
+
+def startup_with_running_server(config: str, overrides: list[str], out_dir: Path, timeout_s: float = 180) -> float:
+    """``time/startup_s`` of a short ``horizonrl train`` (one iteration, tiny sizes: only its start is read)
+    against a Prefect server started first (``prefect server start`` on 127.0.0.1, its own PREFECT_HOME;
+    its start is not counted), with the MLflow store and the tiny model that the main run left."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    api = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str((out_dir / "prefect-server").resolve())}
+    with open(out_dir / "prefect-server.log", "w") as log:
+        server = subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                                  stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                urllib.request.urlopen(f"{api}/health", timeout=2).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"Prefect server did not start; log: {out_dir / 'prefect-server.log'}") from None
+                time.sleep(0.5)
+        run = [*overrides, f"run_name=startup-{time.strftime('%Y%m%d-%H%M%S')}", *STARTUP_RUN]
+        with open(out_dir / "startup.log", "w") as out:
+            rc = subprocess.call(_train_command(config, run), stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PREFECT_API_URL": api})
+        if rc != 0:
+            raise RuntimeError(f"start-up train run failed (exit {rc}); log: {out_dir / 'startup.log'}")
+        return startup_seconds(load_config(config, run))
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
 
 
 def flow_iteration_seconds(cfg: TrainConfig) -> list[float]:
@@ -156,13 +211,18 @@ def run(config: str, overrides: list[str], out_dir: Path) -> list[Figure]:
     cfg = load_config(config, overrides)
     largest, tree, wall, helper_cpu = train_subprocess(config, overrides, out_dir / "train.log")
     flow = flow_iteration_seconds(cfg)
+    startup_temporary, startup_running = startup_seconds(cfg), startup_with_running_server(config, overrides, out_dir)
     tracing = tracing_figures(cfg, flow)
     plain = plain_iterations(cfg)
     ratio = sum(flow) / sum(plain)
     return [*tracing,
-        Figure("pipeline/flow_vs_plain", ratio, "x", "<= 1.10", ratio <= 1.10,
+        Figure("pipeline/flow_vs_plain", ratio, "x", "<= 1.05", ratio <= 1.05,
                f"{len(flow)} iterations: flow {' + '.join(f'{t:.1f}' for t in flow)} s, plain {' + '.join(f'{t:.1f}' for t in plain)} s"),
         Figure("pipeline/helper_cpu_s", helper_cpu, "s", "", None, f"CPU used by the run's helper processes (Prefect API server) over its {wall:.0f} s"),
+        Figure("startup/temporary_server_s", startup_temporary, "s", "", None,
+               "`horizonrl train` to its first stage (the evaluation before training): imports, Prefect's temporary API server, opening the run"),
+        Figure("startup/running_server_s", startup_running, "s", f"<= {STARTUP_LIMIT_S:g}", startup_running <= STARTUP_LIMIT_S,
+               "the same with PREFECT_API_URL at a running Prefect server (and the MLflow store, tiny model already there)"),
         Figure("memory/peak_rss_mb", largest, "MB", f"<= {MEMORY_LIMIT_MB}", largest <= MEMORY_LIMIT_MB,
                f"largest process of the main run, {cfg.iterations} iterations ({wall:.0f} s incl. evaluation and start-up)"),
         Figure("memory/peak_tree_rss_mb", tree, "MB", f"<= {MEMORY_LIMIT_MB}", tree <= MEMORY_LIMIT_MB, "sum over its process tree (Prefect API server incl.), sampled every 0.25 s"),

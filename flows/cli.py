@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 
 
 def _env_defaults() -> None:
@@ -16,6 +17,29 @@ def _env_defaults() -> None:
     logging.getLogger("horizonrl").setLevel(logging.INFO)
     # Prefect's temporary API server needs ~19 s on a fresh 2-core machine; its default wait is 20 s.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+
+
+def _temporary_server_in_background() -> threading.Thread | None:
+    """Start Prefect's temporary API server (what the flow would start on its first API call) in a thread,
+    so that its boot, a process of its own, overlaps this process's imports of torch and transformers
+    instead of following them. Prefect keeps one such server per process: the flow finds it running.
+    None where ``PREFECT_API_URL`` names a server. A failed start is left to the flow's own, which reports it."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    if settings.api.url or not settings.server.ephemeral.enabled:
+        return None
+    from prefect.server.api.server import SubprocessASGIServer  # here, not in the thread: imports stay on one thread
+
+    def start() -> None:
+        try:
+            SubprocessASGIServer().start()
+        except Exception:  # noqa: BLE001 - the flow starts it again and raises its error
+            pass
+
+    thread = threading.Thread(target=start, name="prefect-temporary-server", daemon=True)
+    thread.start()
+    return thread
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,11 +100,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"horizonrl: bad configuration: {err}", file=sys.stderr)
         return 2
     if args.command == "train":
-        from flows.train import train
+        import psutil
+
+        server = _temporary_server_in_background()
+        from flows.train import STARTED_AT, train
         from horizonrl.checkpoint import CheckpointDamaged
         from horizonrl.runlock import RunInUse
         from horizonrl.tracking import tracking_uri
 
+        os.environ[STARTED_AT] = str(psutil.Process().create_time())  # the flow logs time/startup_s from it
+        if server is not None:
+            server.join()
         try:
             summary = train(config=cfg.model_dump())
         except (RunInUse, CheckpointDamaged) as err:

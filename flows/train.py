@@ -10,6 +10,7 @@ refused, naming the holder (``horizonrl.runlock``).
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 from typing import Any
@@ -26,6 +27,8 @@ from tasks.run import end_failed_run, finish_run, run_dir, start_run
 from tasks.tracking import Progress, log_stage, logged
 from tasks.update import update
 
+STARTED_AT = "HORIZONRL_STARTED_AT"  # set by `horizonrl train`: when its process started (Unix time)
+
 
 @flow(name="train", log_prints=True, on_failure=[end_failed_run], on_crashed=[end_failed_run])
 def train(config_path: str | None = None, overrides: list[str] | None = None, config: dict[str, Any] | None = None) -> dict[str, float]:
@@ -35,6 +38,9 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, co
         lock.record(flow_run_id=flow_run.get_id())
         run = start_run(cfg, lock.previous)
         ctx, policy, elapsed = run.ctx, run.policy, run.elapsed_s
+        started = os.environ.pop(STARTED_AT, None)  # set by `horizonrl train`: absent for sweep cells and deployments
+        if started is not None:  # process start -> the first stage: imports, Prefect's API server, opening the run
+            log_stage(ctx, "time", {"startup_s": time.time() - float(started)}, policy.iteration)
         steps = store.env_steps(cfg.data_dir, cfg.experiment, cfg.run_name, range(1, policy.iteration + 1))
         if _eval_due(cfg, policy.iteration, elapsed, steps) and not logged(ctx, "eval/success_rate", policy.iteration):
             evaluate(ctx, policy, policy.iteration)                         # before training (or a missed one)

@@ -1,8 +1,8 @@
 """Stage 1: play the iteration's rollouts with the current policy and store them as Parquet.
 
 The iteration's tasks are split into ``rollout.shards`` fixed shards (``horizonrl.rollout.split_shards``),
-each played by the ``collect-shard`` task: one after another in this process (``rollout.runner: local``)
-or in parallel on a Ray cluster through prefect-ray's task runner (``ray``), where each Ray worker keeps
+each played by the ``collect-shard`` task: one after another in this process (``rollout.runner: local``;
+a single local shard plays in the collect task itself) or in parallel on a Ray cluster through prefect-ray's task runner (``ray``), where each Ray worker keeps
 its own policy and environments in its ``RUNTIME``. The shards' records are joined in order, so the
 tables do not depend on where the shards ran. A method that branches (APPO) has its branches planned over
 all initial rollouts and played here, after the shards.
@@ -122,9 +122,10 @@ def _play(ctx: RunContext, iteration: int, policy: CheckpointRef) -> list[Episod
 
 def _play_shards(ctx: RunContext, policy: CheckpointRef, shards: list[Shard]) -> list[list[EpisodeRecord]]:
     """Each shard's records, in shard order. On Ray the run's cluster is joined at the first collect and
-    kept until ``finish_run``; the task runner only submits to it."""
+    kept until ``finish_run``; the task runner only submits to it. One local shard is the collect task
+    itself: it plays in it, without a task run of its own (one less per iteration for the API server)."""
     if ctx.cfg.rollout.runner == "local":
-        return [play_shard(ctx, policy, shard) for shard in shards]
+        return [_shard_records(ctx, policy, shards[0])] if len(shards) == 1 else [play_shard(ctx, policy, shard) for shard in shards]
     from prefect_ray import RayTaskRunner  # the optional "ray" extra
 
     RUNTIME.ray_cluster(ctx.cfg)
