@@ -183,11 +183,10 @@ def test_mlflow_ui_shows_an_episode_trace_turn_by_turn(swept):
     shot.unlink(missing_ok=True)
     b = Browser(root / "chromium-trace")
     try:
-        b.open(f"{s.mlflow_uri}/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}")
-        b.wait_for("Traces")
-        b.click("Traces")
-        b.wait_for(trace.info.trace_metadata[traces.SESSION])  # the trace list, grouped by task group
-        b.open(f"{s.mlflow_uri}/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}/traces?selectedEvaluationId={trace.info.trace_id}")
+        tab = f"{s.mlflow_uri}/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}/traces"  # the run page's Traces tab
+        b.open(tab)
+        b.wait_for("Session", trace.info.tags["task"])  # its list of episode traces
+        b.open(f"{tab}?selectedTraceId={trace.info.trace_id}&selectedEvaluationId={trace.info.trace_id}")  # one opened
         b.wait_for(trace.data.spans[0].name, turn.name)
         b.click(turn.name)
         b.wait_for("observation", turn.inputs["observation"].strip()[:40], "action", turn.outputs["action"], "advantage")
@@ -224,7 +223,9 @@ def test_mlflow_ui_compares_the_cells_on_the_sweep_run(swept):
         b.click("Group by")                                                                     # click 2
         b.wait_for("cell.method")
         b.click("cell.method")                                                                  # click 3
-        b.wait_for("Group: loop", "Group: grpo", "loop (eval/success_by_env_steps)", "grpo (eval/success_by_env_steps)")
+        b.wait_for("Group: loop", "Group: grpo")
+        b.type_into("Search metric charts", "success_by_env_steps")  # charts render only when scrolled to
+        b.wait_for("loop (eval/success_by_env_steps)", "grpo (eval/success_by_env_steps)")
         b.screenshot(chart)
     finally:
         b.close()
