@@ -62,9 +62,10 @@ class UpdateSettings:
     def from_config(cls, cfg: TrainConfig, pad_id: int, sampled_here: bool) -> UpdateSettings:
         """The run's update settings: the method's loss and epochs, ``update.*``, the sampling temperature.
 
-        ``sampled_here``: the rows were just sampled by this process's model, the one about to be trained.
-        Only then, and with the transformers engine playing locally without LoRA, can the stored sampling
-        log-probs stand for pi_old (module docstring)."""
+        ``sampled_here``: the rows were sampled by the weights about to be trained (the iteration's
+        checkpoint, in this call or before a restart; not a copy changed since). Only then, and with the
+        transformers engine playing locally without LoRA, can the stored sampling log-probs stand for
+        pi_old (module docstring); a sample of rows is still recomputed and compared every update."""
         loss_name, loss_params = cfg.loss_spec()
         u = cfg.update
         learner_sampled = sampled_here and cfg.engine.name == "transformers" and cfg.model.lora is None and cfg.rollout.runner == "local"

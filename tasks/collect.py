@@ -10,7 +10,6 @@ all initial rollouts and played here, after the shards.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import pyarrow.compute as pc
@@ -34,7 +33,6 @@ class RolloutRef:
     iteration: int
     episodes: str  # path of episodes.parquet
     turns: str  # path of turns.parquet
-    played: bool = False  # sampled in this call by this process's policy (False: reused from the store)
 
 
 @task(name="collect", retries=1, retry_delay_seconds=1, cache_policy=NONE)
@@ -55,7 +53,6 @@ def collect_rollouts(ctx: RunContext, iteration: int, policy: CheckpointRef) -> 
         digests = {"turns": store.write_table(store.turns_table(records), ref.turns, "turns")}
         faults.kill_point("collect", iteration)
         digests["episodes"] = store.write_table(store.episodes_table(records, cfg.run_name, iteration, policy.iteration), ref.episodes, "episodes")
-        ref = dataclasses.replace(ref, played=True)
     episodes = store.read_table(ref.episodes, "episodes")
     metrics = episode_metrics(episodes)
     if cfg.preset.branches:

@@ -31,7 +31,9 @@ def update(ctx: RunContext, iteration: int, rollouts: RolloutRef, adv: Advantage
     loaded = RUNTIME.get(cfg, policy)
     try:
         rows = attach_advantages(train_rows(store.read_table(rollouts.turns, "turns"), cfg.rollout.context), store.read_table(adv.table, "advantages"))
-        s = UpdateSettings.from_config(cfg, loaded.tokenizer.pad_token_id, sampled_here=rollouts.played)
+        # the rows were sampled by ``policy``, the checkpoint trained here, whether played in this call or
+        # stored before a restart; so a resumed run takes the same pi_old path as one never stopped
+        s = UpdateSettings.from_config(cfg, loaded.tokenizer.pad_token_id, sampled_here=True)
         ref_model = RUNTIME.reference(cfg, ctx.path) if s.needs_reference else None
         with faults.nan_gradients(loaded.model, iteration):
             result = ppo_update(loaded.model, loaded.optimizer, rows, s, derive_seed(cfg.seed, "update", iteration), ref_model) if rows else None
