@@ -14,23 +14,33 @@ store are looked up first and only the missing traces are logged, so a resumed o
 trace twice.
 
 MLflow writes spans from a background queue (``MLFLOW_ENABLE_ASYNC_TRACE_LOGGING``, on by default), so
-logging returns at once and the database writes overlap the next stage; the queue is drained before the
-next look-up and at process exit.
+logging returns at once and the database writes overlap the next stage. Two of its defaults are changed
+here (a user's own setting wins): spans go to the store in batches of up to 1024 instead of 5 (one
+database session per batch, not one per five spans), and one writer thread instead of ten, so a trace's
+spans are stored before its trace record and SQLite sees one writer (with ten, a trace record could come
+first, and its spans were then also uploaded as an artifact file). Together they cut tracing's CPU
+several-fold (``benchmarks/pipeline.py`` measures it). The queue is drained at the end of a run
+(``flush``) and at process exit; traces still queued when a process is killed are not in the store, so
+its successor logs them.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
 import mlflow
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 from mlflow import MlflowClient
 from mlflow.entities import SpanType
 
 from horizonrl import faults
+
+# Read by MLflow when its tracer starts (the first span), so set before any trace is logged.
+os.environ.setdefault("MLFLOW_ASYNC_TRACE_LOGGING_MAX_SPAN_BATCH_SIZE", "1024")
+os.environ.setdefault("MLFLOW_ASYNC_TRACE_LOGGING_MAX_WORKERS", "1")
 
 TRACE_KEY = "horizonrl.trace_key"
 SESSION = "mlflow.trace.session"  # MLflow's trace metadata key for a session (here: a task group)
@@ -70,13 +80,17 @@ def training_sample(episodes: pa.Table, n_random: int, seed: int) -> list[int]:
 
 
 def trace_key(run_id: str, split: str, iteration: int, rollout_id: int) -> str:
-    return f"{run_id}/{split}/{iteration}/{rollout_id}"
+    return f"{run_id}/{split}/{iteration}/{rollout_id}"  # logged_keys selects by its prefix
+
+
+_queued: set[str] = set()  # keys of the traces this process has handed to MLflow's queue
 
 
 def logged_keys(c: MlflowClient, experiment_id: str, run_id: str, split: str, iteration: int) -> set[str]:
-    """Keys of the traces of (run, split, iteration) already in the store, after draining the queue."""
-    mlflow.flush_trace_async_logging()
-    keys, token = set(), None
+    """Keys of the traces of (run, split, iteration) in the store: written by any process, or queued
+    by this one. (No drain first: draining stops MLflow's writer thread, which waits up to a second.)"""
+    prefix = f"{run_id}/{split}/{iteration}/"
+    keys, token = {k for k in _queued if k.startswith(prefix)}, None
     while True:
         page = c.search_traces(locations=[experiment_id], run_id=run_id, include_spans=False, max_results=500, page_token=token,
                                filter_string=f"tags.split = '{split}' AND tags.iteration = '{iteration}'")
@@ -86,15 +100,20 @@ def logged_keys(c: MlflowClient, experiment_id: str, run_id: str, split: str, it
             return keys
 
 
+def flush() -> None:
+    """Wait until every queued trace is in the store (the end of a run; MLflow also drains at exit)."""
+    mlflow.flush_trace_async_logging()
+
+
 def log_episodes(target: TraceTarget, split: str, iteration: int, episodes: pa.Table, turns: pa.Table,
                  advantages: pa.Table | None = None, digest: str | None = None) -> dict[str, float]:
     """Log every episode of ``episodes`` (with its rows of ``turns`` and, if given, ``advantages``) as
     a trace of ``target``'s run, unless it is already there. Returns ``traces`` (this iteration's traces
-    of ``split`` now in the store), ``logged`` (new ones), ``spans`` (new) and ``log_s`` (seconds spent
-    here, the database look-up included)."""
+    of ``split`` now in the store or queued), ``logged`` (new ones), ``spans`` (new) and ``log_s``
+    (seconds spent here, the database look-up included; the writes themselves run on MLflow's thread)."""
     t0 = time.perf_counter()
     if mlflow.get_tracking_uri() != target.tracking_uri:
-        mlflow.flush_trace_async_logging()  # spans queued for the previous store go there first
+        flush()  # spans queued for the previous store go there first
         mlflow.set_tracking_uri(target.tracking_uri)
     c = MlflowClient(target.tracking_uri)
     experiment_id = c.get_run(target.run_id).info.experiment_id
@@ -106,23 +125,26 @@ def log_episodes(target: TraceTarget, split: str, iteration: int, episodes: pa.T
     if advantages is not None:
         adv = advantages.select(["rollout_id", "turn", "adv", "keep"]).to_pandas()
         rows = rows.merge(adv, on=["rollout_id", "turn"], how="left")
-    by_rollout = dict(iter(rows.sort_values(["rollout_id", "turn"]).groupby("rollout_id")))
+    by_rollout: dict[int, list[dict]] = {}
+    for row in rows.sort_values(["rollout_id", "turn"]).to_dict("records"):
+        by_rollout.setdefault(int(row["rollout_id"]), []).append(row)
     spans = 0
-    for i, (_, e) in enumerate(ep.iterrows()):
+    for i, e in enumerate(ep.to_dict("records")):
         if split == "train" and i == len(ep) // 2 and faults.active("trace", iteration):
-            mlflow.flush_trace_async_logging()  # half of the traces are in the store when the kill comes
+            flush()  # half of the traces are in the store when the kill comes
             faults.kill_point("trace", iteration)
-        spans += _log_episode(target, experiment_id, split, iteration, e, by_rollout.get(e["rollout_id"], rows.iloc[:0]), digest)
+        spans += _log_episode(target, experiment_id, split, iteration, e, by_rollout.get(int(e["rollout_id"]), []), digest)
+        _queued.add(trace_key(target.run_id, split, iteration, int(e["rollout_id"])))
     return {"traces": float(len(done) + len(ep)), "logged": float(len(ep)), "spans": float(spans), "log_s": time.perf_counter() - t0}
 
 
-def _log_episode(target: TraceTarget, experiment_id: str, split: str, iteration: int, e: pd.Series, turns: pd.DataFrame,
+def _log_episode(target: TraceTarget, experiment_id: str, split: str, iteration: int, e: dict, turns: list[dict],
                  digest: str | None) -> int:
     """One trace: a root span for the episode, a child span per turn laid out by its generation and
     environment seconds (so the timeline shows where an episode's time went). Returns its span count."""
     rollout_id = int(e["rollout_id"])
-    durations = ((turns["gen_s"].astype(float) + turns["env_s"].astype(float)) * 1e9).astype(np.int64).to_numpy()
-    start = time.time_ns() - int(durations.sum())
+    durations = [int((float(row["gen_s"]) + float(row["env_s"])) * 1e9) for row in turns]
+    start = time.time_ns() - sum(durations)
     tags = {"run": target.run_name, "iteration": str(iteration), "method": target.method, "task": str(e["task_id"]),
             "seed": str(target.seed), "status": str(e["status"]), "return": f"{float(e['episode_return']):g}", "split": split,
             "rollout_id": str(rollout_id), "won": str(bool(e["won"])).lower(), TRACE_KEY: trace_key(target.run_id, split, iteration, rollout_id)}
@@ -131,19 +153,19 @@ def _log_episode(target: TraceTarget, experiment_id: str, split: str, iteration:
     root = mlflow.start_span_no_context(
         f"episode {rollout_id}", span_type=SpanType.AGENT, experiment_id=experiment_id, start_time_ns=start, tags=tags,
         metadata={SOURCE_RUN: target.run_id, SESSION: f"{target.run_name}/{split}/iter={iteration}/group={int(e['group_id'])}"},
-        inputs={"task": str(e["task_id"]), "goal": str(turns["observation"].iloc[0]) if len(turns) else ""},
+        inputs={"task": str(e["task_id"]), "goal": str(turns[0]["observation"]) if turns else ""},
         attributes={"rollout_id": rollout_id, "group_id": int(e["group_id"]), "kind": str(e["kind"]),
                     "parent_rollout": int(e["parent_rollout"]), "branch_token": int(e["branch_token"]), "iteration": iteration})
     t = start
-    for (_, row), duration in zip(turns.iterrows(), durations):
+    for row, duration in zip(turns, durations):
         attributes = {"turn": int(row["turn"]), "action_tokens": len(row["action_ids"]), "reward": float(row["reward"]),
                       "done": bool(row["done"]), "won": bool(row["won"]), "valid": bool(row["valid"]),
                       "logprob_sum": float(np.sum(row["logprobs"])), "entropy_mean": float(np.mean(row["entropy"])) if len(row["entropy"]) else 0.0}
-        if "adv" in row and row["adv"] == row["adv"]:
+        if "adv" in row and row["adv"] == row["adv"]:  # NaN: no advantage row for this turn
             attributes.update(advantage=float(row["adv"]), keep=bool(row["keep"]))
         span = mlflow.start_span_no_context(f"turn {int(row['turn'])}", span_type=SpanType.LLM, parent_span=root, start_time_ns=t,
                                             inputs={"observation": row["observation"]}, attributes=attributes)
-        t += int(duration)
+        t += duration
         span.set_outputs({"action": row["action"], **{k: attributes[k] for k in ("reward", "advantage") if k in attributes}})
         span.end(end_time_ns=t)
     root.set_outputs({"return": float(e["episode_return"]), "won": bool(e["won"]), "turns": int(e["n_turns"]), "status": str(e["status"])})

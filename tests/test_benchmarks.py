@@ -16,7 +16,7 @@ FIGURES = {
     "rollout": ["rollout/batched_tokens_s", "rollout/vs_bare_replay", "rollout/vs_one_generate", "rollout/vs_one_at_a_time", "rollout/prefill_vs_new",
                 "rollout/naive_prefill_vs_new", "rollout/decode_padding", "rollout/qwen3_vocab_tokens_s"],
     "update": ["update/ppo_tokens_s", "update/vs_bare_loop", "update/padding", "update/pi_old_max_diff"],
-    "pipeline": ["tracing/share_of_iteration", "tracing/store_kb_per_iteration", "pipeline/flow_vs_plain", "pipeline/helper_cpu_s",
+    "pipeline": ["tracing/share_of_iteration", "tracing/flow_wait_share", "tracing/store_kb_per_iteration", "pipeline/flow_vs_plain", "pipeline/helper_cpu_s",
                  "memory/peak_rss_mb", "memory/peak_tree_rss_mb", "startup/temporary_server_s", "startup/running_server_s"],
 }
 
