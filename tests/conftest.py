@@ -10,6 +10,10 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+# One compute thread per process, inherited by every process a test starts (train runs, stack servers,
+# workers): the suite runs two workers on two cores, and torch's OpenMP threads spin while they wait, so
+# two processes with two threads each slow both down several-fold (the tiny models gain nothing from more).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
