@@ -48,7 +48,7 @@ test-fast: setup-test
 	$(BIN)/python -m pytest -q -n 2 -m "not slow" $(ARGS)
 
 bench: setup
-	$(BIN)/python -m benchmarks $(ARGS)
+	$(BIN)/python -m benchmarks --publish README.md $(ARGS)
 
 # vLLM's own environment (it cannot share one with Prefect, ../shared/STACK.md); needs a CUDA GPU to run.
 # vllm 0.32.0 is the release that pins torch 2.13.0, the project's torch.

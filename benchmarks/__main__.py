@@ -1,6 +1,7 @@
 """The benchmark suite of issue 8: every figure with its target, as one table.
 
-    python -m benchmarks            # full sizes (2.5 minutes on 2 idle CPU cores, ~11 when they are shared)
+    python -m benchmarks            # full sizes (about 7 minutes on 2 idle CPU cores)
+    python -m benchmarks --publish README.md   # the same, and the table written into the README (make bench)
     python -m benchmarks --quick    # tiny sizes, a smoke run of every section (the test runs this)
 
 Targets are ratios measured side by side in one run, so that they hold on a noisy shared machine.
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 
 from benchmarks import advantages, pipeline, rollout, store, update
-from benchmarks.report import Figure, log_mlflow, save, table
+from benchmarks.report import Figure, log_mlflow, publish, save, table
 from horizonrl.config import load_config
 
 CONFIG = "configs/loop_household_easy.yaml"
@@ -36,7 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/out", help="output folder (default benchmarks/out)")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="run these sections only")
     parser.add_argument("--no-mlflow", action="store_true", help="do not log the figures to MLflow")
+    parser.add_argument("--publish", metavar="PAGE", help="write the table into PAGE's benchmark block (make bench: README.md); full sizes, every section")
     args = parser.parse_args(argv)
+    if args.publish and (args.quick or sorted(args.only) != sorted(SECTIONS)):
+        parser.error("--publish needs full sizes and every section (no --quick, no --only)")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     n = {k: v[1] if args.quick else v[0] for k, v in SIZES.items()}
@@ -62,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(figures))
     params = {"quick": args.quick, "sections": ",".join(args.only), **n}
     files = save(figures, out, params)
+    if args.publish:
+        publish(figures, params, Path(args.publish))
     if not args.no_mlflow:
         print(f"MLflow run {log_mlflow(figures, params, files)} in experiment 'benchmarks'")
     return 0

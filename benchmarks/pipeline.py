@@ -156,6 +156,36 @@ def flow_iteration_seconds(cfg: TrainConfig) -> list[float]:
     return [m.value for m in sorted(c.get_metric_history(run.info.run_id, "time/iteration_s"), key=lambda m: m.step)]
 
 
+def plain_iterations(cfg: TrainConfig) -> list[float]:
+    """The flow's collect -> advantages -> update as plain calls (no Prefect, MLflow or Parquet)."""
+    rt = PolicyRuntime()
+    model, tokenizer = load_policy(rt.initial_model_dir(cfg))
+    fmt = ChatFormat.for_tokenizer(tokenizer)
+    engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay)
+    name, params = cfg.advantage_spec()
+    s = UpdateSettings.from_config(cfg, tokenizer.pad_token_id, sampled_here=True)
+    suite = rt.suite(cfg)
+    collect(suite, rt.task_pool(cfg, "test", 1), 1, engine, fmt, SamplingSettings.from_config(cfg, suite, 0))  # warm-up, as the flow's first evaluation is
+    state, times = None, []
+    for it in range(1, cfg.iterations + 1):
+        t0 = time.perf_counter()
+        pool = rt.task_pool(cfg, "train", cfg.env.train_pool)  # built on first use, as in the flow's first collect
+        tasks = sample_tasks(pool, cfg.rollout.tasks_per_iteration, cfg.seed, it)
+        records = collect(suite, tasks, cfg.rollout.group_size, engine, fmt, SamplingSettings.from_config(cfg, suite, derive_seed(cfg.seed, "collect", it)))
+        turns, episodes = store.turns_table(records), store.episodes_table(records, cfg.run_name, it, it - 1)
+        batch = step_batch(episodes, turns, it - 1)
+        result = methods.ADVANTAGES.get(name).fn(batch, params, state)
+        state = result.state
+        adv = pa.table({"rollout_id": batch.traj_id, "turn": batch.turn.astype(np.int32), "adv": result.adv, "keep": result.keep,
+                        "adv_tokens": pa.nulls(len(batch), pa.list_(pa.float64()))}, schema=store.ADVANTAGES)
+        rows = attach_advantages(train_rows(turns, cfg.rollout.context), adv)
+        if rows:
+            ppo_update(model, optimizer, rows, s, derive_seed(cfg.seed, "update", it))
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def tracing_figures(config: str, cfg: TrainConfig, iteration_s: list[float], out_dir: Path) -> list[Figure]:
     """Tracing's share of a main-config iteration, counted in CPU seconds with every database write
     included (MLflow writes from a background thread, so the flow's own waiting, ``trace/*/log_s``,

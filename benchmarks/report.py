@@ -38,6 +38,34 @@ def table(figures: list[Figure]) -> str:
     return "\n".join(lines)
 
 
+PUBLISH_START, PUBLISH_END = "<!-- benchmarks:start (written by `make bench`) -->", "<!-- benchmarks:end -->"
+
+
+def markdown(figures: list[Figure], params: dict[str, object]) -> str:
+    """The figures as a Markdown table, headed by when, at which commit and on what they were measured."""
+    import os
+
+    scored = [f for f in figures if f.passed is not None]
+    lines = [f"Measured {time.strftime('%Y-%m-%d')} at commit `{tracking.git_commit()[:7]}` on {os.cpu_count()} CPU cores "
+             f"({platform.processor() or platform.machine()}), `python -m benchmarks` "
+             f"({'quick sizes' if params.get('quick') else 'full sizes'}): {sum(f.passed for f in scored)} of {len(scored)} targets met.",
+             "", "| figure | value | unit | target | result | what |", "|---|---:|---|---|---|---|"]
+    for f in figures:
+        result = "" if f.passed is None else ("pass" if f.passed else "**miss**")
+        lines.append(f"| `{f.name}` | {f.value:,.3f} | {f.unit} | {f.target} | {result} | {f.note.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def publish(figures: list[Figure], params: dict[str, object], page: Path) -> None:
+    """Replace the block between the markers in ``page`` (the README) with the table, so the numbers
+    shown are the ones measured, never typed."""
+    text = page.read_text()
+    if PUBLISH_START not in text or PUBLISH_END not in text:
+        raise ValueError(f"{page} has no benchmark block: add the lines {PUBLISH_START!r} and {PUBLISH_END!r}")
+    head, rest = text.split(PUBLISH_START, 1)
+    page.write_text(f"{head}{PUBLISH_START}\n{markdown(figures, params)}\n{PUBLISH_END}{rest.split(PUBLISH_END, 1)[1]}")
+
+
 def save(figures: list[Figure], out_dir: Path, params: dict[str, object]) -> tuple[Path, Path]:
     """Write ``figures.json`` (with the run's parameters) and ``figures.csv``; return both paths."""
     out_dir.mkdir(parents=True, exist_ok=True)

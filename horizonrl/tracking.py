@@ -19,6 +19,7 @@ import mlflow
 import pandas as pd
 from mlflow import MlflowClient
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, Run, RunTag
+from mlflow.exceptions import MlflowException
 
 if TYPE_CHECKING:
     from horizonrl.checkpoint import CheckpointRef
@@ -119,7 +120,16 @@ def log_metrics(c: MlflowClient, run_id: str, stage: str, values: dict[str, floa
 def log_parquet_input(c: MlflowClient, run_id: str, name: str, path: str | Path, digest: str, context: str = "training") -> None:
     """Record a Parquet file as a run input dataset (path plus content digest)."""
     ds = Dataset(name=name, digest=digest[:36], source_type="local", source=json.dumps({"uri": str(Path(path).resolve())}))
-    c.log_inputs(run_id, datasets=[DatasetInput(ds, tags=[InputTag("mlflow.data.context", context)])])
+    inputs = [DatasetInput(ds, tags=[InputTag("mlflow.data.context", context)])]
+    try:
+        c.log_inputs(run_id, datasets=inputs)
+    except MlflowException as e:
+        # MLflow keeps one dataset per (experiment, name, digest), found or inserted without a lock: two runs
+        # logging the same table at once (same config, other run names) race, and the loser's insert is
+        # refused. Once more, it finds the winner's row and links this run to it.
+        if "unique constraint" not in str(e).lower():
+            raise
+        c.log_inputs(run_id, datasets=inputs)
 
 
 def recorded_digests(c: MlflowClient, run_id: str) -> dict[str, str]:

@@ -42,3 +42,24 @@ def test_quick_suite_in_process_sections(tmp_path, capsys):
 def test_quick_suite_pipeline_section(tmp_path, capsys):
     """The pipeline section: one shortened train run through Prefect and MLflow (a minute or more)."""
     run_quick(tmp_path, capsys, ["pipeline"])
+
+
+def test_publish_replaces_only_the_marked_block(tmp_path):
+    """`make bench` writes its table into the README between two markers: the rest of the page is kept, a
+    second publish replaces the first, and a page without the markers is named before anything is written."""
+    from benchmarks.report import PUBLISH_END, PUBLISH_START, Figure, publish
+
+    page = tmp_path / "README.md"
+    page.write_text(f"# Title\n\nbefore\n{PUBLISH_START}\nold table\n{PUBLISH_END}\nafter\n")
+    figures = [Figure("update/vs_bare_loop", 0.934, "x", ">= 0.95", False, "bare: 16,307 tok/s"), Figure("store/read_MB_s", 279.7, "MB/s", "", None)]
+    publish(figures, {"quick": False}, page)
+    publish(figures[:1], {"quick": False}, page)
+    text = page.read_text()
+    assert text.startswith("# Title\n\nbefore\n") and text.endswith(f"{PUBLISH_END}\nafter\n") and "old table" not in text
+    assert "| `update/vs_bare_loop` | 0.934 | x | >= 0.95 | **miss** | bare: 16,307 tok/s |" in text
+    assert "store/read_MB_s" not in text and "0 of 1 targets met" in text and text.count(PUBLISH_START) == 1
+    bare = tmp_path / "other.md"
+    bare.write_text("no markers\n")
+    with pytest.raises(ValueError, match="other.md has no benchmark block"):
+        publish(figures, {}, bare)
+    assert bare.read_text() == "no markers\n"
