@@ -264,6 +264,10 @@ class WarmStartConfig(Strict):
 
     demonstrations: int = Field(64, ge=1)
     """Training tasks whose walkthrough is played and stored (the first N of the train split)."""
+    expert: Literal["walkthrough", "search"] = "walkthrough"
+    """Who demonstrates: the suite's walkthrough, or (household only) an expert that finds hidden objects by
+    searching receptacles in turn (``household_world.plan_search``): the walkthrough goes straight to an
+    object's hidden place, which a policy cannot learn to do."""
     perturbed_share: float = Field(0.0, ge=0, le=1)
     """Share of demonstrations with one action replaced by a random other admissible command."""
     epochs: int = Field(2, ge=1)
@@ -406,6 +410,8 @@ class TrainConfig(Strict):
             check_games(self.env.name, self.env.games, self.env.suite_seed)
         else:
             check_tier(self.env.name, self.env.tier)
+        if self.warmstart.expert == "search" and self.env.name != "household":
+            raise ValueError(f"warmstart.expert = 'search' is built for env.name = 'household', not {self.env.name!r}: use 'walkthrough'")
         return self
 
     @model_validator(mode="after")

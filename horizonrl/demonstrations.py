@@ -24,8 +24,10 @@ DEMONSTRATION = "demonstration"  # the episodes table's ``kind`` of a demonstrat
 
 
 def play_walkthroughs(suite: EnvSuite, tasks: list[Task], fmt: ChatFormat, *, action_mode: str, context: str,
-                      history_turns: int, max_turns: int, perturbed_share: float = 0.0, seed: int = 0) -> list[EpisodeRecord]:
-    """One demonstration per task (rollout id = group id = its index). A perturbed demonstration (the first
+                      history_turns: int, max_turns: int, perturbed_share: float = 0.0, seed: int = 0,
+                      expert: str = "walkthrough") -> list[EpisodeRecord]:
+    """One demonstration per task (rollout id = group id = its index), played by ``expert``: the suite's
+    ``walkthrough``, or the household's ``search_walkthrough``. A perturbed demonstration (the first
     ``round(perturbed_share * len(tasks))`` of a seeded shuffle) plays, at one seeded turn, a random other
     admissible command instead of the walkthrough's, then goes on with the walkthrough."""
     rng = random.Random(derive_seed(seed, "perturb"))
@@ -35,16 +37,16 @@ def play_walkthroughs(suite: EnvSuite, tasks: list[Task], fmt: ChatFormat, *, ac
     env = suite.make()
     try:
         return [_play_one(env, i, task, fmt, action_mode, context, history_turns, max_turns,
-                          random.Random(derive_seed(seed, "perturb", i)) if i in perturbed else None)
+                          random.Random(derive_seed(seed, "perturb", i)) if i in perturbed else None, expert)
                 for i, task in enumerate(tasks)]
     finally:
         env.close()
 
 
 def _play_one(env, index: int, task: Task, fmt: ChatFormat, action_mode: str, context: str, history_turns: int,
-              max_turns: int, rng: random.Random | None) -> EpisodeRecord:
+              max_turns: int, rng: random.Random | None, expert: str) -> EpisodeRecord:
     obs, info = env.reset(task)
-    plan = env.walkthrough()[:max_turns]
+    plan = (env.search_walkthrough() if expert == "search" else env.walkthrough())[:max_turns]
     swap = rng.randrange(len(plan)) if rng is not None and plan else -1
     record = EpisodeRecord(index, index, task, context, 0, kind=DEMONSTRATION)
     goal_ids = fmt.system(info.get("goal", ""))

@@ -40,7 +40,7 @@ def record_demonstrations(ctx: RunContext, policy: CheckpointRef) -> Demonstrati
         tasks = suite.tasks("train", cfg.env.tier, ws.demonstrations)
         records = play_walkthroughs(suite, tasks, fmt, action_mode=cfg.rollout.action_mode, context=cfg.rollout.context,
                                     history_turns=cfg.rollout.history_turns, max_turns=cfg.env.max_turns or suite.max_turns(cfg.env.tier),
-                                    perturbed_share=ws.perturbed_share, seed=cfg.seed)
+                                    perturbed_share=ws.perturbed_share, seed=cfg.seed, expert=ws.expert)
         store.write_table(store.turns_table(records), ref.turns, "turns")
         store.write_table(store.episodes_table(records, cfg.run_name, 0, 0), ref.episodes, "episodes")
     episodes = store.read_table(ref.episodes, "episodes", columns=["won", "n_turns", "gen_tokens"])

@@ -108,6 +108,32 @@ def test_walkthrough_wins_for_300_tasks_of_every_family(tier):
     assert set(per_family) == ({"pick_and_place"} if tier == "easy" else set(FAMILIES))
 
 
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_search_expert_wins_using_only_what_it_has_seen(tier):
+    """The warm start's searching expert (``plan_search``) wins 300 tasks of the tier within its horizon, and
+    finds the first object as an agent that cannot see hidden places must: it visits receptacles in turn
+    (the start room's, then the next room's, in listing order) up to the one that holds it, where the
+    walkthrough goes straight there."""
+    suite, env = HouseholdSuite(), HouseholdEnv()
+    searched = 0
+    for task in suite.tasks("train", tier, 300):
+        _, info = env.reset(task)
+        layout, plan = env.world.layout, env.search_walkthrough()
+        order = [r.name for room in layout.rooms for r in layout.receptacles if r.room == room]
+        first_take = next(i for i, a in enumerate(plan) if a.startswith("take "))
+        visits = [a.removeprefix("go to ") for a in plan[:first_take] if a.removeprefix("go to ") in order]
+        source = plan[first_take].split(" from ")[1]
+        assert visits == order[: order.index(source) + 1], (task, plan)
+        searched += len(visits) > 1
+        assert len(plan) <= TIERS[tier].horizon
+        for i, action in enumerate(plan):
+            assert action in info["admissible_commands"], (task, plan, action)
+            _, reward, done, info = env.step(action)
+            assert done == (i == len(plan) - 1) and reward == float(done)
+        assert info["won"]
+    assert searched > 100, "the expert found most first objects at once: is it reading their hidden places?"
+
+
 def test_splits_are_disjoint_by_content_and_hold_10000_train_tasks():
     suite = HouseholdSuite()
     train = suite.tasks("train", "easy", 10_000)

@@ -4,6 +4,7 @@ exactly those weights and its lineage tagged (real Prefect flows, MLflow on SQLi
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from safetensors.torch import load_file
 
 from flowkit import run_of, tiny_config
 from horizonrl import store, tracking
-from horizonrl.config import TrainConfig
+from horizonrl.config import TrainConfig, load_config
 from horizonrl.demonstrations import DEMONSTRATION, play_walkthroughs
 from horizonrl.prompting import ChatFormat
 from horizonrl.sequences import train_rows
@@ -47,6 +48,23 @@ def test_perturbed_share_replaces_one_action_in_that_share(household_suite, tiny
     mixed = play_walkthroughs(household_suite, tasks, fmt, perturbed_share=0.5, **kw)
     changed = [a for a, b in zip(clean, mixed) if [t.action for t in a.turns] != [t.action for t in b.turns]]
     assert len(changed) == 2
+
+
+def test_search_expert_demonstrations_follow_it_and_win(household_suite, tiny_policy):
+    fmt = ChatFormat.for_tokenizer(tiny_policy[1])
+    tasks = household_suite.tasks("train", "medium", 6)
+    records = play_walkthroughs(household_suite, tasks, fmt, action_mode="admissible", context="full", history_turns=2, max_turns=30,
+                                expert="search")
+    env = household_suite.make()
+    for task, rec in zip(tasks, records):
+        env.reset(task)
+        assert [t.action for t in rec.turns] == env.search_walkthrough() and rec.won
+
+
+def test_search_expert_is_household_only():
+    with pytest.raises(ValueError, match=re.escape("warmstart.expert = 'search' is built for env.name = 'household', not 'scienceworld-boil'")):
+        load_config(None, ["env.name=scienceworld-boil", "warmstart.expert=search"])
+    assert load_config(None, ["warmstart.expert=search"]).warmstart.expert == "search"
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ from horizonrl.envs.base import Task
 from horizonrl.envs.household_world import (
     DIGITS, FAMILIES, FAMILY_TARGETS, LAMP, OBJECT_TYPES, RECEPTACLE_KINDS, ROOMS, TIERS, TOOL_VERB, VERB_STATE,
     Goal, Layout, Receptacle, World, commands, describe_start, execute, generate_layout, is_won, kind_of,
-    partial_score, plan_walkthrough,
+    partial_score, plan_search, plan_walkthrough,
 )
 from horizonrl.seeding import derive_seed
 
@@ -415,6 +415,10 @@ class HouseholdEnv:
 
     def walkthrough(self) -> list[str]:
         return plan_walkthrough(self.world.layout)
+
+    def search_walkthrough(self) -> list[str]:
+        """The commands of an expert that finds hidden objects by searching (``plan_search``)."""
+        return plan_search(self.world.layout)
 
     def close(self) -> None:
         self._world = None

@@ -516,3 +516,50 @@ def plan_walkthrough(layout: Layout) -> list[str]:
             route.visit(receptacles[destination], need_open=True)
             route.actions.append(f"put {obj} in/on {destination}")
     return route.actions
+
+
+def plan_search(layout: Layout) -> list[str]:
+    """Commands of an expert that knows only what it has seen: where a target object (or the desk lamp)
+    lies is found by visiting receptacles in turn, the start room's first, each room's in listing order,
+    opening the closed ones, until one shows it; a receptacle seen once is remembered (the second object of
+    ``pick_two`` may already have been seen). Receptacles themselves are in view from a room's middle, so
+    tools and destinations are walked to directly, as in ``plan_walkthrough``. A policy cloned from this
+    can learn to search; one cloned from the walkthrough is shown objects' hidden places."""
+    goal = layout.goal
+    receptacles = {r.name: r for r in layout.receptacles}
+    order = [r for room in layout.rooms for r in layout.receptacles if r.room == room]
+    holds = {rec: [obj for obj, where in layout.placements if where == rec] for rec in receptacles}
+    route = _Route(layout, layout.rooms[0])
+    seen: list[str] = []  # receptacles whose contents the expert has seen, in visiting order
+
+    def find(wanted) -> str:
+        for rec in seen:
+            if wanted(rec):
+                return rec
+        for rec in order:
+            if rec.name not in seen:
+                route.visit(rec, need_open=True)
+                seen.append(rec.name)
+                if wanted(rec.name):
+                    return rec.name
+        raise ValueError(f"layout has nothing wanted: {layout.signature()}")  # generated layouts always do
+
+    for _ in range(2 if goal.family == "pick_two" else 1):
+        source = find(lambda rec: any(kind_of(obj) == goal.target for obj in holds[rec]))
+        obj = next(o for o in holds[source] if kind_of(o) == goal.target)
+        holds[source].remove(obj)
+        route.visit(receptacles[source], need_open=True)
+        route.actions.append(f"take {obj} from {source}")
+        if goal.tool:
+            tool = next(r for r in layout.receptacles if kind_of(r.name) == goal.tool)
+            route.visit(tool, need_open=False)
+            route.actions.append(f"{TOOL_VERB[goal.tool]} {obj} with {tool.name}")
+        if goal.family == "look_at_obj_in_light":
+            route.visit(receptacles[find(lambda rec: rec == layout.lamp_host)], need_open=False)
+            route.actions.append(f"use {LAMP}")
+        else:
+            destination = min((r.room != route.room, r.name) for r in layout.receptacles
+                              if kind_of(r.name) == goal.destination)[1]
+            route.visit(receptacles[destination], need_open=True)
+            route.actions.append(f"put {obj} in/on {destination}")
+    return route.actions
