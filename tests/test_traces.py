@@ -35,6 +35,31 @@ def test_training_sample_is_best_worst_and_random_of_mixed_groups():
     assert traces.training_sample(_episodes({}), 3, seed=1) == []
 
 
+def test_logging_an_iteration_again_in_the_same_process_logs_nothing(household_suite, tiny_policy, tmp_path):
+    """Traces wait in MLflow's queue after ``log_episodes`` returns; a second call for the same iteration
+    (a retried stage) must count them as logged without draining the queue first, and after the drain
+    each episode is in the store once, with a span per turn."""
+    from horizonrl.config import load_config
+    from horizonrl.rollout import SamplingSettings, collect
+
+    _, _, fmt, engine = tiny_policy
+    cfg = load_config(None, ["env.max_turns=3"])
+    records = collect(household_suite, household_suite.tasks("train", "easy", 2), 2, engine, fmt,
+                      SamplingSettings.from_config(cfg, household_suite, seed=4))
+    episodes, turns = store.episodes_table(records, "r", 1, 0), store.turns_table(records)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    c = MlflowClient(uri)
+    target = traces.TraceTarget(uri, c.create_run(c.create_experiment("t")).info.run_id, "r", "loop", 0)
+    first = traces.log_episodes(target, "eval", 1, episodes, turns)
+    again = traces.log_episodes(target, "eval", 1, episodes, turns)
+    assert (first["logged"], again["logged"], again["traces"]) == (4.0, 0.0, 4.0)
+    traces.flush()
+    found = c.search_traces(locations=[c.get_run(target.run_id).info.experiment_id], run_id=target.run_id, max_results=50)
+    assert sorted(int(t.info.tags["rollout_id"]) for t in found) == [0, 1, 2, 3]
+    for t in found:
+        assert len(t.data.spans) == 1 + len(records[int(t.info.tags["rollout_id"])].turns)
+
+
 @pytest.mark.slow
 def test_traces_survive_a_kill_without_duplicates(api_url, tmp_path):  # noqa: F811
     """Killed halfway through logging iteration 1's training traces, then resumed: every chosen episode
