@@ -501,21 +501,29 @@ def plan_walkthrough(layout: Layout) -> list[str]:
                       if kind_of(obj) == goal.target))
     route = _Route(layout, start)
     for _, obj, source in targets[: 2 if goal.family == "pick_two" else 1]:
-        route.visit(receptacles[source], need_open=True)
-        route.actions.append(f"take {obj} from {source}")
-        if goal.tool:
-            tool = next(r for r in layout.receptacles if kind_of(r.name) == goal.tool)
-            route.visit(tool, need_open=False)
-            route.actions.append(f"{TOOL_VERB[goal.tool]} {obj} with {tool.name}")
-        if goal.family == "look_at_obj_in_light":
-            route.visit(receptacles[layout.lamp_host], need_open=False)
-            route.actions.append(f"use {LAMP}")
-        else:
-            destination = min((r.room != route.room, r.name) for r in layout.receptacles
-                              if kind_of(r.name) == goal.destination)[1]
-            route.visit(receptacles[destination], need_open=True)
-            route.actions.append(f"put {obj} in/on {destination}")
+        _take_and_deliver(route, obj, receptacles[source], lambda: layout.lamp_host)
     return route.actions
+
+
+def _take_and_deliver(route: _Route, obj: str, source: Receptacle, lamp_host: Callable[[], str]) -> None:
+    """Take ``obj`` from ``source``, transform it if the goal says so, then place it or light it (the lamp's
+    receptacle comes from ``lamp_host``, called only for the lamp goal)."""
+    layout, goal = route.layout, route.layout.goal
+    receptacles = {r.name: r for r in layout.receptacles}
+    route.visit(source, need_open=True)
+    route.actions.append(f"take {obj} from {source.name}")
+    if goal.tool:
+        tool = next(r for r in layout.receptacles if kind_of(r.name) == goal.tool)
+        route.visit(tool, need_open=False)
+        route.actions.append(f"{TOOL_VERB[goal.tool]} {obj} with {tool.name}")
+    if goal.family == "look_at_obj_in_light":
+        route.visit(receptacles[lamp_host()], need_open=False)
+        route.actions.append(f"use {LAMP}")
+    else:
+        destination = min((r.room != route.room, r.name) for r in layout.receptacles
+                          if kind_of(r.name) == goal.destination)[1]
+        route.visit(receptacles[destination], need_open=True)
+        route.actions.append(f"put {obj} in/on {destination}")
 
 
 def plan_search(layout: Layout) -> list[str]:
@@ -532,7 +540,7 @@ def plan_search(layout: Layout) -> list[str]:
     route = _Route(layout, layout.rooms[0])
     seen: list[str] = []  # receptacles whose contents the expert has seen, in visiting order
 
-    def find(wanted) -> str:
+    def find(wanted: Callable[[str], bool]) -> str:
         for rec in seen:
             if wanted(rec):
                 return rec
@@ -548,18 +556,5 @@ def plan_search(layout: Layout) -> list[str]:
         source = find(lambda rec: any(kind_of(obj) == goal.target for obj in holds[rec]))
         obj = next(o for o in holds[source] if kind_of(o) == goal.target)
         holds[source].remove(obj)
-        route.visit(receptacles[source], need_open=True)
-        route.actions.append(f"take {obj} from {source}")
-        if goal.tool:
-            tool = next(r for r in layout.receptacles if kind_of(r.name) == goal.tool)
-            route.visit(tool, need_open=False)
-            route.actions.append(f"{TOOL_VERB[goal.tool]} {obj} with {tool.name}")
-        if goal.family == "look_at_obj_in_light":
-            route.visit(receptacles[find(lambda rec: rec == layout.lamp_host)], need_open=False)
-            route.actions.append(f"use {LAMP}")
-        else:
-            destination = min((r.room != route.room, r.name) for r in layout.receptacles
-                              if kind_of(r.name) == goal.destination)[1]
-            route.visit(receptacles[destination], need_open=True)
-            route.actions.append(f"put {obj} in/on {destination}")
+        _take_and_deliver(route, obj, receptacles[source], lambda: find(lambda rec: rec == layout.lamp_host))
     return route.actions
