@@ -227,6 +227,9 @@ class RolloutConfig(Strict):
 
 class UpdateConfig(Strict):
     lr: float = Field(1e-3, gt=0)
+    lr_final: float | None = Field(None, ge=0)
+    """Anneal the learning rate linearly from ``lr`` at iteration 1 to this at iteration ``iterations``
+    (a run stopped earlier by a budget ends above it); None keeps ``lr`` throughout."""
     weight_decay: float = Field(0.01, ge=0)
     epochs: int | None = Field(None, ge=1)
     """Passes over the iteration's rows; None takes the method's default (LOOP 2, others 1)."""

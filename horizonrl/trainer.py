@@ -78,6 +78,15 @@ class UpdateSettings:
         return self.loss_params.kl_coef > 0
 
 
+def annealed_lr(lr: float, lr_final: float | None, iteration: int, iterations: int) -> float:
+    """The learning rate of ``iteration`` (1-based): ``lr`` throughout, or linear from ``lr`` at the first
+    iteration to ``lr_final`` at the last. A pure function of the iteration, so a resumed run sets the
+    same rate as one never stopped."""
+    if lr_final is None:
+        return lr
+    return lr + (lr_final - lr) * (iteration - 1) / max(iterations - 1, 1)
+
+
 @dataclass
 class UpdateResult:
     stats: dict[str, float] = field(default_factory=dict)

@@ -12,7 +12,7 @@ from horizonrl import faults, store
 from horizonrl.checkpoint import CheckpointRef, read_state, save_checkpoint
 from horizonrl.seeding import derive_seed
 from horizonrl.sequences import attach_advantages, train_rows
-from horizonrl.trainer import UpdateSettings, ppo_update
+from horizonrl.trainer import UpdateSettings, annealed_lr, ppo_update
 from tasks.advantage import AdvantageRef
 from tasks.collect import RolloutRef
 from tasks.context import RUNTIME, RunContext
@@ -35,6 +35,9 @@ def update(ctx: RunContext, iteration: int, rollouts: RolloutRef, adv: Advantage
         # stored before a restart; so a resumed run takes the same pi_old path as one never stopped
         s = UpdateSettings.from_config(cfg, loaded.tokenizer.pad_token_id, sampled_here=True)
         ref_model = RUNTIME.reference(cfg, ctx.path) if s.needs_reference else None
+        lr = annealed_lr(cfg.update.lr, cfg.update.lr_final, iteration, cfg.iterations)
+        for group in loaded.optimizer.param_groups:
+            group["lr"] = lr
         with faults.nan_gradients(loaded.model, iteration):
             result = ppo_update(loaded.model, loaded.optimizer, rows, s, derive_seed(cfg.seed, "update", iteration), ref_model) if rows else None
         faults.kill_point("update", iteration)
@@ -52,6 +55,7 @@ def update(ctx: RunContext, iteration: int, rollouts: RolloutRef, adv: Advantage
     RUNTIME.advance(ref)
     stats = {("kl_ref" if k == "kl_loss" else k): v for k, v in stats.items()}  # one name for the KL to the reference, every method
     stats["skipped"] = float(not rows)
+    stats["lr"] = lr
     if not rows:
         get_run_logger().info("iteration %d update: skipped, no row to learn from (every row filtered: no mixed group)", iteration)
     if stats.get("pi_old_shortcut") == 0.0:

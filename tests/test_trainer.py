@@ -24,6 +24,7 @@ from horizonrl.sequences import TrainRow, train_rows
 from horizonrl.trainer import (
     PI_OLD_CHECK_ROWS,
     UpdateSettings,
+    annealed_lr,
     _chunks,
     _minibatch_step,
     length_buckets,
@@ -257,3 +258,11 @@ def test_pi_old_shortcut_only_where_the_sampler_is_the_learner(overrides, sample
     cfg = load_config("configs/loop_household_easy.yaml", overrides)
     s = UpdateSettings.from_config(cfg, 0, sampled_here=sampled_here)
     assert s.pi_old_tol == (cfg.update.pi_old_tol if eligible else None)
+
+
+def test_annealed_lr_is_linear_from_lr_to_lr_final_over_the_iterations():
+    assert [annealed_lr(2e-3, None, i, 70) for i in (1, 35, 70)] == [2e-3] * 3
+    rates = [annealed_lr(2e-3, 0.0, i, 70) for i in range(1, 71)]
+    assert rates[0] == 2e-3 and rates[-1] == 0.0 and rates[23] == pytest.approx(2e-3 * (1 - 23 / 69))
+    assert all(a > b for a, b in zip(rates, rates[1:]))
+    assert annealed_lr(1e-3, 5e-4, 1, 1) == 1e-3, "a one-iteration run trains at lr"
