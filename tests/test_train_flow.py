@@ -28,6 +28,7 @@ def test_train_flow_logs_every_stage(prefect_harness, tmp_path, tracking_uri):
     for key in ("collect/success_rate", "advantage/kept_fraction", "update/steps", "time/iteration_s"):
         assert steps(c, run.info.run_id, key) == [1, 2], key
     assert steps(c, run.info.run_id, "eval/success_rate") == [0, 1, 2]
+    assert [m.value for m in c.get_metric_history(run.info.run_id, "update/lr")] == [1e-3, 1e-3], "update.lr, not annealed (lr_final unset)"
     inputs = {d.dataset.name for d in run.inputs.dataset_inputs}
     assert {"iter=1/turns", "iter=1/episodes", "iter=2/advantages-loop"} <= inputs
     artifacts = {a.path for a in c.list_artifacts(run.info.run_id, "episodes")}
