@@ -35,7 +35,6 @@ import mlflow
 import numpy as np
 import psutil
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 
 import methods
@@ -214,7 +213,7 @@ def tracing_figures(config: str, cfg: TrainConfig, iteration_s: list[float], out
 
     def cpu_s(split: str, rollout_ids: list[int], adv: pa.Table | None) -> float:
         t0 = time.process_time()  # every thread of this process: the writes run on MLflow's
-        traces.log_episodes(target, split, 1, episodes.filter(pc.is_in(episodes["rollout_id"], value_set=pa.array(rollout_ids, pa.int64()))), turns, adv)
+        traces.log_episodes(target, split, 1, store.select_rollouts(episodes, rollout_ids), turns, adv)
         traces.flush()
         return time.process_time() - t0
 

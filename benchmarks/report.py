@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass
@@ -43,8 +44,6 @@ PUBLISH_START, PUBLISH_END = "<!-- benchmarks:start (written by `make bench`) --
 
 def markdown(figures: list[Figure], params: dict[str, object]) -> str:
     """The figures as a Markdown table, headed by when, at which commit and on what they were measured."""
-    import os
-
     scored = [f for f in figures if f.passed is not None]
     lines = [f"Measured {time.strftime('%Y-%m-%d')} at commit `{tracking.git_commit()[:7]}` on {os.cpu_count()} CPU cores "
              f"({platform.processor() or platform.machine()}), `python -m benchmarks` "

@@ -13,6 +13,7 @@ scores the demonstration under the same renormalised distribution it samples fro
 from __future__ import annotations
 
 import random
+from typing import Literal
 
 from horizonrl.engines.base import Generation, TokenTrie
 from horizonrl.envs.base import EnvSuite, Task
@@ -25,7 +26,7 @@ DEMONSTRATION = "demonstration"  # the episodes table's ``kind`` of a demonstrat
 
 def play_walkthroughs(suite: EnvSuite, tasks: list[Task], fmt: ChatFormat, *, action_mode: str, context: str,
                       history_turns: int, max_turns: int, perturbed_share: float = 0.0, seed: int = 0,
-                      expert: str = "walkthrough") -> list[EpisodeRecord]:
+                      expert: Literal["walkthrough", "search"] = "walkthrough") -> list[EpisodeRecord]:
     """One demonstration per task (rollout id = group id = its index), played by ``expert``: the suite's
     ``walkthrough``, or the household's ``search_walkthrough``. A perturbed demonstration (the first
     ``round(perturbed_share * len(tasks))`` of a seeded shuffle) plays, at one seeded turn, a random other

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from horizonrl.records import EpisodeRecord
@@ -78,6 +79,11 @@ def episodes_table(records: list[EpisodeRecord], run_name: str, iteration: int, 
         for k, v in values.items():
             rows[k].append(v)
     return pa.table(rows, schema=EPISODES)
+
+
+def select_rollouts(table: pa.Table, rollout_ids: list[int]) -> pa.Table:
+    """The rows of ``table`` (episodes, turns or advantages) whose ``rollout_id`` is one of ``rollout_ids``."""
+    return table.filter(pc.is_in(table["rollout_id"], value_set=pa.array(rollout_ids, pa.int64())))
 
 
 def turns_table(records: list[EpisodeRecord]) -> pa.Table:

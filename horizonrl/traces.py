@@ -80,17 +80,16 @@ def training_sample(episodes: pa.Table, n_random: int, seed: int) -> list[int]:
 
 
 def trace_key(run_id: str, split: str, iteration: int, rollout_id: int) -> str:
-    return f"{run_id}/{split}/{iteration}/{rollout_id}"  # logged_keys selects by its prefix
+    return f"{run_id}/{split}/{iteration}/{rollout_id}"
 
 
-_queued: set[str] = set()  # keys of the traces this process has handed to MLflow's queue
+_queued: dict[tuple[str, str, int], set[str]] = {}  # (run id, split, iteration) -> keys this process has queued
 
 
 def logged_keys(c: MlflowClient, experiment_id: str, run_id: str, split: str, iteration: int) -> set[str]:
     """Keys of the traces of (run, split, iteration) in the store: written by any process, or queued
     by this one. (No drain first: draining stops MLflow's writer thread, which waits up to a second.)"""
-    prefix = f"{run_id}/{split}/{iteration}/"
-    keys, token = {k for k in _queued if k.startswith(prefix)}, None
+    keys, token = set(_queued.get((run_id, split, iteration), ())), None
     while True:
         page = c.search_traces(locations=[experiment_id], run_id=run_id, include_spans=False, max_results=500, page_token=token,
                                filter_string=f"tags.split = '{split}' AND tags.iteration = '{iteration}'")
@@ -134,7 +133,7 @@ def log_episodes(target: TraceTarget, split: str, iteration: int, episodes: pa.T
             flush()  # half of the traces are in the store when the kill comes
             faults.kill_point("trace", iteration)
         spans += _log_episode(target, experiment_id, split, iteration, e, by_rollout.get(int(e["rollout_id"]), []), digest)
-        _queued.add(trace_key(target.run_id, split, iteration, int(e["rollout_id"])))
+        _queued.setdefault((target.run_id, split, iteration), set()).add(trace_key(target.run_id, split, iteration, int(e["rollout_id"])))
     return {"traces": float(len(done) + len(ep)), "logged": float(len(ep)), "spans": float(spans), "log_s": time.perf_counter() - t0}
 
 

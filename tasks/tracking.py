@@ -12,7 +12,6 @@ import os
 import sys
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from horizonrl import report, store, traces, tracking
 from horizonrl.records import EpisodeRecord
@@ -46,7 +45,7 @@ def trace_training(ctx: RunContext, iteration: int, episodes_path: str, turns_pa
         return
     episodes = store.read_table(episodes_path, "episodes")
     chosen = traces.training_sample(episodes, ctx.cfg.trace.train_random, derive_seed(ctx.cfg.seed, "trace", iteration))
-    episodes = episodes.filter(pc.is_in(episodes["rollout_id"], value_set=pa.array(chosen, pa.int64())))
+    episodes = store.select_rollouts(episodes, chosen)
     turns = store.read_table(turns_path, "turns", columns=traces.TURN_COLUMNS)
     stats = traces.log_episodes(_target(ctx), "train", iteration, episodes, turns, advantages, store.file_digest(episodes_path))
     log_stage(ctx, "trace/train", stats, iteration)

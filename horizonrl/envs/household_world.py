@@ -501,17 +501,16 @@ def plan_walkthrough(layout: Layout) -> list[str]:
                       if kind_of(obj) == goal.target))
     route = _Route(layout, start)
     for _, obj, source in targets[: 2 if goal.family == "pick_two" else 1]:
-        _take_and_deliver(route, obj, receptacles[source], lambda: layout.lamp_host)
+        _take_and_deliver(route, receptacles, obj, source, lambda: layout.lamp_host)
     return route.actions
 
 
-def _take_and_deliver(route: _Route, obj: str, source: Receptacle, lamp_host: Callable[[], str]) -> None:
+def _take_and_deliver(route: _Route, receptacles: dict[str, Receptacle], obj: str, source: str, lamp_host: Callable[[], str]) -> None:
     """Take ``obj`` from ``source``, transform it if the goal says so, then place it or light it (the lamp's
     receptacle comes from ``lamp_host``, called only for the lamp goal)."""
     layout, goal = route.layout, route.layout.goal
-    receptacles = {r.name: r for r in layout.receptacles}
-    route.visit(source, need_open=True)
-    route.actions.append(f"take {obj} from {source.name}")
+    route.visit(receptacles[source], need_open=True)
+    route.actions.append(f"take {obj} from {source}")
     if goal.tool:
         tool = next(r for r in layout.receptacles if kind_of(r.name) == goal.tool)
         route.visit(tool, need_open=False)
@@ -556,5 +555,5 @@ def plan_search(layout: Layout) -> list[str]:
         source = find(lambda rec: any(kind_of(obj) == goal.target for obj in holds[rec]))
         obj = next(o for o in holds[source] if kind_of(o) == goal.target)
         holds[source].remove(obj)
-        _take_and_deliver(route, obj, receptacles[source], lambda: find(lambda rec: rec == layout.lamp_host))
+        _take_and_deliver(route, receptacles, obj, source, lambda: find(lambda rec: rec == layout.lamp_host))
     return route.actions
