@@ -6,7 +6,8 @@ held-out tasks included), in its own data folder and MLflow store. Its peak resi
 with ``getrusage(RUSAGE_CHILDREN)`` in a small launcher (the largest single process) and, sampled with
 psutil, as the sum over its process tree (the flow plus Prefect's temporary API server).
 
-Tracing's share: the seconds the run spent logging episode traces, over its iterations' time.
+Tracing's share: the CPU seconds of logging an iteration's episode traces (its share of evaluations
+included), over the flow's mean iteration time.
 
 Each iteration's time through Prefect tasks, MLflow logging and Parquet is what the flow itself logs
 as ``time/iteration_s``. The same iterations are then run here as plain library calls from the same
@@ -21,6 +22,7 @@ beforehand (``PREFECT_API_URL``; how sweeps and deployments run).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -31,7 +33,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import mlflow
 import numpy as np
 import psutil
 import pyarrow as pa
@@ -186,17 +187,17 @@ def plain_iterations(cfg: TrainConfig) -> list[float]:
 
 
 def tracing_figures(config: str, cfg: TrainConfig, iteration_s: list[float], out_dir: Path) -> list[Figure]:
-    """Tracing's share of a main-config iteration, counted in CPU seconds with every database write
-    included (MLflow writes from a background thread, so the flow's own waiting, ``trace/*/log_s``,
-    leaves most of the cost out): the run's iteration-1 training sample is logged again here through
-    ``traces.log_episodes`` into a fresh store and the queue drained, and so are ``trace.eval_episodes``
-    of its episodes as one evaluation's traces; the main config evaluates ``iterations // eval.every + 1``
-    times in ``iterations``, so an iteration carries that share of an evaluation's cost. The sum, over
-    the flow's mean iteration time. Also the trace store's size per iteration of the run above."""
+    """Tracing's share of a main-config iteration, counted in CPU seconds of every thread (the database
+    writes included): the run's iteration-1 training sample is logged again here through
+    ``traces.log_episodes`` into a fresh store, and so are ``trace.eval_episodes`` of its episodes as one
+    evaluation's traces; the main config evaluates ``iterations // eval.every + 1`` times in
+    ``iterations``, so an iteration carries that share of an evaluation's cost. The sum, over the flow's
+    mean iteration time. Also the flow's own seconds in tracing (``trace/*/log_s``) and the trace store's
+    size (its spans' JSON) per iteration of the run above."""
     c = tracking.client(cfg.tracking_uri)
     run = tracking.find_run(c, cfg.experiment, cfg.run_name)
-    found = c.search_traces(locations=[run.info.experiment_id], run_id=run.info.run_id, include_spans=False, max_results=1000)
-    size_kb = sum(int(t.info.trace_metadata.get("mlflow.trace.sizeBytes", 0)) for t in found) / 1024
+    found = c.search_traces(locations=[run.info.experiment_id], run_id=run.info.run_id, max_results=1000)
+    size_kb = sum(len(json.dumps(span.to_dict())) for t in found for span in t.data.spans) / 1024
     blocking_s = sum(m.value for split in ("train", "eval") for m in c.get_metric_history(run.info.run_id, f"trace/{split}/log_s"))
 
     it_dir = store.iteration_dir(Path(cfg.data_dir), cfg.experiment, cfg.run_name, 1)
@@ -208,19 +209,16 @@ def tracing_figures(config: str, cfg: TrainConfig, iteration_s: list[float], out
     fresh = tracking.client(uri)
     experiment = fresh.create_experiment("tracing", artifact_location=(out_dir / "tracing-artifacts").resolve().as_uri())
     target = traces.TraceTarget(uri, fresh.create_run(experiment).info.run_id, cfg.run_name, cfg.method, cfg.seed)
-    traces.log_episodes(target, "eval", 0, episodes.slice(0, 1), turns)  # MLflow's tracer and store set up, as in the run
-    traces.flush()
+    traces.log_episodes(target, "eval", 0, episodes.slice(0, 1), turns)  # the store's first writes set it up, as in the run
 
     def cpu_s(split: str, rollout_ids: list[int], adv: pa.Table | None) -> float:
-        t0 = time.process_time()  # every thread of this process: the writes run on MLflow's
+        t0 = time.process_time()  # every thread of this process
         traces.log_episodes(target, split, 1, store.select_rollouts(episodes, rollout_ids), turns, adv)
-        traces.flush()
         return time.process_time() - t0
 
     train_s = cpu_s("train", chosen, advantages)
     eval_ids = sorted(episodes["rollout_id"].to_pylist())[: cfg.trace.eval_episodes]
     eval_s = cpu_s("eval", eval_ids, None)
-    mlflow.set_tracking_uri(cfg.tracking_uri)
     main = load_config(config)
     evals_per_iteration = (main.iterations // main.eval.every + 1) / main.iterations
     per_iteration_s = train_s + eval_s * evals_per_iteration
@@ -234,7 +232,7 @@ def tracing_figures(config: str, cfg: TrainConfig, iteration_s: list[float], out
                f"{len(eval_ids)} evaluation traces {eval_s:.2f} s x {evals_per_iteration:.3f} evaluations per iteration; "
                f"iteration {mean_iteration_s:.1f} s"),
         Figure("tracing/flow_wait_share", blocking_s / sum(iteration_s), "x", "", None,
-               f"the flow's own waiting on tracing in the run above: {blocking_s:.2f} s over {sum(iteration_s):.1f} s (its 2 evaluations' traces incl.)"),
+               f"the flow's own seconds in tracing in the run above: {blocking_s:.2f} s over {sum(iteration_s):.1f} s (its 2 evaluations' traces incl.)"),
         Figure("tracing/store_kb_per_iteration", per_iteration_kb, "kB", "", None,
                f"{size_kb:.0f} kB of traces (spans' JSON) in all; a 10-minute run at this pace: {ten_minutes_mb:.1f} MB"),
     ]

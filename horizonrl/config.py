@@ -276,6 +276,8 @@ class WarmStartConfig(Strict):
     epochs: int = Field(2, ge=1)
     """Passes over the demonstrations (one checkpoint each)."""
     lr: float = Field(1e-3, gt=0)
+    lr_final: float | None = Field(None, ge=0)
+    """Learning rate of the last epoch, annealed linearly from ``lr`` over the epochs; None keeps ``lr``."""
     minibatch_size: int = Field(16, ge=1)
     """Demonstration sequences per optimizer step."""
     model_name: str = Field("horizonrl-warmstart", pattern=r"^[A-Za-z0-9_.-]+$")

@@ -13,7 +13,7 @@ from prefect.cache_policies import NONE
 from prefect.client.schemas.objects import FlowRun, State
 from prefect.settings import PREFECT_HOME
 
-from horizonrl import runlock, traces, tracking
+from horizonrl import runlock, tracking
 from horizonrl.store import remove_stale_temporaries
 from horizonrl.checkpoint import CheckpointDamaged, CheckpointRef, read_state, resume_checkpoint, save_checkpoint
 from horizonrl.config import CONFIG_FILE, TrainConfig, train_config
@@ -115,7 +115,6 @@ def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
 
     RUNTIME.close_episodes()
     RUNTIME.close_ray()
-    traces.flush()  # the run's traces are in the store when the flow returns
     c = ctx.mlflow()
     history = c.get_metric_history(ctx.mlflow_run_id, "eval/success_rate")
     by_step = {m.step: m.value for m in history}
@@ -143,7 +142,6 @@ def end_failed_run(flow: object, flow_run: FlowRun, state: State) -> None:
     resumes it (RUNNING again). A config too broken to name a run leaves nothing to mark."""
     RUNTIME.close_episodes()
     RUNTIME.close_ray()
-    traces.flush()
     params = flow_run.parameters
     try:
         cfg = train_config(params.get("config_path"), params.get("overrides"), params.get("config"))

@@ -16,6 +16,7 @@ from horizonrl.cloning import clone_epoch
 from horizonrl.demonstrations import play_walkthroughs
 from horizonrl.seeding import derive_seed
 from horizonrl.sequences import train_rows
+from horizonrl.trainer import annealed_lr
 from tasks.context import RUNTIME, RunContext
 from tasks.tracking import log_stage, logged
 
@@ -60,8 +61,9 @@ def clone(ctx: RunContext, epoch: int, demos: DemonstrationsRef, policy: Checkpo
     cfg, ws = ctx.cfg, ctx.cfg.warmstart
     loaded = RUNTIME.get(cfg, policy)
     try:
+        lr = annealed_lr(ws.lr, ws.lr_final, epoch, ws.epochs)
         for group in loaded.optimizer.param_groups:
-            group["lr"] = ws.lr
+            group["lr"] = lr
         rows = train_rows(store.read_table(demos.turns, "turns"), cfg.rollout.context)
         losses = clone_epoch(loaded.model, loaded.optimizer, rows, ws.minibatch_size, cfg.update.grad_clip,
                              loaded.tokenizer.pad_token_id, derive_seed(cfg.seed, "clone", epoch))
@@ -72,12 +74,13 @@ def clone(ctx: RunContext, epoch: int, demos: DemonstrationsRef, policy: Checkpo
         raise
     RUNTIME.advance(ref)
     log_losses(ctx, ref)
-    get_run_logger().info("epoch %d: %d steps, loss %.4f -> %.4f", epoch, len(losses), losses[0], losses[-1])
+    get_run_logger().info("epoch %d: %d steps at lr %.2g, loss %.4f -> %.4f", epoch, len(losses), lr, losses[0], losses[-1])
     return ref
 
 
 def log_losses(ctx: RunContext, ref: CheckpointRef) -> None:
-    """Log checkpoint ``ref``'s epoch losses once (also after a crash between its checkpoint and its log)."""
+    """Log checkpoint ``ref``'s epoch losses and learning rate once (also after a crash between its
+    checkpoint and its log)."""
     losses = read_state(ref).get("clone_losses")
     if not losses or logged(ctx, "clone/epoch_loss", ref.iteration):
         return
@@ -85,4 +88,6 @@ def log_losses(ctx: RunContext, ref: CheckpointRef) -> None:
     metrics = [Metric("clone/loss", loss, now, first_step + k) for k, loss in enumerate(losses)]
     for i in range(0, len(metrics), 1000):  # MLflow's batch limit
         ctx.mlflow().log_batch(ctx.mlflow_run_id, metrics=metrics[i : i + 1000])
-    log_stage(ctx, "clone", {"epoch_loss": sum(losses) / len(losses)}, ref.iteration)
+    ws = ctx.cfg.warmstart
+    lr = annealed_lr(ws.lr, ws.lr_final, ref.iteration, ws.epochs)
+    log_stage(ctx, "clone", {"epoch_loss": sum(losses) / len(losses), "lr": lr}, ref.iteration)

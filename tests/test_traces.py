@@ -36,9 +36,8 @@ def test_training_sample_is_best_worst_and_random_of_mixed_groups():
 
 
 def test_logging_an_iteration_again_in_the_same_process_logs_nothing(household_suite, tiny_policy, tmp_path):
-    """Traces wait in MLflow's queue after ``log_episodes`` returns; a second call for the same iteration
-    (a retried stage) must count them as logged without draining the queue first, and after the drain
-    each episode is in the store once, with a span per turn."""
+    """A second call for the same iteration (a retried stage) finds every trace logged and writes nothing;
+    each episode is in the store once, finished, with a span per turn."""
     from horizonrl.config import load_config
     from horizonrl.rollout import SamplingSettings, collect
 
@@ -53,11 +52,10 @@ def test_logging_an_iteration_again_in_the_same_process_logs_nothing(household_s
     first = traces.log_episodes(target, "eval", 1, episodes, turns)
     again = traces.log_episodes(target, "eval", 1, episodes, turns)
     assert (first["logged"], again["logged"], again["traces"]) == (4.0, 0.0, 4.0)
-    traces.flush()
     found = c.search_traces(locations=[c.get_run(target.run_id).info.experiment_id], run_id=target.run_id, max_results=50)
     assert sorted(int(t.info.tags["rollout_id"]) for t in found) == [0, 1, 2, 3]
     for t in found:
-        assert len(t.data.spans) == 1 + len(records[int(t.info.tags["rollout_id"])].turns)
+        assert t.info.state.value == "OK" and len(t.data.spans) == 1 + len(records[int(t.info.tags["rollout_id"])].turns)
 
 
 @pytest.mark.slow
@@ -74,6 +72,9 @@ def test_traces_survive_a_kill_without_duplicates(api_url, tmp_path):  # noqa: F
     chosen = traces.training_sample(episodes, 2, derive_seed(cfg["seed"], "trace", 1))
     before = traces.logged_keys(c, run.info.experiment_id, run.info.run_id, "train", 1)
     assert len(chosen) >= 2 and len(before) == len(chosen) // 2, "the kill did not land halfway through the traces"
+    started = c.search_traces(locations=[run.info.experiment_id], run_id=run.info.run_id, include_spans=False,
+                              filter_string="tags.split = 'train' AND tags.iteration = '1'")
+    assert len(started) == len(chosen), "the other half was started, its spans lost to the kill (IN_PROGRESS)"
     log = tmp_path / "resumed.log"
     assert finish(start_cli(cfg, api_url, log)) == 0, log.read_text()[-3000:]
 
@@ -91,6 +92,7 @@ def test_traces_survive_a_kill_without_duplicates(api_url, tmp_path):  # noqa: F
     assert set(keys) == expected
     for t in found:
         tags, meta = t.info.tags, t.info.trace_metadata
+        assert t.info.state.value == "OK", f"{tags[traces.TRACE_KEY]} was not finished ({t.info.state})"
         assert meta[traces.SOURCE_RUN] == run.info.run_id
         assert {tags["run"], tags["method"], tags["seed"]} == {RUN, "loop", str(cfg["seed"])}
         assert tags["status"] and tags["task"] and float(tags["return"]) == t.data.spans[0].outputs["return"]

@@ -75,7 +75,8 @@ def test_warmstart_registers_a_policy_that_train_starts_from(prefect_harness, tm
     cfg = tiny_config(tmp_path, tracking_uri, run_name="ws", iterations=1)
     cfg["env"].pop("max_turns")  # the tier's horizon: whole walkthroughs
     cfg["rollout"]["context"] = "full"
-    cfg["warmstart"] = {"demonstrations": 6, "epochs": 3, "minibatch_size": 2, "lr": 3e-3, "model_name": "ws-test"}
+    cfg["warmstart"] = {"demonstrations": 6, "epochs": 3, "minibatch_size": 2, "lr": 3e-3, "lr_final": 1e-3,
+                        "model_name": "ws-test"}
     cfg["eval"] = {"every": 3, "n_tasks": 3}
     summary = warmstart(config=cfg)
     assert summary["model_uri"] == "models:/ws-test/1" and summary["iterations"] == 3
@@ -93,6 +94,8 @@ def test_warmstart_registers_a_policy_that_train_starts_from(prefect_harness, tm
     epoch_loss = [m.value for m in sorted(c.get_metric_history(ws_run.info.run_id, "clone/epoch_loss"), key=lambda m: m.step)]
     assert len(epoch_loss) == 3 and epoch_loss[-1] < 0.8 * epoch_loss[0], f"cloning did not lower the loss: {epoch_loss}"
     assert len(c.get_metric_history(ws_run.info.run_id, "clone/loss")) == 3 * 3  # 6 rows / 2 per step, 3 epochs
+    lr = [m.value for m in sorted(c.get_metric_history(ws_run.info.run_id, "clone/lr"), key=lambda m: m.step)]
+    assert lr == pytest.approx([3e-3, 2e-3, 1e-3]), "annealed linearly from warmstart.lr to warmstart.lr_final over the epochs"
     assert sorted(m.step for m in c.get_metric_history(ws_run.info.run_id, "eval/success_rate")) == [0, 3]
 
     rl = {**cfg, "run_name": "from-ws", "model": {"path": "models:/ws-test/1"}}
