@@ -41,7 +41,7 @@ run: setup
 	$(BIN)/horizonrl train --config $(CONFIG) $(ARGS)
 
 test: setup-test
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile $(ARGS)
 
 # The edit-test loop: unit tests only (no end-to-end run; under 2 minutes on 2 cores). CI runs `make test`.
 test-fast: setup-test

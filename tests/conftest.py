@@ -121,28 +121,27 @@ def chat_policy(request, chat_model_dir):
 
 END_TO_END = {"prefect_harness", "api_url"}  # fixtures of tests that run a flow
 SIMULATORS = ("textworld", "scienceworld")  # games made by tw-make, a JVM per ScienceWorld episode
-# Modules whose module-scoped fixture is costly (a whole local stack, generated games, a JVM suite), the
-# costliest first: their tests stay on one xdist worker (``--dist loadgroup``), so the fixture is built once; every other test is
-# handed out on its own, so no worker is left with a whole slow file at the end.
-ONE_WORKER = ("test_stack.py", "test_stack_postgres.py", "test_textworld.py", "test_scienceworld.py", "test_overlap.py")
+
+# The files with minutes of work (a local stack each, kill-and-resume runs, generated games), longest first.
+LONGEST = ("test_stack.py", "test_reliability.py", "test_stack_postgres.py", "test_textworld.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """Tests that run a flow (they ask for the Prefect harness) or an external simulator (TextWorld's
     tw-make and interpreter, ScienceWorld's JVM) are marked ``slow`` like the ones marked by hand, so
     ``make test-fast`` (``-m "not slow"``) keeps to unit tests; CI runs everything.
 
-    The order is longest first (the one-worker modules, then the other slow tests, then unit tests), so
-    the two workers end together instead of one finishing a long test alone."""
+    ``make test`` hands whole files to its two workers (``--dist loadfile``: a module fixture such as the
+    local stack is built once), in this order: the longest files first, then the other files with slow
+    tests, then the rest, so the two workers end together instead of one finishing a long file alone.
+    (``--dist loadgroup`` would hand out single tests, but on pytest 9.2 it silently stops grouping:
+    pytest-dev/pytest-xdist#1386.)"""
     for item in items:
         if END_TO_END & set(getattr(item, "fixturenames", ())) or any(s in item.nodeid for s in SIMULATORS):
             item.add_marker(pytest.mark.slow)
-        if _module(item) in ONE_WORKER:
-            item.add_marker(pytest.mark.xdist_group(_module(item)))
-    items.sort(key=lambda item: (0, ONE_WORKER.index(_module(item))) if _module(item) in ONE_WORKER
-               else (1 if item.get_closest_marker("slow") else 2, 0))
+    slow_files = {_file(item) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (LONGEST.index(_file(item)), 0) if _file(item) in LONGEST else (len(LONGEST), 0 if _file(item) in slow_files else 1))
 
 
-def _module(item: pytest.Item) -> str:
+def _file(item: pytest.Item) -> str:
     return item.nodeid.split("::")[0].rsplit("/", 1)[-1]
