@@ -1,10 +1,15 @@
-"""End-to-end on the real local stack: ``prefect server`` + a process worker + ``mlflow server`` on
-loopback (free ports, PREFECT_HOME and the MLflow store in a temporary folder), ``prefect deploy --all``
-from the project's ``prefect.yaml``, and the sweep deployment run with ``prefect deployment run`` on a
-tiny grid (loop, grpo x 2 seeds, 1 iteration) fanned out to the train deployment. Nothing is mocked.
+"""End-to-end on the real local stack as the study runs it: PostgreSQL behind ``prefect server`` and
+``mlflow server`` (``horizonrl stack up --database postgres``), a process worker, all on loopback (free
+ports, PREFECT_HOME and the store in temporary folders); ``prefect deploy --all`` from the project's
+``prefect.yaml``; the sweep deployment run with ``prefect deployment run`` on a tiny grid (loop, grpo x 2
+seeds, 1 iteration, two cells at a time) fanned out to the train deployment, and two ``horizonrl train``
+processes started beside it on the same data folder and MLflow server (up to four runs writing at once).
+Nothing is mocked. Every run must finish whole: each iteration's metrics logged once, its episodes stored
+once, no lock or database error in any log.
 
-One stack serves the module's tests; the fixture takes it down and checks that no process is left.
-The browser tests need Debian's chromium (``make setup-test`` installs it).
+One stack serves the module's tests; the fixture takes it down and checks that no process is left. The
+default SQLite stack gets a start-and-stop check of its own. Debian's chromium (the browser tests) and
+postgresql come with ``make setup-test``.
 """
 
 from __future__ import annotations
@@ -12,49 +17,75 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from mlflow import MlflowClient
 
-from flowkit import REPO, Browser, deployed_sweep, free_port, leftovers, prefect_cli
+from flowkit import REPO, Browser, deployed_sweep, flat, free_port, leftovers, prefect_cli, run_of, steps, tiny_config
 import horizonrl_stack as stack
-from horizonrl import traces
+from horizonrl import store
 
 pytestmark = pytest.mark.slow
 SWEEP = "tiny-sweep"
 MODEL = "tiny-sweep-best"
+SOLO = ("solo-a", "solo-b")
 HISTORIES = ("eval/success_rate", "collect/episodes", "collect/mean_turns", "collect/tokens_per_episode", "time/train_s")
+ERRORS = ("Traceback", "locked", "deadlock", "could not serialize", "too many clients")
+
+
+def _env(home: Path) -> dict[str, str]:
+    return {"PREFECT_HOME": str(home), "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_UI_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false"}
 
 
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
-    """The stack, up; the sweep deployment run to completion. Yields (stack, root, timings)."""
+    """The PostgreSQL stack, up; the sweep deployment and two solo runs run to completion. Its store is a
+    fresh folder in the system's temp directory: as root, PostgreSQL runs as user ``postgres``, which
+    cannot enter pytest's 0700 folders. Yields (stack, root, timings)."""
     root = tmp_path_factory.mktemp("stack")
+    store_dir = Path(tempfile.mkdtemp(prefix="horizonrl-pg-store-"))
+    store_dir.chmod(0o711)
     prefect_home = root / "prefect-home"
-    s = stack.Stack(home=root / ".stack", store=root / "mlflow", prefect_port=free_port(), mlflow_port=free_port(),
-                    env={"PREFECT_HOME": str(prefect_home), "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_UI_ENABLED": "false",
-                         "TOKENIZERS_PARALLELISM": "false"})
+    s = stack.Stack(home=root / ".stack", store=store_dir, prefect_port=free_port(), mlflow_port=free_port(), postgres_port=free_port(),
+                    database="postgres", env=_env(prefect_home))
     sweep_file = deployed_sweep(root, s.mlflow_uri, SWEEP, iterations=1, concurrency=2, register_best=MODEL)
     timings = {}
     t0 = time.perf_counter()
     stack.up(s)
     timings["stack_up_s"] = time.perf_counter() - t0
     try:
+        env = s.environ()
         t0 = time.perf_counter()
-        prefect_cli(s.environ(), "deploy", "--all", timeout=180)
+        prefect_cli(env, "deploy", "--all", timeout=180)
         timings["deploy_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        prefect_cli(s.environ(), "deployment", "run", "sweep/sweep", "--param", f"sweep_path={sweep_file}", "--watch", "--watch-timeout", "300", timeout=330)
+        logs = {name: root / f"{name}.log" for name in (SWEEP, *SOLO)}
+        with open(logs[SWEEP], "w") as out:
+            procs = {SWEEP: subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "--no-prompt", "deployment", "run", "sweep/sweep",
+                                              "--param", f"sweep_path={sweep_file}", "--watch", "--watch-timeout", "600"],
+                                             cwd=REPO, env={**env, "PWD": str(REPO)}, stdout=out, stderr=subprocess.STDOUT)}
+        for name in SOLO:
+            cfg = {**tiny_config(root, s.mlflow_uri, iterations=1), "run_name": name, "method": "loop", "seed": 5}
+            with open(logs[name], "w") as out:
+                procs[name] = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", *(f"--set={k}={v}" for k, v in flat(cfg).items())],
+                                               cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        for name, proc in procs.items():
+            assert proc.wait(timeout=660) == 0, f"{name} failed:\n{logs[name].read_text()[-3000:]}"
         timings["sweep_run_s"] = time.perf_counter() - t0
         yield s, root, timings
     finally:
         t0 = time.perf_counter()
-        stack.down(s)
+        stopped = stack.down(s)
+        shutil.rmtree(store_dir, ignore_errors=True)
         timings["stack_down_s"] = time.perf_counter() - t0
         print("\nstack timings:", {k: round(v, 1) for k, v in timings.items()})
+    assert stopped == ["worker", "prefect", "mlflow", "postgres"]
     assert not leftovers(str(prefect_home)), f"processes left after stack down: {leftovers(str(prefect_home))}"
     assert all(v is None for v in stack.status(s).values())
 
@@ -90,8 +121,6 @@ def test_sweep_deployment_logs_parent_children_metrics_and_report(swept):
     versions = c.search_model_versions(f"name = '{MODEL}'")
     assert len(versions) == 1 and versions[0].run_id == parent.data.tags["horizonrl.best_run_id"]
     assert versions[0].run_id in {r.info.run_id for r in children}
-    import httpx
-
     keys = [f"{SWEEP}-report", f"{SWEEP}-summary"]
     found = httpx.post(f"{s.prefect_api}/artifacts/filter", json={"artifacts": {"key": {"any_": keys}}}).json()
     assert sorted((a["key"], a["type"]) for a in found) == [(keys[0], "table"), (keys[1], "markdown")]
@@ -101,6 +130,68 @@ def test_sweep_deployment_logs_parent_children_metrics_and_report(swept):
     assert all(r["state_type"] == "COMPLETED" and r["deployment_id"] for r in flow_runs)
     spans = [(r["start_time"], r["end_time"]) for r in flow_runs]
     assert max(sum(a <= t < b for a, b in spans) for t, _ in spans) <= 2
+
+
+def test_every_run_writes_whole_beside_the_others_on_postgres(swept):
+    """The four cells and the two solo runs wrote to one MLflow server and one data folder, up to four at
+    once: every run finished with each step logged once and its episodes stored once, no lock or database
+    error in any log, and both servers keep their rows in PostgreSQL, not in a SQLite file."""
+    s, root, _ = swept
+    env = s.environ()
+    assert not list(Path(env["PREFECT_HOME"]).glob("*.db")), "Prefect's server must not keep a SQLite database"
+    for log in [*(root / f"{name}.log" for name in (SWEEP, *SOLO)), s.home / "worker.log", s.home / "mlflow.log", s.home / "prefect.log"]:
+        text = log.read_text()
+        assert not [e for e in ERRORS if e in text], f"{log.name}:\n{text[-3000:]}"
+    # PostgreSQL logs a refused INSERT even when the writer expects it and recovers; the only ones allowed:
+    # metric_pk (MLflow re-sends a run's metrics when a model is logged and skips the rows it has),
+    # trace_info_pk (a trace written again after a retry: MLflow rereads the row and merges),
+    # pk_task_run (Prefect's task-run recorder racing a concurrent one: it retries against the row),
+    # dataset_pk (the two solo runs log identical tables at once; tracking.log_parquet_input tries again).
+    recovered = ('unique constraint "metric_pk"', 'unique constraint "trace_info_pk"', 'unique constraint "pk_task_run"',
+                 'unique constraint "dataset_pk"')
+    pg_errors = [line for line in (s.home / "postgres.log").read_text().splitlines() if " ERROR: " in line]
+    assert all(any(r in line for r in recovered) for line in pg_errors), pg_errors
+
+    c = MlflowClient(s.mlflow_uri)
+    _, parent, children = _parent_and_children(c)
+    runs = [run_of(c, name) for name in [r.info.run_name for r in children] + list(SOLO)]
+    spans = [(r.info.start_time, r.info.end_time) for r in runs]
+    writers = max(sum(a <= t < b for a, b in spans) for t, _ in spans)
+    print(f"\nMLflow runs writing at once: {writers} of {len(runs)}")
+    assert writers >= 3, spans
+    for run in runs:
+        name = run.info.run_name
+        assert run.info.status == "FINISHED", name
+        for key in ("collect/success_rate", "advantage/kept_fraction", "update/steps", "time/iteration_s"):
+            assert steps(c, run.info.run_id, key) == [1], (name, key)
+        assert steps(c, run.info.run_id, "eval/success_rate") == [0, 1], name
+        episodes = store.read_table(store.iteration_dir(root / "data", "test", name, 1) / "episodes.parquet", "episodes")
+        assert episodes.num_rows == 4 and set(episodes["run_name"].to_pylist()) == {name}
+    import psycopg
+
+    held = {}
+    for database, table in (("prefect", "flow_run"), ("mlflow", "runs"), ("mlflow", "metrics")):
+        with psycopg.connect(host=stack.HOST, port=s.postgres_port, user=stack.PG_USER, dbname=database,
+                             password=s.pg_password_file.read_text().strip()) as conn:
+            held[f"{database}.{table}"] = conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+    assert held["prefect.flow_run"] >= len(children) + 1 + len(SOLO) and held["mlflow.runs"] == 1 + len(children) + len(SOLO), held
+    assert held["mlflow.metrics"] > 0 and not (Path(s.store) / "mlflow.db").exists()
+
+
+def test_sqlite_stack_starts_answers_and_stops(tmp_path):
+    """The default stack (SQLite files behind both servers): up, both servers answer, the worker has
+    registered, down, and nothing is left."""
+    home = tmp_path / "prefect-home"
+    s = stack.Stack(home=tmp_path / ".stack", store=tmp_path / "mlflow", prefect_port=free_port(), mlflow_port=free_port(), env=_env(home))
+    try:
+        urls = stack.up(s)
+        running = stack.status(s)
+        assert [name for name, pgid in running.items() if pgid is not None] == ["worker", "prefect", "mlflow"], running
+        assert httpx.get(f"{s.prefect_api}/health").json() is True and httpx.get(f"{urls['mlflow']}/health").status_code == 200
+        assert (tmp_path / "mlflow" / "mlflow.db").is_file()
+    finally:
+        stopped = stack.down(s)
+    assert stopped == ["worker", "prefect", "mlflow"] and not leftovers(str(home))
 
 
 def test_report_numbers_match_mlflow_metrics(swept):
