@@ -165,8 +165,9 @@ def sweep(sweep_path: str, in_process: bool = False, new_instance: bool = False,
     status = "FAILED"
     try:
         for cell in cells:
-            _link(c, parent_id, name, cell)
-        states = _run_deployed(todo, deployment, spec.concurrency) if deployment else _run_here(todo)
+            _link(c, parent_id, name, cell, create=False)  # cells that have started before (this instance's)
+        link = Link(uri, parent_id, name)
+        states = _run_deployed(todo, deployment, spec.concurrency, link) if deployment else _run_here(todo, link)
         failed = {name: state for name, state in states.items() if state != "Completed"}
         for cell in (cell for cell in todo if cell.run_name in failed):
             run = tracking.find_run(c, cell.config.experiment, cell.run_name)
@@ -303,49 +304,64 @@ def _page_context(c: MlflowClient, parent: Any, found: dict[str, report.CellHist
                               previous.info.run_name if previous is not None else None, report.summarize(before) if before else [])
 
 
-def _run_here(cells: list[Cell]) -> dict[str, str]:
+@dataclass(frozen=True)
+class Link:
+    """Where a starting cell's run is nested: the store and the sweep's parent run."""
+
+    tracking_uri: str
+    parent_id: str
+    sweep_name: str
+
+    def cell(self, cell: Cell) -> None:
+        _link(tracking.client(self.tracking_uri), self.parent_id, self.sweep_name, cell, create=True)
+
+
+def _run_here(cells: list[Cell], link: Link) -> dict[str, str]:
     """One child train flow after another; a failed cell does not stop the others."""
     from flows.train import train  # here, not at the top: a fanned-out sweep never needs the model stack (~10 s to import)
 
     states = {}
     for cell in cells:
+        link.cell(cell)
         state = train.with_options(flow_run_name=cell.run_name)(config=cell.config.model_dump(), return_state=True)
         states[cell.run_name] = state.name
     return states
 
 
-def _run_deployed(cells: list[Cell], deployment: str, concurrency: int) -> dict[str, str]:
+def _run_deployed(cells: list[Cell], deployment: str, concurrency: int, link: Link) -> dict[str, str]:
     """Run each cell as a flow run of the train deployment, at most ``concurrency`` at once: each cell is a
     ``sweep-cell`` task that waits for its flow run, on a thread-pool task runner of ``concurrency``
     workers; return final state names."""
     with ThreadPoolTaskRunner(max_workers=concurrency) as runner:
-        futures = {cell.run_name: runner.submit(run_cell, {"run_name": cell.run_name, "config": cell.config.model_dump(), "deployment": deployment})
-                   for cell in cells}
+        futures = {cell.run_name: runner.submit(run_cell, {"cell": cell, "deployment": deployment, "link": link}) for cell in cells}
         return {name: f.result() for name, f in futures.items()}
 
 
-@task(name="sweep-cell", task_run_name="{run_name}", cache_policy=NONE)
-def run_cell(run_name: str, config: dict[str, Any], deployment: str) -> str:
+@task(name="sweep-cell", task_run_name="{cell.run_name}", cache_policy=NONE)
+def run_cell(cell: Cell, deployment: str, link: Link) -> str:
     """Start the cell's flow run on the deployment and wait for it; return its final state's name. A flow run
     of this cell still queued or running (an earlier attempt of this sweep) is waited for, not submitted
     again: two runs of one run name would write the same checkpoints."""
     with get_client(sync_client=True) as client:
-        running = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_name]), state=FlowRunFilterState(type=FlowRunFilterStateType(any_=UNFINISHED))))
-    run = running[0] if running else run_deployment(deployment, parameters={"config": config}, flow_run_name=run_name, timeout=0, as_subflow=False)
+        running = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[cell.run_name]), state=FlowRunFilterState(type=FlowRunFilterStateType(any_=UNFINISHED))))
+    if not running:
+        link.cell(cell)
+    run = running[0] if running else run_deployment(deployment, parameters={"config": cell.config.model_dump()}, flow_run_name=cell.run_name,
+                                                    timeout=0, as_subflow=False)
     return asyncio.run(wait_for_flow_run(run.id, timeout=None)).state.name
 
 
-def _link(c: MlflowClient, parent_id: str, sweep_name: str, cell: Cell) -> None:
-    """Nest the cell's run under the sweep's (MLflow's parentRunId tag) and tag its coordinates, creating
-    the run if the cell has not started yet: the UI shows every cell under the sweep while it runs, and
-    the train flow continues the run it finds by name."""
+def _link(c: MlflowClient, parent_id: str, sweep_name: str, cell: Cell, create: bool) -> None:
+    """Nest the cell's run under the sweep's (MLflow's parentRunId tag) and tag its coordinates. The run is
+    created when the cell starts (``create``), so its start time and duration in the UI are the cell's own,
+    not the sweep's queue; the train flow then continues the run it finds by name."""
     coords = {f"cell.{k}": str(v) for k, v in cell.coords.items()}
     tags = {"mlflow.parentRunId": parent_id, SWEEP_TAG: sweep_name, CELL_TAG: json.dumps(cell.coords, sort_keys=True), **coords}
     run = tracking.find_run(c, cell.config.experiment, cell.run_name)
-    if run is None:
-        tracking.create_run(c, cell.config.experiment, cell.run_name, tags)
-    else:
+    if run is not None:
         tracking.set_tags(c, run.info.run_id, tags)
+    elif create:
+        tracking.create_run(c, cell.config.experiment, cell.run_name, tags)
 
 
 def artifact_key(name: str) -> str:

@@ -114,9 +114,10 @@ def test_artifact_keys_are_prefect_safe():
 
 
 @pytest.mark.slow
-def test_cells_are_nested_under_the_sweep_before_they_run(prefect_harness, tmp_path, tracking_uri):
-    """The sweep creates every cell's run under its parent before the first cell starts, so the MLflow UI
-    shows them nested while they run; each train flow then continues its run (params and tags logged)."""
+def test_cells_are_nested_under_the_sweep_when_they_start(prefect_harness, tmp_path, tracking_uri):
+    """Each cell's run is created under the sweep's parent when the cell starts (not when the sweep is
+    queued: its start time and duration in the UI are the cell's), and the train flow continues it
+    (params and tags logged)."""
     base = tiny_config(tmp_path, tracking_uri, iterations=1)
     for key in ("run_name", "seed"):
         base.pop(key)
@@ -130,7 +131,7 @@ def test_cells_are_nested_under_the_sweep_before_they_run(prefect_harness, tmp_p
     for seed, run in enumerate(children):
         assert run.info.status == "FINISHED" and run.data.params["method"] == "loop" and run.data.tags["seed"] == str(seed)
         assert [m.step for m in c.get_metric_history(run.info.run_id, "eval/success_rate")] == [0, 1]
-    assert children[1].info.start_time < children[0].info.end_time, "the second cell's run was created only after the first ended"
+    assert children[1].info.start_time >= children[0].info.end_time, "the second cell's run was created before the first ended"
     # the comparison on the parent's page, without an artifact; success against environment steps per cell
     assert {"compare/base/final_mean", "compare/base/auc_mean", "compare/base/seeds"} <= set(parent.data.metrics)
     assert parent.data.metrics["compare/base/seeds"] == 2 and parent.data.tags["git_commit"]
