@@ -36,14 +36,15 @@ from prefect.cache_policies import NONE
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, FlowRunFilterState, FlowRunFilterStateType
-from prefect.client.schemas.objects import StateType
+from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.deployments import run_deployment
 from prefect.flow_runs import wait_for_flow_run
+from prefect.states import Crashed
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from horizonrl import report, tracking
-from horizonrl.config import TrainConfig, load_config
+from horizonrl import report, runlock, tracking
+from horizonrl.config import TrainConfig, load_config, run_dir
 
 HISTORIES = ("eval/success_rate", "collect/episodes", "collect/mean_turns", "collect/tokens_per_episode", "time/train_s", "time/env_steps")
 REPORT_TABLE = "report/comparison.json"  # pandas "split" JSON: {"columns": [...], "data": [[...], ...]}
@@ -341,14 +342,33 @@ def _run_deployed(cells: list[Cell], deployment: str, concurrency: int, link: Li
 def run_cell(cell: Cell, deployment: str, link: Link) -> str:
     """Start the cell's flow run on the deployment and wait for it; return its final state's name. A flow run
     of this cell still queued or running (an earlier attempt of this sweep) is waited for, not submitted
-    again: two runs of one run name would write the same checkpoints."""
+    again: two runs of one run name would write the same checkpoints. One left RUNNING by a process that
+    is gone (the machine or the stack stopped under it: no process holds the run's lock) is marked crashed
+    and the cell submitted again; the new flow run resumes from the cell's last checkpoint."""
     with get_client(sync_client=True) as client:
-        running = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[cell.run_name]), state=FlowRunFilterState(type=FlowRunFilterStateType(any_=UNFINISHED))))
-    if not running:
+        unfinished = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[cell.run_name]),
+                                                                          state=FlowRunFilterState(type=FlowRunFilterStateType(any_=UNFINISHED))))
+        live = []
+        for run in unfinished:
+            if run.state_type == StateType.RUNNING and _abandoned(run, cell):
+                client.set_flow_run_state(run.id, Crashed(message="its process is gone (no process holds the run's lock)"), force=True)
+                get_run_logger().warning("cell %s: flow run %s was left running by a process that is gone; marked crashed, resubmitting",
+                                         cell.run_name, run.name)
+            else:
+                live.append(run)
+    if not live:
         link.cell(cell)
-    run = running[0] if running else run_deployment(deployment, parameters={"config": cell.config.model_dump()}, flow_run_name=cell.run_name,
-                                                    timeout=0, as_subflow=False)
+    run = live[0] if live else run_deployment(deployment, parameters={"config": cell.config.model_dump()}, flow_run_name=cell.run_name,
+                                              timeout=0, as_subflow=False)
     return asyncio.run(wait_for_flow_run(run.id, timeout=None)).state.name
+
+
+def _abandoned(run: FlowRun, cell: Cell, grace_s: float = 300) -> bool:
+    """A RUNNING flow run whose process is gone: it started more than ``grace_s`` ago (a live train flow
+    takes the run's lock within seconds of starting) and no process holds the cell's run lock."""
+    started = run.start_time or run.expected_start_time
+    old = started is not None and (datetime.now(timezone.utc) - started).total_seconds() > grace_s
+    return old and not runlock.held_elsewhere(run_dir(cell.config))
 
 
 def _link(c: MlflowClient, parent_id: str, sweep_name: str, cell: Cell, create: bool) -> None:

@@ -527,6 +527,11 @@ def _parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_YAMLLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
+def run_dir(cfg: TrainConfig) -> Path:
+    """The run's folder: ``<data_dir>/<experiment>/<run_name>``."""
+    return Path(cfg.data_dir) / cfg.experiment / cfg.run_name
+
+
 def train_config(config_path: str | None, overrides: list[str] | None, config: dict[str, Any] | None) -> TrainConfig:
     """The train flow's config from its parameters: a whole ``config`` dict, else a file plus overrides."""
     return TrainConfig.model_validate(config) if config is not None else load_config(config_path, overrides)

@@ -16,7 +16,7 @@ from prefect.settings import PREFECT_HOME
 from horizonrl import runlock, tracking
 from horizonrl.store import remove_stale_temporaries
 from horizonrl.checkpoint import CheckpointDamaged, CheckpointRef, read_state, resume_checkpoint, save_checkpoint
-from horizonrl.config import CONFIG_FILE, TrainConfig, train_config
+from horizonrl.config import CONFIG_FILE, TrainConfig, run_dir, train_config
 from horizonrl.models import load_policy
 from tasks.context import RUNTIME, RunContext
 from tasks.tracking import log_stage
@@ -31,11 +31,6 @@ class RunStart:
     policy: CheckpointRef  # newest complete checkpoint (iteration 0 = initial weights)
     elapsed_s: float  # training wall time already spent by earlier attempts
     resumed: bool
-
-
-def run_dir(cfg: TrainConfig) -> Path:
-    """The run's folder: ``<data_dir>/<experiment>/<run_name>``."""
-    return Path(cfg.data_dir) / cfg.experiment / cfg.run_name
 
 
 @task(name="start-run", retries=1, retry_delay_seconds=2, cache_policy=NONE)

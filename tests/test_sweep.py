@@ -183,3 +183,30 @@ def test_each_scheduled_firing_is_a_new_instance_compared_with_the_previous(pref
     again = c.search_runs([exp.experiment_id], filter_string=f"tags.`{BASE_TAG}` = 'weekly'")
     assert len(again) == 2, "a rerun of an instance made a new one"
     assert len(c.search_runs([exp.experiment_id], filter_string="tags.`horizonrl.run_name` LIKE 'weekly--%--seed=%'")) == 4
+
+
+def test_a_running_flow_run_whose_process_is_gone_is_abandoned(tmp_path):
+    """A cell's flow run left RUNNING when its machine or stack stopped is resubmitted by the next sweep
+    (``run_cell``); one whose process still holds the run's lock, or that started moments ago (it takes
+    the lock within seconds), is waited for."""
+    from datetime import datetime, timedelta, timezone
+    from uuid import uuid4
+
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.states import Running
+
+    from flows.sweep import Cell, _abandoned
+    from horizonrl import runlock
+    from horizonrl.config import load_config, run_dir
+
+    cell = Cell({"seed": 0}, load_config(None, [f"data_dir={tmp_path}", "run_name=c"]))
+    run_dir(cell.config).mkdir(parents=True)
+    now = datetime.now(timezone.utc)
+
+    def flow_run(started_ago_s: float) -> FlowRun:
+        return FlowRun(id=uuid4(), name="c", flow_id=uuid4(), state=Running(), start_time=now - timedelta(seconds=started_ago_s))
+
+    assert _abandoned(flow_run(3600), cell), "an hour-old RUNNING flow run with nobody holding the lock"
+    assert not _abandoned(flow_run(5), cell), "started moments ago: its process may not have taken the lock yet"
+    with runlock.hold(run_dir(cell.config)):
+        assert not _abandoned(flow_run(3600), cell), "its process holds the run's lock: alive"
