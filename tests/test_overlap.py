@@ -240,13 +240,11 @@ def test_a_worker_killed_mid_step_ends_only_its_episode(tiny_policy, household_s
         pids = pool.pids
         killer = threading.Thread(target=_kill_when_stalled, args=(tmp_path / "stalled", killed))
         killer.start()
-        start = time.monotonic()
         records = collect(pool, tasks, 1, engine, fmt, _sampling(overlap=True))
         killer.join()
-        assert time.monotonic() - start < 50  # well inside the 60 s step timeout: the kill, not the timeout, ended it
         assert killed == [pids[0]] and pool.restarts == 1 and killed[0] not in pool.pids
     bad = records[STALL_TASK]
-    assert bad.status == "error" and "step failed: worker process died" in bad.error and len(bad.turns) == 1
+    assert bad.status == "error" and "step failed: worker process died" in bad.error and len(bad.turns) == 1  # the kill, not the step timeout
     assert reference[STALL_TASK].status == "error" and "stalled" in reference[STALL_TASK].error
     healthy = [r for r in records if r is not bad]
     assert all(r.status in ("won", "done", "truncated") and r.turns for r in healthy)
