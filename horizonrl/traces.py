@@ -13,7 +13,7 @@ sha256 of the iteration's ``episodes.parquet`` for training episodes): the row o
 An episode is finished when it is logged, so its trace is written whole, straight to the tracking store:
 the trace records first (one ``start_trace`` each, state IN_PROGRESS), then every span of the batch in one
 ``log_spans``, which sets each trace's state from its root span. MLflow's live tracer (a span object per
-turn, OpenTelemetry export, a background queue whose spans raced their trace record) cost 3-4 times the
+turn, OpenTelemetry export, a background queue whose spans raced their trace record) cost twice the
 CPU for the same rows (``benchmarks/pipeline.py`` measures tracing's share of an iteration).
 
 Logging is idempotent. A trace's id is derived from its key (run id, split, iteration, rollout id), and
