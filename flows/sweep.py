@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -224,6 +225,7 @@ def sweep_report(sweep_name: str, experiment: str, tracking_uri: str | None = No
     curves = report.curves(cells)
     pages = {"report": ("report/report.md", {x: f"success_vs_{x}.png" for x in report.X_AXES})}
     if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)  # its figures are written before the page
         stem = Path(out).stem
         pages["out"] = (out, {x: f"{stem}_{x}.png" for x in report.X_AXES})
     for where, (page, figures) in pages.items():
@@ -238,7 +240,6 @@ def sweep_report(sweep_name: str, experiment: str, tracking_uri: str | None = No
         if where == "report":
             c.log_text(parent.info.run_id, md, page)
         else:
-            Path(out).parent.mkdir(parents=True, exist_ok=True)
             Path(out).write_text(md)
     rows = report.table(summaries)
     c.log_text(parent.info.run_id, pd.DataFrame(rows).to_json(orient="split", index=False), REPORT_TABLE)
@@ -288,7 +289,7 @@ def _page_context(c: MlflowClient, parent: Any, found: dict[str, report.CellHist
     configs = [sweep_path] if sweep_path else []
     if sweep_path:
         spec = SweepConfig.model_validate(yaml.safe_load(Path(sweep_path).read_text()))
-        configs.append(str(Path(sweep_path).parent / spec.base))
+        configs.append(os.path.normpath(Path(sweep_path).parent / spec.base))
     warm = None
     sources = sorted({(r.data.tags[tracking.INIT_MODEL_TAG], r.data.tags[tracking.INIT_SOURCE_TAG]) for r in runs if tracking.INIT_SOURCE_TAG in r.data.tags})
     if len(sources) == 1:
