@@ -309,7 +309,10 @@ def _wait_http(url: str, timeout_s: float, stack: Stack, name: str, method: str 
 
 
 def _port_free(port: int) -> bool:
+    """Whether nothing listens on ``port``. SO_REUSEADDR, as the servers themselves bind: connections of a
+    stack just taken down linger in TIME_WAIT for a minute and must not block the next ``up``."""
     with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((HOST, port))
         except OSError:
