@@ -19,11 +19,11 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from horizonrl import runlock, store
-from horizonrl.config import TrainConfig, train_config
+from horizonrl.config import TrainConfig, run_dir, train_config
 from tasks.advantage import advantages
 from tasks.collect import collect_rollouts
 from tasks.evaluate import evaluate
-from tasks.run import end_failed_run, finish_run, run_dir, start_run
+from tasks.run import end_failed_run, finish_run, start_run
 from tasks.tracking import Progress, log_stage, logged
 from tasks.update import update
 

@@ -17,9 +17,9 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from horizonrl import runlock, tracking
-from horizonrl.config import train_config
+from horizonrl.config import run_dir, train_config
 from tasks.evaluate import evaluate
-from tasks.run import end_failed_run, finish_run, run_dir, start_run
+from tasks.run import end_failed_run, finish_run, start_run
 from tasks.tracking import logged
 from tasks.warmstart import clone, log_losses, record_demonstrations
 

@@ -114,8 +114,8 @@ def log_episodes(target: TraceTarget, split: str, iteration: int, episodes: pa.T
     built = [_episode_trace(target, experiment_id, split, iteration, e, by_rollout.get(int(e["rollout_id"]), []), digest)
              for e in ep.to_dict("records")]
     writer = TracingClient(target.tracking_uri)
-    half = len(built) // 2
     if split == "train" and faults.active("trace", iteration):
+        half = len(built) // 2
         _write(writer, experiment_id, built[:half])
         for info, _ in built[half:]:
             writer.start_trace(info)  # the rest is started, its spans never come: those traces stay IN_PROGRESS
@@ -138,16 +138,17 @@ def _id(key: str, n_bytes: int) -> int:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:n_bytes], "big") or 1
 
 
+def _b64(value: int, n_bytes: int) -> str:
+    return base64.b64encode(value.to_bytes(n_bytes, "big")).decode()
+
+
 def _span(trace_id: str, otel_trace: int, span_id: int, parent: int | None, name: str, span_type: str, start_ns: int,
           end_ns: int, inputs: dict, outputs: dict, attributes: dict, error: bool = False) -> Span:
     """An ended span in MLflow's stored form (attribute values JSON-encoded, ids base64 of their bytes)."""
-    def b64(value: int, n_bytes: int) -> str:
-        return base64.b64encode(value.to_bytes(n_bytes, "big")).decode()
-
     attrs = {"mlflow.traceRequestId": json.dumps(trace_id), "mlflow.spanType": json.dumps(span_type),
              "mlflow.spanInputs": json.dumps(inputs), "mlflow.spanOutputs": json.dumps(outputs),
              **{k: json.dumps(v) for k, v in attributes.items()}}
-    return Span.from_dict({"trace_id": b64(otel_trace, 16), "span_id": b64(span_id, 8), "parent_span_id": b64(parent, 8) if parent else None,
+    return Span.from_dict({"trace_id": _b64(otel_trace, 16), "span_id": _b64(span_id, 8), "parent_span_id": _b64(parent, 8) if parent else None,
                            "name": name, "start_time_unix_nano": start_ns, "end_time_unix_nano": end_ns, "events": [], "links": [],
                            "status": {"code": "STATUS_CODE_ERROR" if error else "STATUS_CODE_OK", "message": ""}, "attributes": attrs})
 

@@ -13,6 +13,7 @@ from prefect.cache_policies import NONE
 from horizonrl import store
 from horizonrl.checkpoint import CheckpointRef, read_state, save_checkpoint
 from horizonrl.cloning import clone_epoch
+from horizonrl.config import TrainConfig
 from horizonrl.demonstrations import play_walkthroughs
 from horizonrl.seeding import derive_seed
 from horizonrl.sequences import train_rows
@@ -61,7 +62,7 @@ def clone(ctx: RunContext, epoch: int, demos: DemonstrationsRef, policy: Checkpo
     cfg, ws = ctx.cfg, ctx.cfg.warmstart
     loaded = RUNTIME.get(cfg, policy)
     try:
-        lr = annealed_lr(ws.lr, ws.lr_final, epoch, ws.epochs)
+        lr = _clone_lr(cfg, epoch)
         for group in loaded.optimizer.param_groups:
             group["lr"] = lr
         rows = train_rows(store.read_table(demos.turns, "turns"), cfg.rollout.context)
@@ -88,6 +89,10 @@ def log_losses(ctx: RunContext, ref: CheckpointRef) -> None:
     metrics = [Metric("clone/loss", loss, now, first_step + k) for k, loss in enumerate(losses)]
     for i in range(0, len(metrics), 1000):  # MLflow's batch limit
         ctx.mlflow().log_batch(ctx.mlflow_run_id, metrics=metrics[i : i + 1000])
-    ws = ctx.cfg.warmstart
-    lr = annealed_lr(ws.lr, ws.lr_final, ref.iteration, ws.epochs)
-    log_stage(ctx, "clone", {"epoch_loss": sum(losses) / len(losses), "lr": lr}, ref.iteration)
+    log_stage(ctx, "clone", {"epoch_loss": sum(losses) / len(losses), "lr": _clone_lr(ctx.cfg, ref.iteration)}, ref.iteration)
+
+
+def _clone_lr(cfg: TrainConfig, epoch: int) -> float:
+    """The cloning rate of ``epoch`` (1-based): ``warmstart.lr``, annealed to ``warmstart.lr_final``."""
+    ws = cfg.warmstart
+    return annealed_lr(ws.lr, ws.lr_final, epoch, ws.epochs)
