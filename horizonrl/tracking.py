@@ -6,14 +6,17 @@ explicit run id and uses ``MlflowClient``. Metric names are ``<stage>/<name>`` w
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import json
 import os
+import shutil
+import sqlite3
 import subprocess
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import mlflow
 import pandas as pd
@@ -45,14 +48,52 @@ def client(uri: str) -> MlflowClient:
 @functools.cache
 def _create_sqlite_store_once(uri: str) -> None:
     """Open a SQLite store first under a file lock: MLflow creates its tables on first use, and two runs
-    starting at once on a new store collide ("table _alembic_tmp_experiments already exists")."""
+    starting at once on a new store collide ("table _alembic_tmp_experiments already exists"). A new store
+    is a copy of an empty one that MLflow migrated once per machine and MLflow version (``_empty_store``):
+    running its ~60 schema migrations takes ~5 s at every new store otherwise."""
     if not uri.startswith("sqlite:///"):
         return
-    lock = Path(uri.removeprefix("sqlite:///") + ".lock")
-    lock.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(uri.removeprefix("sqlite:///"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(path.with_name(path.name + ".lock")):
+        if not path.exists():
+            _copy_empty_store(path)
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+
+
+@contextlib.contextmanager
+def _file_lock(lock: Path) -> Iterator[None]:
     with open(lock, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
-        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+        yield
+
+
+def _empty_store() -> Path:
+    """An empty store migrated by MLflow itself, cached as ``$XDG_CACHE_HOME/horizonrl/mlflow-<version>.db``
+    (built on first use, under a lock: concurrent first runs build it once)."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "horizonrl"
+    cache.mkdir(parents=True, exist_ok=True)
+    template = cache / f"mlflow-{mlflow.__version__}.db"
+    with _file_lock(cache / f"{template.name}.lock"):
+        if not template.is_file():
+            tmp = template.with_name(f"{template.name}.tmp-{os.getpid()}")
+            tmp.unlink(missing_ok=True)
+            MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments(max_results=1)
+            tmp.rename(template)
+    return template
+
+
+def _copy_empty_store(path: Path) -> None:
+    """A copy of the migrated empty store at ``path``, with its Default experiment (id 0) as MLflow would
+    have made it here: artifacts in ./mlruns/0 of this process, created now. Written beside and renamed,
+    so a reader never opens half a file."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    shutil.copyfile(_empty_store(), tmp)
+    now = int(time.time() * 1000)
+    with contextlib.closing(sqlite3.connect(tmp)) as db, db:
+        db.execute("UPDATE experiments SET artifact_location = ?, creation_time = ?, last_update_time = ? WHERE experiment_id = 0",
+                   (str(Path("mlruns", "0").resolve()), now, now))
+    tmp.rename(path)
 
 
 def experiment_id(c: MlflowClient, name: str) -> str:

@@ -113,52 +113,72 @@ def test_fault_spec_is_checked(monkeypatch):
 # (fault, newest complete checkpoint after the kill, metric the kill kept from being logged, what the
 # restarted process says). Each fault lies later in the run than the one before, so each restart
 # resumes the killed one and then is killed itself; a last start without a fault finishes the run.
+# Evaluation every 2 iterations: the start after the kill at collect:2 resumes at iteration 1, off that
+# schedule, and must not evaluate there.
 CYCLE = [
     ("advantage:1", 0, ("advantage/kept_fraction", 1), "iteration 1: rollouts already stored, reused"),
     ("update:1", 0, ("update/steps", 1), "iteration 1: rollouts already stored, reused"),
     ("checkpoint:1", 0, ("update/steps", 1), "removed a partial file left by an interrupted run"),
-    ("evaluate:1", 1, ("eval/success_rate", 1), "resumed at iteration 1"),
     ("collect:2", 1, ("collect/success_rate", 2), "resumed at iteration 1"),
+    ("evaluate:2", 2, ("eval/success_rate", 2), "resumed at iteration 2"),
 ]
+SCHEDULE = {"every": 2, "n_tasks": 2, "greedy": False}
+STRAIGHT = "straight"
+
+
+def without_run_name(table: pa.Table) -> pa.Table:
+    return table.drop_columns([c for c in ("run_name",) if c in table.column_names])
 
 
 @pytest.mark.slow
 def test_sigkill_at_every_stage_resumes_to_the_same_run(api_url, tmp_path):
     """A run killed in each stage in turn (one CLI process per kill) ends bit-identical to one never
-    killed: the same rollouts, advantages, weights and optimizer state, and the same MLflow steps, once."""
-    straight_root, killed_root = tmp_path / "straight", tmp_path / "killed"
-    for root in (straight_root, killed_root):
-        root.mkdir()
-    straight = start_cli(config(straight_root), api_url, straight_root / "cli.log")  # runs alongside the kills
+    killed: the same rollouts, advantages, weights and optimizer state, and the same MLflow steps, once,
+    evaluated on the same schedule (so the report's best and area under the curve are the same).
+
+    The uninterrupted run and a sweep (one cell, in its process) start together with the first of the
+    killed processes, on one data folder and one new SQLite MLflow store: three processes create the
+    store, the experiment and the tiny model at once, and every run finishes whole, with no lock error."""
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump(config(tmp_path, "unused", eval=SCHEDULE)))
+    sweep_file = tmp_path / "trio.yaml"
+    sweep_file.write_text(yaml.safe_dump({"name": "trio", "base": "base.yaml", "grid": {"seed": [3]}}))
+    beside = {STRAIGHT: start_cli(config(tmp_path, STRAIGHT, eval=SCHEDULE), api_url, tmp_path / f"{STRAIGHT}.log"),
+              "trio": start_cli({}, api_url, tmp_path / "trio.log", command=["sweep", str(sweep_file), "--here"])}
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
     logs = []
     for n, (fault, completed, (key, step), _) in enumerate(CYCLE):
-        logs.append(killed_root / f"cli-{n}.log")
-        rc = finish(start_cli(config(killed_root), api_url, logs[-1], fault))
+        logs.append(tmp_path / f"cli-{n}.log")
+        rc = finish(start_cli(config(tmp_path, eval=SCHEDULE), api_url, logs[-1], fault))
         assert rc == -signal.SIGKILL, f"{fault}: the process was not killed (rc {rc}):\n{logs[-1].read_text()[-3000:]}"
-        d = run_dir(killed_root)
+        d = run_dir(tmp_path)
         assert latest_checkpoint(d).iteration == completed, fault
-        assert not logged_at(killed_root, key, step), f"{fault}: {key} was logged before the kill"
+        assert not logged_at(tmp_path, key, step), f"{fault}: {key} was logged before the kill"
         if fault == "checkpoint:1":
             assert list((d / "checkpoints").glob(".iter=00001.tmp-*/model.safetensors")), "the kill did not land inside the checkpoint write"
         if fault == "collect:2":
-            it2 = store.iteration_dir(killed_root / "data", "test", RUN, 2)
+            it2 = store.iteration_dir(tmp_path / "data", "test", RUN, 2)
             assert (it2 / "turns.parquet").is_file() and not (it2 / "episodes.parquet").exists()
-    logs.append(killed_root / "cli-final.log")
-    assert finish(start_cli(config(killed_root), api_url, logs[-1])) == 0, logs[-1].read_text()[-3000:]
-    assert finish(straight) == 0, (straight_root / "cli.log").read_text()[-3000:]
+    logs.append(tmp_path / "cli-final.log")
+    assert finish(start_cli(config(tmp_path, eval=SCHEDULE), api_url, logs[-1])) == 0, logs[-1].read_text()[-3000:]
+    for name, proc in beside.items():
+        out = (tmp_path / f"{name}.log").read_text()
+        assert finish(proc) == 0, out[-3000:]
+        assert "locked" not in out and "Traceback" not in out, out[-3000:]
     for (fault, *_, says), restart_log in zip(CYCLE, logs[1:]):
         assert says in restart_log.read_text(), f"the start after the kill at {fault} did not resume from the last completed stage"
-    assert "iteration 2: rollouts already stored" not in logs[-1].read_text(), "half-stored rollouts were taken as complete"
+    assert "iteration 2: rollouts already stored" not in logs[-2].read_text(), "half-stored rollouts were taken as complete"
 
-    a, b = run_dir(straight_root), run_dir(killed_root)
+    a, b = run_dir(tmp_path, STRAIGHT), run_dir(tmp_path)
     assert files(b) == files(a), "the killed run holds other files than the uninterrupted one"
     assert not [p for p in b.rglob("*") if ".tmp-" in p.name], "a temporary (partial) file was left behind"
     for it in (1, 2):
-        da, db = (store.iteration_dir(r / "data", "test", RUN, it) for r in (straight_root, killed_root))
-        assert pq.read_table(db / "advantages-loop.parquet").equals(pq.read_table(da / "advantages-loop.parquet")), it
-        assert pq.read_table(db / "episodes.parquet").equals(pq.read_table(da / "episodes.parquet")), it
+        da, db = (store.iteration_dir(tmp_path / "data", "test", name, it) for name in (STRAIGHT, RUN))
+        for name in ("advantages-loop.parquet", "episodes.parquet"):
+            assert without_run_name(pq.read_table(db / name)).equals(without_run_name(pq.read_table(da / name))), (it, name)
         timing = ["gen_s", "env_s"]  # wall-clock columns, the only ones allowed to differ
-        assert pq.read_table(db / "turns.parquet").drop_columns(timing).equals(pq.read_table(da / "turns.parquet").drop_columns(timing)), it
+        assert without_run_name(pq.read_table(db / "turns.parquet").drop_columns(timing)).equals(
+            without_run_name(pq.read_table(da / "turns.parquet").drop_columns(timing))), it
         assert store.read_table(db / "episodes.parquet", "episodes").num_rows == 4  # every rollout once
     ca, cb = checkpoint_dir(a, 2), checkpoint_dir(b, 2)
     assert_same_tensors(load_file(cb / "model.safetensors"), load_file(ca / "model.safetensors"), "weights")
@@ -171,13 +191,30 @@ def test_sigkill_at_every_stage_resumes_to_the_same_run(api_url, tmp_path):
     model, _ = load_policy(cb)  # the resumed run's checkpoint loads, with its optimizer
     assert load_optimizer_state(latest_checkpoint(b), torch.optim.AdamW(model.parameters()))
 
-    killed_steps = metric_steps(f"sqlite:///{killed_root}/mlflow.db", RUN)
+    killed_steps, straight_steps = metric_steps(uri, RUN), metric_steps(uri, STRAIGHT)
     assert all(len(s) == len(set(s)) for s in killed_steps.values()), "a metric step was logged twice"
-    straight_steps = metric_steps(f"sqlite:///{straight_root}/mlflow.db", RUN)
     per_process = "time/startup_s"  # one point per process start, at the iteration it starts from
-    assert set(killed_steps.pop(per_process)) == {0, 1} and straight_steps.pop(per_process) == [0]
-    assert killed_steps == straight_steps
-    assert run_of(MlflowClient(f"sqlite:///{killed_root}/mlflow.db"), RUN).info.status == "FINISHED"
+    assert set(killed_steps.pop(per_process)) == {0, 1, 2} and straight_steps.pop(per_process) == [0]
+    assert killed_steps == straight_steps and straight_steps["eval/success_rate"] == [0, 2]
+    killed, straight = eval_curve(uri, RUN), eval_curve(uri, STRAIGHT)
+    assert killed == straight and max(killed.values()) == max(straight.values()) and report.auc(killed) == report.auc(straight)
+    assert run_of(MlflowClient(uri), RUN).info.status == "FINISHED"
+
+    cell = "trio--seed=3"  # the sweep's cell, written beside the others
+    got = metric_steps(uri, cell)
+    for key in ("collect/success_rate", "advantage/kept_fraction", "update/steps", "time/iteration_s"):
+        assert got[key] == [1, 2], key
+    assert got["eval/success_rate"] == [0, 2]
+    for name in (STRAIGHT, cell):
+        for it in (1, 2):
+            episodes = store.read_table(store.iteration_dir(tmp_path / "data", "test", name, it) / "episodes.parquet", "episodes")
+            assert episodes.num_rows == 4 and set(episodes["run_name"].to_pylist()) == {name}
+        assert latest_checkpoint(run_dir(tmp_path, name)).iteration == 2
+
+
+def eval_curve(tracking_uri: str, run_name: str) -> dict[int, float]:
+    c = MlflowClient(tracking_uri)
+    return {m.step: m.value for m in c.get_metric_history(run_of(c, run_name).info.run_id, "eval/success_rate")}
 
 
 def fail_once(fn: Callable[..., Any], failed: list[str], name: str, when: Callable[..., bool]) -> Callable[..., Any]:
@@ -249,35 +286,6 @@ def test_nonfinite_steps_are_skipped_and_counted_and_too_many_abort(prefect_harn
     assert run_of(c, RUN).info.status == "FINISHED" and steps(c, run_of(c, RUN).info.run_id, "update/steps") == [1, 2]
 
 
-@pytest.mark.slow
-def test_two_runs_and_a_sweep_at_once_share_data_and_mlflow_store(api_url, tmp_path):
-    """Two train CLIs and a sweep CLI (one cell, run in its process) with distinct run names start together
-    on one data folder and one new SQLite MLflow store (tables, experiment and tiny model all created
-    concurrently) and all finish whole: no collision, no lost row, no lock error."""
-    base = tmp_path / "base.yaml"
-    base.write_text(yaml.safe_dump(config(tmp_path, "unused")))
-    sweep_file = tmp_path / "trio.yaml"
-    sweep_file.write_text(yaml.safe_dump({"name": "trio", "base": "base.yaml", "grid": {"seed": [3]}}))
-    names = ("left", "right")
-    procs = [start_cli(config(tmp_path, name), api_url, tmp_path / f"{name}.log") for name in names]
-    procs.append(start_cli({}, api_url, tmp_path / "trio.log", command=["sweep", str(sweep_file), "--here"]))
-    rcs = [finish(p) for p in procs]
-    for name, rc in zip((*names, "trio"), rcs):
-        out = (tmp_path / f"{name}.log").read_text()
-        assert rc == 0, out[-3000:]
-        assert "locked" not in out and "Traceback" not in out, out[-3000:]
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    for name in (*names, "trio--seed=3"):
-        got = metric_steps(uri, name)
-        for key in ("collect/success_rate", "advantage/kept_fraction", "update/steps", "time/iteration_s"):
-            assert got[key] == [1, 2], (name, key)
-        assert got["eval/success_rate"] == [0, 1, 2], name
-        for it in (1, 2):
-            episodes = store.read_table(store.iteration_dir(tmp_path / "data", "test", name, it) / "episodes.parquet", "episodes")
-            assert episodes.num_rows == 4 and set(episodes["run_name"].to_pylist()) == {name}
-        assert latest_checkpoint(run_dir(tmp_path, name)).iteration == 2
-
-
 @pytest.fixture(params=["tmpfs", "fsync"])
 def full_disk(request, tmp_path: Path, monkeypatch) -> Iterator[tuple[Path, Callable[[], None]]]:
     """(folder, fill): after ``fill()`` every write into the folder fails with ENOSPC.
@@ -347,31 +355,6 @@ def test_full_disk_while_writing_a_checkpoint_keeps_the_previous_one(full_disk, 
     assert latest_checkpoint(disk).iteration == 1
 
 
-def eval_curve(tracking_uri: str, run_name: str) -> dict[int, float]:
-    c = MlflowClient(tracking_uri)
-    return {m.step: m.value for m in c.get_metric_history(run_of(c, run_name).info.run_id, "eval/success_rate")}
-
-
-@pytest.mark.slow
-def test_a_killed_and_resumed_run_evaluates_on_the_same_schedule(api_url, tmp_path):
-    """eval.every 2 over 2 iterations: killed in iteration 2's collect, the run resumes at iteration 1,
-    off the schedule, and must not evaluate there; its evaluation points and the report's numbers (best,
-    area under the curve) equal an uninterrupted run's."""
-    from flows.train import train
-
-    straight_root, killed_root = tmp_path / "straight", tmp_path / "killed"
-    killed_root.mkdir()
-    schedule = {"every": 2, "n_tasks": 4, "greedy": False}
-    assert finish(start_cli(config(killed_root, eval=schedule), api_url, killed_root / "cli.log", "collect:2")) == -signal.SIGKILL
-    assert latest_checkpoint(run_dir(killed_root)).iteration == 1
-    train(config=config(killed_root, eval=schedule))  # the resume, in this process
-    train(config=config(straight_root, eval=schedule))
-    killed, straight = (eval_curve(f"sqlite:///{root}/mlflow.db", RUN) for root in (killed_root, straight_root))
-    assert sorted(killed) == sorted(straight) == [0, 2], f"evaluated at {sorted(killed)} after the resume"
-    assert killed == straight
-    assert max(killed.values()) == max(straight.values()) and report.auc(killed) == report.auc(straight)
-
-
 def test_a_second_process_on_a_held_run_is_refused_naming_the_holder(prefect_harness, tmp_path, capsys):
     """While a process holds the run folder (here this test itself), ``horizonrl train`` on the same run
     name stops before it touches anything: no MLflow store, no checkpoint, the holder's temporary file
@@ -399,11 +382,13 @@ def flow_run_state(prefect_home: Path, flow_run_id: str) -> str:
 
 
 @pytest.mark.slow
-def test_second_process_refused_and_a_killed_run_leaves_no_server(api_url, tmp_path):
+def test_second_process_refused_and_a_killed_run_leaves_no_server(api_url, tmp_path, capsys):
     """A user's ``horizonrl train`` (no Prefect server configured: it starts a temporary one) is running; a
-    second process on the same run name is refused, naming it. The first is then SIGKILLed: its temporary
-    server survives it (re-parented). The next run of that name stops that server, marks the dead flow
+    second start on the same run name (in this test's process) is refused, naming it. The first is then
+    SIGKILLed: its temporary server survives it (re-parented). The next run of that name stops that server, marks the dead flow
     run crashed, and finishes; afterwards no server process of this Prefect home is left."""
+    from flows.cli import main
+
     home = tmp_path / "prefect"
     long = config(tmp_path, iterations=50, eval={"every": 50, "n_tasks": 2, "greedy": False})
     first = start_cli(long, None, tmp_path / "first.log")
@@ -416,10 +401,9 @@ def test_second_process_refused_and_a_killed_run_leaves_no_server(api_url, tmp_p
         time.sleep(0.25)
     assert holder.get("pid") == first.pid and first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
 
-    second = start_cli(long, api_url, tmp_path / "second.log")
-    assert finish(second) == 1
-    out = (tmp_path / "second.log").read_text()
-    assert f"is in use by pid {first.pid} on host {holder['host']}" in out and "Traceback" not in out.split("horizonrl: run")[-1], out[-3000:]
+    assert main(["train", *(f"--set={k}={v}" for k, v in flat(long).items())]) == 1  # the second, in this process
+    err = capsys.readouterr().err
+    assert f"is in use by pid {first.pid} on host {holder['host']}" in err and "Traceback" not in err.split("horizonrl: run")[-1], err[-3000:]
 
     os.kill(first.pid, signal.SIGKILL)  # the CLI process alone, as `kill -9` does
     first.wait()
