@@ -2,7 +2,8 @@
 
 One *cell* is one training run; cells that differ only in their seed form a *variant* (usually a method).
 Per variant: final and best held-out success (``eval/success_rate``) and the area under the learning
-curve, each as a mean over seeds with a 95% percentile-bootstrap interval of that mean (resampling seeds,
+curve, and the change of held-out success from a cell's first evaluation (the policy it started from,
+evaluated in that run) to its last, each as a mean over seeds with a 95% percentile-bootstrap interval of that mean (resampling seeds,
 ``BOOTSTRAP`` resamples, a fixed generator: the same numbers every time). The interval of a mean of
 success rates stays inside [0, 1]; with one seed there is none (NaN), and with 2 or 3 seeds it is the
 seeds' range (every extreme resample has probability > 2.5%), so the page warns below ``MIN_SEEDS`` and
@@ -67,6 +68,7 @@ class VariantSummary:
     tokens: float
     train_s: float
     env_steps: float = float("nan")
+    change: Interval = Interval(float("nan"), float("nan"), float("nan"))  # final minus first evaluation, per seed
 
 
 @dataclass(frozen=True)
@@ -182,12 +184,13 @@ def auc(success: dict[int, float]) -> float:
 
 
 def seed_figures(cell: CellHistory) -> dict[str, float]:
-    """final, best, auc, tokens, env_steps and train_s of one run."""
+    """final, best, auc, change (final minus the first evaluation), tokens, env_steps and train_s of one run."""
     if not cell.success:
         raise ValueError(f"variant {cell.variant!r} seed {cell.seed}: no eval/success_rate logged")
     tokens = sum(n * cell.tokens_per_episode.get(it, 0.0) for it, n in cell.episodes.items())
     steps = env_steps(cell)
-    return {"final": cell.success[max(cell.success)], "best": max(cell.success.values()), "auc": auc(cell.success),
+    final = cell.success[max(cell.success)]
+    return {"final": final, "best": max(cell.success.values()), "auc": auc(cell.success), "change": final - cell.success[min(cell.success)],
             "tokens": float(tokens), "train_s": cell.train_s, "env_steps": steps[max(steps)]}
 
 
@@ -198,7 +201,8 @@ def summarize(cells: list[CellHistory]) -> list[VariantSummary]:
         figs = [seed_figures(c) for c in group]
         col = {k: [f[k] for f in figs] for k in figs[0]}
         out.append(VariantSummary(variant, len(group), interval(col["final"]), interval(col["best"]), interval(col["auc"]),
-                                  float(np.mean(col["tokens"])), float(np.mean(col["train_s"])), float(np.mean(col["env_steps"]))))
+                                  float(np.mean(col["tokens"])), float(np.mean(col["train_s"])), float(np.mean(col["env_steps"])),
+                                  interval(col["change"])))
     return out
 
 
@@ -230,7 +234,7 @@ def table(summaries: list[VariantSummary]) -> list[dict[str, float | int | str]]
     rows = []
     for s in summaries:
         row: dict[str, float | int | str] = {"variant": s.variant, "seeds": s.seeds}
-        for name in ("final", "best", "auc"):
+        for name in ("final", "best", "auc", "change"):
             ci: Interval = getattr(s, name)
             row.update({f"{name}_mean": ci.mean, f"{name}_low": ci.low, f"{name}_high": ci.high})
         row.update(env_steps=s.env_steps, tokens=s.tokens, train_s=s.train_s)
@@ -249,6 +253,14 @@ def judge(claim: Claim, summaries: list[VariantSummary]) -> str:
     if "below" in verdicts:
         return "does not hold"
     return "holds" if all(v == "above" for v in verdicts) else "cannot be told apart"
+
+
+def improvement(s: VariantSummary) -> str:
+    """``improves`` when the interval of the change from the start lies above 0, ``worsens`` when below,
+    else ``no change told apart`` (also with one seed: no interval)."""
+    if math.isnan(s.change.low) or s.change.low <= 0 <= s.change.high:
+        return "no change told apart"
+    return "improves" if s.change.low > 0 else "worsens"
 
 
 def drifts(now: list[VariantSummary], before: list[VariantSummary]) -> list[Drift]:
@@ -280,8 +292,14 @@ def results_page(cells: list[CellHistory], ctx: PageContext, figures: dict[str, 
     lines += ["", "## Held-out success", "", *_table_lines(summaries, ctx.warm_start), "",
               "Each cell: mean over seeds [95% percentile-bootstrap interval of the mean, resampling seeds]; "
               "the warm start: one run [95% Wilson interval over its held-out episodes]. "
-              "AUC: area under success against iteration over the iterations spanned (the curve's mean height).", ""]
+              "AUC: area under success against iteration over the iterations spanned (the curve's mean height). "
+              "Change: final minus the cell's first evaluation (its starting policy, evaluated in the same run).", ""]
     lines += _separation_warnings(summaries)
+    lines += ["## Against the starting policy", "",
+              "Judged by the interval of the change: *improves* when it lies above 0, *worsens* when below, else *no change told apart*.", ""]
+    lines += [f"- {s.variant}: **{improvement(s)}** ({_signed(s.change)})" for s in summaries]
+    better = [s.variant for s in summaries if improvement(s) == "improves"]
+    lines += ["", f"Improves on its starting policy with a 95% interval above no change: {', '.join(better) if better else 'no variant'}.", ""]
     lines += ["## Learning curves", ""]
     for n, (x, name) in enumerate(figures.items(), start=1):
         lines += [f"![held-out success against {X_AXES[x]}]({name})", "",
@@ -332,12 +350,12 @@ def plot(curve_list: list[Curve], x: str):
 
 
 def _table_lines(summaries: list[VariantSummary], warm: WarmStart | None) -> list[str]:
-    lines = ["| variant | seeds | final | best | AUC | env steps | tokens | wall time (s) | note |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | seeds | final | best | AUC | change | env steps | tokens | wall time (s) | note |", "|---|---|---|---|---|---|---|---|---|---|"]
     if warm is not None:
         low, high = wilson(warm.success, warm.episodes)
-        lines.append(f"| warm start (`{warm.model_uri}`) | 1 | {warm.success:.3f} [{low:.3f}, {high:.3f}] | | | | | | starting point |")
+        lines.append(f"| warm start (`{warm.model_uri}`) | 1 | {warm.success:.3f} [{low:.3f}, {high:.3f}] | | | | | | | starting point |")
     for s in summaries:
-        cells = " | ".join(_ci(ci) for ci in (s.final, s.best, s.auc))
+        cells = " | ".join([*(_ci(ci) for ci in (s.final, s.best, s.auc)), _signed(s.change)])
         note = f"⚠ {s.seeds} seed{'s' if s.seeds != 1 else ''}: too few to separate methods" if s.seeds < MIN_SEEDS else ""
         lines.append(f"| {s.variant} | {s.seeds} | {cells} | {s.env_steps:,.0f} | {s.tokens:,.0f} | {s.train_s:,.0f} | {note} |")
     return lines
@@ -362,6 +380,10 @@ def _order(a: Interval, b: Interval) -> str:
 
 def _ci(ci: Interval) -> str:
     return f"{ci.mean:.3f}" if math.isnan(ci.low) else f"{ci.mean:.3f} [{ci.low:.3f}, {ci.high:.3f}]"
+
+
+def _signed(ci: Interval) -> str:
+    return f"{ci.mean:+.3f}" if math.isnan(ci.low) else f"{ci.mean:+.3f} [{ci.low:+.3f}, {ci.high:+.3f}]"
 
 
 def _by_variant(cells: list[CellHistory]) -> dict[str, list[CellHistory]]:

@@ -40,7 +40,8 @@ FIGURES = {x: f"results_{x}.png" for x in report.X_AXES}
 def test_seed_figures():
     f = report.seed_figures(A0)
     # AUC: trapezoids (0 + .5)/2 * 2 + (.5 + .5)/2 * 2 = 1.5 over 4 iterations; env steps 8 + 12 + 4 + 8
-    assert f == {"final": 0.5, "best": 0.5, "auc": pytest.approx(0.375), "tokens": 160.0, "train_s": 8.0, "env_steps": 32.0}
+    assert f == {"final": 0.5, "best": 0.5, "auc": pytest.approx(0.375), "change": 0.5, "tokens": 160.0, "train_s": 8.0, "env_steps": 32.0}
+    assert report.seed_figures(A1)["change"] == 0.75  # 1.0 at the end, 0.25 at its first evaluation
     assert report.seed_figures(A1)["auc"] == pytest.approx((0.5 + 1.25) / 4)
     assert report.seed_figures(B0)["auc"] == 0.1  # one evaluation: the curve's height
 
@@ -93,6 +94,11 @@ def test_fixture_numbers():
     assert loop.env_steps == 1000.0 and by["appo"].env_steps == 1500.0  # APPO's branches count
     assert loop.tokens == 10 * 16 * 20.0 and loop.train_s == 101.0
     assert by["appo"].seeds == 2 and (by["appo"].final.low, by["appo"].final.high) == (pytest.approx(0.2), pytest.approx(0.3))
+    # change from the first evaluation: loop's seeds 0.3, 0.4, 0.35 above it; grpo's final under its start
+    assert (loop.change.mean, loop.change.low, loop.change.high) == (pytest.approx(0.35), pytest.approx(0.3), pytest.approx(0.4))
+    assert report.improvement(loop) == "improves" and report.improvement(by["grpo"]) == "no change told apart"
+    assert report.improvement(report.summarize([CellHistory("w", s, {0: 0.5, 4: 0.5 - d}) for s, d in enumerate((0.1, 0.2, 0.15))])[0]) == "worsens"
+    assert report.improvement(report.summarize([B0])[0]) == "no change told apart"  # one seed: no interval
 
 
 def test_claim_verdicts():
@@ -127,6 +133,9 @@ def test_results_page_is_deterministic_and_complete(tmp_path):
     assert "thin lines are single seeds" in page and "95% percentile-bootstrap interval of the mean over seeds" in page
     assert "- BLPO > GiGPO > GRPO on long-horizon household tasks: **holds** (blpo 0.450 [0.400, 0.500] > gigpo 0.323 [0.300, 0.350] > grpo 0.150 [0.100, 0.200])" in page
     assert "`0123abcd`" in page and "configs/sweeps/x.yaml" in page and CTX.command in page
+    assert "| loop | 3 | 0.550 [0.500, 0.600] | 0.550 [0.500, 0.600] | 0.380 [0.350, 0.405] | +0.350 [+0.300, +0.400] |" in page
+    assert "- loop: **improves** (+0.350 [+0.300, +0.400])" in page and "- grpo: **no change told apart** (-0.050 [-0.100, +0.000])" in page
+    assert "above no change: blpo, gigpo, loop, loop advantage_params.normalize_std=True, loop loss_params.ratio_level=turn." in page
 
     images = []
     for attempt in range(2):
