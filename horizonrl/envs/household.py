@@ -446,6 +446,7 @@ class HouseholdSuite:
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
         self._enumerations: dict[str, _Enumeration] = {}
+        self._corpora: dict[int, list[str]] = {}
 
     def tasks(self, split: str, tier: str, n: int, offset: int = 0) -> list[Task]:
         if split not in SPLITS or tier not in TIERS:
@@ -474,7 +475,13 @@ class HouseholdSuite:
         return TIERS[tier].horizon
 
     def corpus(self, n_tasks: int = 200) -> list[str]:
-        """Vocabulary lines, every goal form, then what walkthroughs and random play show on train tasks."""
+        """Vocabulary lines, every goal form, then what walkthroughs and random play show on train tasks
+        (played once per suite and ``n_tasks``: ~2 s, and every run in the process needs it)."""
+        if n_tasks not in self._corpora:
+            self._corpora[n_tasks] = self._play_corpus(n_tasks)
+        return list(self._corpora[n_tasks])
+
+    def _play_corpus(self, n_tasks: int) -> list[str]:
         lines = [" ".join((*OBJECT_TYPES, *sorted(RECEPTACLE_KINDS), *ROOMS, LAMP, *DIGITS)), NOTHING_HAPPENS]
         lines += [Goal(family, target, "countertop").text()
                   for family in FAMILIES for target in FAMILY_TARGETS[family]]
