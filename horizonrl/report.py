@@ -1,10 +1,10 @@
 """The comparison report of a sweep, computed from metric histories only (no MLflow, no Prefect).
 
 One *cell* is one training run; cells that differ only in their seed form a *variant* (usually a method).
-Per variant: final and best held-out success (``eval/success_rate``) and the area under the learning
-curve, and the change of held-out success from a cell's first evaluation (the policy it started from,
-evaluated in that run) to its last, each as a mean over seeds with a 95% percentile-bootstrap interval of that mean (resampling seeds,
-``BOOTSTRAP`` resamples, a fixed generator: the same numbers every time). The interval of a mean of
+Per variant: final and best held-out success (``eval/success_rate``), the area under the learning curve,
+and the change of held-out success from a cell's first evaluation (the policy it started from, evaluated
+in that run) to its last, each as a mean over seeds with a 95% percentile-bootstrap interval of that mean
+(resampling seeds, ``BOOTSTRAP`` resamples, a fixed generator: the same numbers every time). The interval of a mean of
 success rates stays inside [0, 1]; with one seed there is none (NaN), and with 2 or 3 seeds it is the
 seeds' range (every extreme resample has probability > 2.5%), so the page warns below ``MIN_SEEDS`` and
 names every pair of variants whose intervals overlap. Generated tokens, environment steps and training
@@ -258,9 +258,7 @@ def judge(claim: Claim, summaries: list[VariantSummary]) -> str:
 def improvement(s: VariantSummary) -> str:
     """``improves`` when the interval of the change from the start lies above 0, ``worsens`` when below,
     else ``no change told apart`` (also with one seed: no interval)."""
-    if math.isnan(s.change.low) or s.change.low <= 0 <= s.change.high:
-        return "no change told apart"
-    return "improves" if s.change.low > 0 else "worsens"
+    return {"above": "improves", "below": "worsens"}.get(_order(s.change, Interval(0.0, 0.0, 0.0)), "no change told apart")
 
 
 def drifts(now: list[VariantSummary], before: list[VariantSummary]) -> list[Drift]:
@@ -297,8 +295,9 @@ def results_page(cells: list[CellHistory], ctx: PageContext, figures: dict[str, 
     lines += _separation_warnings(summaries)
     lines += ["## Against the starting policy", "",
               "Judged by the interval of the change: *improves* when it lies above 0, *worsens* when below, else *no change told apart*.", ""]
-    lines += [f"- {s.variant}: **{improvement(s)}** ({_signed(s.change)})" for s in summaries]
-    better = [s.variant for s in summaries if improvement(s) == "improves"]
+    verdicts = {s.variant: improvement(s) for s in summaries}
+    lines += [f"- {s.variant}: **{verdicts[s.variant]}** ({_ci(s.change, signed=True)})" for s in summaries]
+    better = [v for v, verdict in verdicts.items() if verdict == "improves"]
     lines += ["", f"Improves on its starting policy with a 95% interval above no change: {', '.join(better) if better else 'no variant'}.", ""]
     lines += ["## Learning curves", ""]
     for n, (x, name) in enumerate(figures.items(), start=1):
@@ -355,7 +354,7 @@ def _table_lines(summaries: list[VariantSummary], warm: WarmStart | None) -> lis
         low, high = wilson(warm.success, warm.episodes)
         lines.append(f"| warm start (`{warm.model_uri}`) | 1 | {warm.success:.3f} [{low:.3f}, {high:.3f}] | | | | | | | starting point |")
     for s in summaries:
-        cells = " | ".join([*(_ci(ci) for ci in (s.final, s.best, s.auc)), _signed(s.change)])
+        cells = " | ".join([*(_ci(ci) for ci in (s.final, s.best, s.auc)), _ci(s.change, signed=True)])
         note = f"⚠ {s.seeds} seed{'s' if s.seeds != 1 else ''}: too few to separate methods" if s.seeds < MIN_SEEDS else ""
         lines.append(f"| {s.variant} | {s.seeds} | {cells} | {s.env_steps:,.0f} | {s.tokens:,.0f} | {s.train_s:,.0f} | {note} |")
     return lines
@@ -378,12 +377,9 @@ def _order(a: Interval, b: Interval) -> str:
     return "below" if a.high < b.low else "overlap"
 
 
-def _ci(ci: Interval) -> str:
-    return f"{ci.mean:.3f}" if math.isnan(ci.low) else f"{ci.mean:.3f} [{ci.low:.3f}, {ci.high:.3f}]"
-
-
-def _signed(ci: Interval) -> str:
-    return f"{ci.mean:+.3f}" if math.isnan(ci.low) else f"{ci.mean:+.3f} [{ci.low:+.3f}, {ci.high:+.3f}]"
+def _ci(ci: Interval, signed: bool = False) -> str:
+    f = "+.3f" if signed else ".3f"
+    return f"{ci.mean:{f}}" if math.isnan(ci.low) else f"{ci.mean:{f}} [{ci.low:{f}}, {ci.high:{f}}]"
 
 
 def _by_variant(cells: list[CellHistory]) -> dict[str, list[CellHistory]]:
