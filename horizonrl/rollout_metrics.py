@@ -17,13 +17,15 @@ from horizonrl.records import EpisodeRecord
 def episode_metrics(episodes: pa.Table) -> dict[str, float]:
     """success_rate, mean_return, mean_turns, invalid_rate, tokens_per_episode, error_rate,
     mixed_group_fraction (groups whose returns are not all equal: the ones that carry signal), pass_at_k
-    (share of groups with at least one win), episodes. Over initial rollouts only (APPO branches are
-    reported by the collect stage separately)."""
-    df = episodes.select(["group_id", "kind", "n_turns", "episode_return", "won", "n_invalid", "gen_tokens", "status"]).to_pandas()
+    (share of groups with at least one win), episodes, and ``success_rate/<family>`` for each task family
+    present (a suite mean hides which kinds of task a method learns). Over initial rollouts only (APPO
+    branches are reported by the collect stage separately)."""
+    df = episodes.select(["group_id", "kind", "family", "n_turns", "episode_return", "won", "n_invalid", "gen_tokens", "status"]).to_pandas()
     df = df[df["kind"] == "initial"]
     if df.empty:
         return {"episodes": 0.0}
     groups = df.groupby("group_id")
+    by_family = df[df["family"] != ""].groupby("family")["won"].mean()
     return {
         "episodes": float(len(df)),
         "success_rate": float(df["won"].mean()),
@@ -34,7 +36,7 @@ def episode_metrics(episodes: pa.Table) -> dict[str, float]:
         "error_rate": float((df["status"] == "error").mean()),
         "mixed_group_fraction": float((groups["episode_return"].nunique() > 1).mean()),
         "pass_at_k": float(groups["won"].any().mean()),
-    }
+    } | {f"success_rate/{family}": float(rate) for family, rate in by_family.items()}
 
 
 def branch_metrics(episodes: pa.Table) -> dict[str, float]:
