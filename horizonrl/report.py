@@ -44,6 +44,7 @@ class CellHistory:
     train_s: float = float("nan")  # last time/train_s
     env_steps: dict[int, float] = field(default_factory=dict)  # time/env_steps (cumulative)
     wall_s: dict[int, float] = field(default_factory=dict)  # time/train_s (cumulative)
+    families: dict[str, dict[int, float]] = field(default_factory=dict)  # eval/success_rate/<family>, by family
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class VariantSummary:
     train_s: float
     env_steps: float = float("nan")
     change: Interval = Interval(float("nan"), float("nan"), float("nan"))  # final minus first evaluation, per seed
+    families: dict[str, Interval] = field(default_factory=dict)  # final success per task family, by family
 
 
 @dataclass(frozen=True)
@@ -202,8 +204,15 @@ def summarize(cells: list[CellHistory]) -> list[VariantSummary]:
         col = {k: [f[k] for f in figs] for k in figs[0]}
         out.append(VariantSummary(variant, len(group), interval(col["final"]), interval(col["best"]), interval(col["auc"]),
                                   float(np.mean(col["tokens"])), float(np.mean(col["train_s"])), float(np.mean(col["env_steps"])),
-                                  interval(col["change"])))
+                                  interval(col["change"]), _family_finals(group)))
     return out
+
+
+def _family_finals(group: list[CellHistory]) -> dict[str, Interval]:
+    """Per task family, the interval over seeds of its success at each seed's last evaluation (families a
+    seed never evaluated are left out of that seed)."""
+    names = sorted({f for c in group for f in c.families})
+    return {f: interval([c.families[f][max(c.families[f])] for c in group if c.families.get(f)]) for f in names}
 
 
 def curves(cells: list[CellHistory]) -> list[Curve]:
@@ -299,6 +308,7 @@ def results_page(cells: list[CellHistory], ctx: PageContext, figures: dict[str, 
     lines += [f"- {s.variant}: **{verdicts[s.variant]}** ({_ci(s.change, signed=True)})" for s in summaries]
     better = [v for v, verdict in verdicts.items() if verdict == "improves"]
     lines += ["", f"Improves on its starting policy with a 95% interval above no change: {', '.join(better) if better else 'no variant'}.", ""]
+    lines += _family_lines(summaries)
     lines += ["## Learning curves", ""]
     for n, (x, name) in enumerate(figures.items(), start=1):
         lines += [f"![held-out success against {X_AXES[x]}]({name})", "",
@@ -358,6 +368,16 @@ def _table_lines(summaries: list[VariantSummary], warm: WarmStart | None) -> lis
         note = f"⚠ {s.seeds} seed{'s' if s.seeds != 1 else ''}: too few to separate methods" if s.seeds < MIN_SEEDS else ""
         lines.append(f"| {s.variant} | {s.seeds} | {cells} | {s.env_steps:,.0f} | {s.tokens:,.0f} | {s.train_s:,.0f} | {note} |")
     return lines
+
+
+def _family_lines(summaries: list[VariantSummary]) -> list[str]:
+    """The final-success table by task family (none when no cell logged families)."""
+    names = sorted({f for s in summaries for f in s.families})
+    if not names:
+        return []
+    lines = ["## By task family", "", "| variant | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    lines += [f"| {s.variant} | " + " | ".join(_ci(s.families[f]) if f in s.families else "" for f in names) + " |" for s in summaries]
+    return lines + ["", "Final held-out success per task family: mean over seeds [95% percentile-bootstrap interval of the mean].", ""]
 
 
 def _separation_warnings(summaries: list[VariantSummary]) -> list[str]:

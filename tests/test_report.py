@@ -28,7 +28,8 @@ def _fixture() -> list[CellHistory]:
         return {int(k): v for k, v in d.items()}
 
     return [CellHistory(c["variant"], c["seed"], keyed(c["success"]), keyed(c["episodes"]), keyed(c["mean_turns"]),
-                        keyed(c["tokens_per_episode"]), c["train_s"], keyed(c["env_steps"]), keyed(c["wall_s"]))
+                        keyed(c["tokens_per_episode"]), c["train_s"], keyed(c["env_steps"]), keyed(c["wall_s"]),
+                        {f: keyed(h) for f, h in c.get("families", {}).items()})
             for c in json.loads(FIXTURE.read_text())["cells"]]
 
 
@@ -136,6 +137,11 @@ def test_results_page_is_deterministic_and_complete(tmp_path):
     assert "| loop | 3 | 0.550 [0.500, 0.600] | 0.550 [0.500, 0.600] | 0.380 [0.350, 0.405] | +0.350 [+0.300, +0.400] |" in page
     assert "- loop: **improves** (+0.350 [+0.300, +0.400])" in page and "- grpo: **no change told apart** (-0.050 [-0.100, +0.000])" in page
     assert "above no change: blpo, gigpo, loop, loop advantage_params.normalize_std=True, loop loss_params.ratio_level=turn." in page
+    # by task family: each seed's last evaluation; grpo logged only pick_two, and on one seed (no interval)
+    assert "| variant | pick_and_place | pick_two |" in page
+    assert "| loop | 0.750 [0.700, 0.800] | 0.350 [0.300, 0.400] |" in page
+    assert "| grpo |  | 0.050 |" in page and "| blpo |  |  |" in page
+    assert report.results_page([CellHistory("w", 0, {0: 0.5})], CTX, FIGURES).count("By task family") == 0
 
     images = []
     for attempt in range(2):

@@ -167,6 +167,7 @@ def test_each_scheduled_firing_is_a_new_instance_compared_with_the_previous(pref
     assert PREVIOUS_TAG not in parents[0].data.tags and parents[1].data.tags[PREVIOUS_TAG] == f"weekly--{first}"
     page = Path(c.download_artifacts(parents[1].info.run_id, "report/report.md", str(tmp_path / "dl"))).read_text()
     assert f"## Compared with the previous instance (weekly--{first})" in page and "![held-out success against iteration](success_vs_iterations.png)" in page
+    assert "## By task family" in page and "| variant | pick_and_place |" in page  # the easy tier's one family, from MLflow
     with get_client(sync_client=True) as client:
         drift = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["weekly-drift"])))
     assert drift and f"weekly--{second} against weekly--{first}" in drift[0].data
