@@ -42,18 +42,3 @@ def test_no_family_figures_for_tasks_without_a_family():
     assert not [k for k in m if k.startswith("success_rate/")]
     assert m["success_rate"] == pytest.approx(4 / 6)
 
-
-def test_household_failure_figures_of_one_episode():
-    """scripts/household_failures.py: wrong objects are those the goal does not name; repeats count from the second time."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "household_failures.py"
-    spec = importlib.util.spec_from_file_location("household_failures", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    first = "you are in the kitchen . your task is to : look at bowl under the desklamp . "
-    actions = ["go to desk 1", "take pen 1 from desk 1", "go to desk 1", "take bowl 2 from shelf 1", "go to desk 1"]
-    assert module.episode_figures(actions, first) == {"takes": 2, "wrong_take": True, "first_take_wrong": True, "repeat_share": 2 / 5}
-    assert module.episode_figures(["take bowl 1 from desk 1", "use desklamp 1"], first) == {
-        "takes": 1, "wrong_take": False, "first_take_wrong": False, "repeat_share": 0.0}
