@@ -46,9 +46,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from horizonrl import report, runlock, tracking
 from horizonrl.config import TrainConfig, load_config, run_dir
+from horizonrl.rollout_metrics import FAMILY_SUCCESS
 
 HISTORIES = ("eval/success_rate", "collect/episodes", "collect/mean_turns", "collect/tokens_per_episode", "time/train_s", "time/env_steps")
-FAMILY_PREFIX = "eval/success_rate/"  # then a task family: its held-out success (horizonrl.rollout_metrics)
+FAMILY_PREFIX = f"eval/{FAMILY_SUCCESS}"  # then a task family: its held-out success
 REPORT_TABLE = "report/comparison.json"  # pandas "split" JSON: {"columns": [...], "data": [[...], ...]}
 CELL_TAG = "horizonrl.cell"  # the cell's coordinates as JSON; also one ``cell.<key>`` tag per coordinate
 SWEEP_TAG = "horizonrl.sweep"
@@ -400,12 +401,12 @@ def _histories(c: MlflowClient, parent_id: str) -> dict[str, report.CellHistory]
     for run in runs:
         coords = json.loads(run.data.tags.get(CELL_TAG, "{}"))
         variant = " ".join(str(v) if k == "method" else f"{k}={v}" for k, v in coords.items() if k != "seed") or "base"
-        h = {key: {m.step: m.value for m in c.get_metric_history(run.info.run_id, key)} for key in HISTORIES}
+        family_keys = sorted(key for key in run.data.metrics if key.startswith(FAMILY_PREFIX))
+        h = {key: {m.step: m.value for m in c.get_metric_history(run.info.run_id, key)} for key in (*HISTORIES, *family_keys)}
         if not h["eval/success_rate"]:
             continue  # a cell that has not started (its run is created ahead) has nothing to compare yet
         train_s = h["time/train_s"][max(h["time/train_s"])] if h["time/train_s"] else float("nan")
-        families = {key.removeprefix(FAMILY_PREFIX): {m.step: m.value for m in c.get_metric_history(run.info.run_id, key)}
-                    for key in sorted(run.data.metrics) if key.startswith(FAMILY_PREFIX)}
+        families = {key.removeprefix(FAMILY_PREFIX): h[key] for key in family_keys}
         out[run.info.run_id] = report.CellHistory(variant, int(run.data.tags.get("seed", coords.get("seed", 0))), h["eval/success_rate"],
                                                   h["collect/episodes"], h["collect/mean_turns"], h["collect/tokens_per_episode"], train_s,
                                                   h["time/env_steps"], h["time/train_s"], families)

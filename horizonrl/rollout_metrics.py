@@ -13,6 +13,8 @@ import pyarrow as pa
 
 from horizonrl.records import EpisodeRecord
 
+FAMILY_SUCCESS = "success_rate/"  # then a task family: that family's success rate (logged under the stage's prefix)
+
 
 def episode_metrics(episodes: pa.Table) -> dict[str, float]:
     """success_rate, mean_return, mean_turns, invalid_rate, tokens_per_episode, error_rate,
@@ -36,7 +38,7 @@ def episode_metrics(episodes: pa.Table) -> dict[str, float]:
         "error_rate": float((df["status"] == "error").mean()),
         "mixed_group_fraction": float((groups["episode_return"].nunique() > 1).mean()),
         "pass_at_k": float(groups["won"].any().mean()),
-    } | {f"success_rate/{family}": float(rate) for family, rate in by_family.items()}
+    } | {f"{FAMILY_SUCCESS}{family}": float(rate) for family, rate in by_family.items()}
 
 
 def branch_metrics(episodes: pa.Table) -> dict[str, float]:
