@@ -168,3 +168,14 @@ def test_plot_draws_each_seed_thin_under_the_mean_with_integer_ticks():
 def test_a_run_without_evaluation_is_named():
     with pytest.raises(ValueError, match="variant 'c' seed 3: no eval/success_rate"):
         report.summarize([CellHistory("c", 3, {})])
+
+
+def test_paired_difference_pairs_iterations_inside_the_window():
+    """Only iterations both runs have, inside first..last, are paired; the interval is the bootstrap of those differences."""
+    control = {1: 0.20, 2: 0.30, 3: 0.10, 5: 0.40}
+    run = {1: 0.25, 2: 0.25, 3: 0.20, 4: 0.90, 5: 0.50}
+    diff, n = report.paired_difference(control, run, 1, 4)
+    assert n == 3 and diff.mean == pytest.approx((0.05 - 0.05 + 0.10) / 3)
+    assert diff == report.interval([run[i] - control[i] for i in (1, 2, 3)])
+    assert diff.low < diff.mean < diff.high and diff.low >= -0.05 - 1e-12 and diff.high <= 0.10 + 1e-12
+    assert report.paired_difference(control, run, 4, 4)[1] == 0
