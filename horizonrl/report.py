@@ -155,7 +155,9 @@ def paired_difference(control: dict[int, float], run: dict[int, float], first: i
 
     Why: two runs of one seed sample the same training tasks at each iteration, so their collect success
     differs by the update alone plus sampling noise; against a run whose update moves nothing (a frozen
-    control), the paired difference shows an effect far smaller than the per-iteration task mix hides."""
+    control), the paired difference shows an effect far smaller than the per-iteration task mix hides.
+    The interval treats iterations as independent draws: it is the sampling noise of one seed's
+    comparison, not the spread between seeds (run another seed with its own control for that)."""
     shared = [i for i in range(first, last + 1) if i in control and i in run]
     return interval([run[i] - control[i] for i in shared]), len(shared)
 
