@@ -11,22 +11,19 @@ evaluations. Reads the MLflow store of ``MLFLOW_TRACKING_URI`` (default: the pro
 
 from __future__ import annotations
 
-import os
 import sys
 
 from mlflow import MlflowClient
 
-from horizonrl import report
-from horizonrl.tracking import RUN_NAME_TAG
-
-DEFAULT_STORE = "sqlite:///mlflow/mlflow.db"
+from horizonrl import report, tracking
 
 
-def history(c: MlflowClient, experiment_id: str, run_name: str, key: str) -> dict[int, float]:
-    runs = c.search_runs([experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'")
-    if len(runs) != 1:
-        raise SystemExit(f"run {run_name!r}: {len(runs)} MLflow runs of that name in the experiment, expected 1")
-    return {m.step: m.value for m in c.get_metric_history(runs[0].info.run_id, key)}
+def histories(c: MlflowClient, experiment: str, run_name: str, *keys: str) -> list[dict[int, float]]:
+    """Each of ``keys``' metric history (step -> value) of the run named ``run_name``."""
+    run = tracking.find_run(c, experiment, run_name)
+    if run is None:
+        raise SystemExit(f"no run named {run_name!r} in MLflow experiment {experiment!r}")
+    return [{m.step: m.value for m in c.get_metric_history(run.info.run_id, key)} for key in keys]
 
 
 def main(argv: list[str]) -> int:
@@ -34,14 +31,11 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     experiment, control, first, last, names = argv[0], argv[1], int(argv[2]), int(argv[3]), argv[4:]
-    c = MlflowClient(os.environ.get("MLFLOW_TRACKING_URI", DEFAULT_STORE))
-    exp = c.get_experiment_by_name(experiment)
-    if exp is None:
-        raise SystemExit(f"no MLflow experiment named {experiment!r}")
-    base = history(c, exp.experiment_id, control, "collect/success_rate")
+    c = MlflowClient(tracking.tracking_uri())
+    [base] = histories(c, experiment, control, "collect/success_rate")
     for name in names:
-        diff, n = report.paired_difference(base, history(c, exp.experiment_id, name, "collect/success_rate"), first, last)
-        held_out = history(c, exp.experiment_id, name, "eval/success_rate")
+        collect, held_out = histories(c, experiment, name, "collect/success_rate", "eval/success_rate")
+        diff, n = report.paired_difference(base, collect, first, last)
         print(f"{name}: collect success minus {control}'s, iterations {first}-{last} ({n}): {diff.mean:+.3f} "
               f"[{diff.low:+.3f}, {diff.high:+.3f}]; held-out {', '.join(f'{held_out[i]:.3f}' for i in sorted(held_out))}")
     return 0
