@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ev = sub.add_parser("evaluate", help="evaluate a logged policy on a split, in a new MLflow run")
     ev.add_argument("--source", required=True, help="MLflow run id, runs:/<run id>, or models:/<name>/<version>")
     ev.add_argument("--split", default="test", help="environment split (default test)")
-    ev.add_argument("--n-tasks", type=int, help="tasks evaluated (default: the source run's eval.n_tasks)")
+    ev.add_argument("--n-tasks", type=int, help="tasks evaluated (default: the source run's eval.n_tasks_ends, else eval.n_tasks)")
     ev.add_argument("--samples", type=int, help="sampled attempts per task (default: the source run's eval.samples)")
     sh = sub.add_parser("show", help="print a stored iteration's episodes, or one episode turn by turn (Parquet store)")
     sh.add_argument("run", help="run folder (data/<experiment>/<run_name>) or a run name under data/")
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         uri = tracking_uri(cfg.tracking_uri)
         print("\n== horizonrl: run finished ==")
-        print(f"held-out success (sampled, {cfg.eval.n_tasks} tasks): {summary['initial_success_rate']:.3f} -> {summary['final_success_rate']:.3f} "
+        print(f"held-out success (sampled, {cfg.eval.tasks_at(end=True)} tasks): {summary['initial_success_rate']:.3f} -> {summary['final_success_rate']:.3f} "
               f"({summary['improvement'] * 100:+.1f} points) after {int(summary['iterations'])} iterations")
         print(f"MLflow: experiment {cfg.experiment!r}, run {cfg.run_name!r}; open the UI with: mlflow ui --backend-store-uri {uri} --host 127.0.0.1")
         print(f"data: {os.path.join(cfg.data_dir, cfg.experiment, cfg.run_name)}")
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
         summary = warmstart(config=cfg.model_dump())
         print("\n== horizonrl: warm start finished ==")
-        print(f"held-out success (sampled, {cfg.eval.n_tasks} tasks): {summary['initial_success_rate']:.3f} -> {summary['final_success_rate']:.3f} "
+        print(f"held-out success (sampled, {cfg.eval.tasks_at(end=True)} tasks): {summary['initial_success_rate']:.3f} -> {summary['final_success_rate']:.3f} "
               f"after {int(summary['iterations'])} epochs on {cfg.warmstart.demonstrations} demonstrations")
         print(f"registered: {summary['model_uri']}; train from it with: horizonrl train --config <config> --set model.path={summary['model_uri']}")
         print(f"demonstrations: {os.path.join(cfg.data_dir, cfg.experiment, cfg.run_name, 'demonstrations')}")

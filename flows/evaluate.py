@@ -35,7 +35,7 @@ def evaluate_policy(source: str, split: str = "test", n_tasks: int | None = None
     mlflow.set_tracking_uri(c.tracking_uri)  # the fluent API (logged models, downloads) reads the global URI
     source_run_id, model_uri = tracking.resolve_policy(c, source)
     cfg = config_of_run(c, source_run_id)
-    eval_cfg = cfg.eval.model_copy(update={"split": split, **({"n_tasks": n_tasks} if n_tasks else {}), **({"samples": samples} if samples else {})})
+    eval_cfg = cfg.eval.model_copy(update={"split": split, **({"n_tasks": n_tasks, "n_tasks_ends": None} if n_tasks else {}), **({"samples": samples} if samples else {})})
     run_name = f"{cfg.run_name}--eval-{split}-{time.strftime('%Y%m%dT%H%M%S')}"
     cfg = TrainConfig.model_validate({**cfg.model_dump(), "run_name": run_name, "eval": eval_cfg.model_dump(), "tracking_uri": c.tracking_uri})
     policy = tracking.download_policy(model_uri, Path(cfg.data_dir) / "policies")
@@ -44,9 +44,9 @@ def evaluate_policy(source: str, split: str = "test", n_tasks: int | None = None
     run_id, _ = tracking.find_or_create_run(c, cfg.experiment, run_name, tags)
     tracking.log_params(c, run_id, cfg.flat())
     ctx = RunContext(cfg, str(Path(cfg.data_dir) / cfg.experiment / run_name), c.tracking_uri, run_id)
-    metrics = evaluate(ctx, policy, policy.iteration)
+    metrics = evaluate(ctx, policy, policy.iteration, end=True)  # a finished policy: judged as a run's last evaluation
     c.set_terminated(run_id, "FINISHED")
-    print(f"{model_uri} on {split} ({cfg.eval.n_tasks} tasks): success {metrics['success_rate']:.3f}; MLflow run {run_id}")
+    print(f"{model_uri} on {split} ({cfg.eval.tasks_at(end=True)} tasks): success {metrics['success_rate']:.3f}; MLflow run {run_id}")
     return {"run_id": run_id, "source_run_id": source_run_id, **metrics}
 
 

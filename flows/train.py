@@ -43,7 +43,7 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, co
             log_stage(ctx, "time", {"startup_s": time.time() - float(started)}, policy.iteration)
         steps = store.env_steps(cfg.data_dir, cfg.experiment, cfg.run_name, range(1, policy.iteration + 1))
         if _eval_due(cfg, policy.iteration, elapsed, steps) and not logged(ctx, "eval/success_rate", policy.iteration):
-            evaluate(ctx, policy, policy.iteration)                         # before training (or a missed one)
+            evaluate(ctx, policy, policy.iteration, _at_end(cfg, policy.iteration, elapsed, steps))  # before training (or a missed one)
         progress = Progress(ctx, policy.iteration)
         for it in range(policy.iteration + 1, cfg.iterations + 1):
             if _budget_spent(cfg, elapsed, steps):
@@ -58,15 +58,20 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, co
             log_stage(ctx, "system", {"max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, it)
             progress.advance(it, rollouts.episodes)
             if _eval_due(cfg, it, elapsed, steps) and not logged(ctx, "eval/success_rate", it):
-                evaluate(ctx, policy, it)                                   # 4. held-out evaluation
+                evaluate(ctx, policy, it, _at_end(cfg, it, elapsed, steps))  # 4. held-out evaluation
         progress.close()
         return finish_run(ctx, policy)
 
 
 def _eval_due(cfg: TrainConfig, iteration: int, elapsed_s: float, env_steps: int) -> bool:
-    """The evaluation schedule: before training, every ``eval.every`` iterations, and after the last one
-    (the configured number, or the one that spent the budget)."""
-    return iteration == 0 or iteration % cfg.eval.every == 0 or iteration >= cfg.iterations or _budget_spent(cfg, elapsed_s, env_steps)
+    """The evaluation schedule: before training, every ``eval.every`` iterations, and after the last one."""
+    return iteration % cfg.eval.every == 0 or _at_end(cfg, iteration, elapsed_s, env_steps)
+
+
+def _at_end(cfg: TrainConfig, iteration: int, elapsed_s: float, env_steps: int) -> bool:
+    """Before training, or after the last iteration (the configured number, or the one that spent the
+    budget): the evaluations a run's gain is read from (``eval.n_tasks_ends``)."""
+    return iteration == 0 or iteration >= cfg.iterations or _budget_spent(cfg, elapsed_s, env_steps)
 
 
 def _budget_spent(cfg: TrainConfig, elapsed_s: float, env_steps: int) -> bool:

@@ -252,11 +252,19 @@ class EvalConfig(Strict):
     every: int = Field(5, ge=1)
     """Evaluate every N iterations (and before the first and after the last)."""
     n_tasks: int = Field(200, ge=1)
+    n_tasks_ends: int | None = Field(None, ge=1)
+    """Tasks in the two evaluations a run's gain is read from, before the first iteration and after the last
+    (None: ``n_tasks``). At 30% success, 1000 tasks give a 95% interval of about ±3 points where 200 give ±6,
+    for the cost of two larger evaluations instead of every one."""
     split: str = "test"
     samples: int = Field(1, ge=1)
     """Sampled attempts per task; pass@k is reported for k = samples."""
     greedy: bool = True
     """Also evaluate greedy decoding."""
+
+    def tasks_at(self, end: bool) -> int:
+        """Held-out tasks in an evaluation: ``n_tasks_ends`` at the run's two ends, else ``n_tasks``."""
+        return self.n_tasks_ends if end and self.n_tasks_ends is not None else self.n_tasks
 
 
 class WarmStartConfig(Strict):

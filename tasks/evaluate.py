@@ -17,25 +17,27 @@ from tasks.context import RUNTIME, RunContext
 from tasks.tracking import log_stage, log_success_by_env_steps, logged, trace_evaluation
 
 
-def play(ctx: RunContext, policy: CheckpointRef, samples: int, greedy: bool, seed: int) -> list[EpisodeRecord]:
+def play(ctx: RunContext, policy: CheckpointRef, n_tasks: int, samples: int, greedy: bool, seed: int) -> list[EpisodeRecord]:
     cfg = ctx.cfg
     loaded = RUNTIME.get(cfg, policy)
-    tasks = RUNTIME.task_pool(cfg, cfg.eval.split, cfg.eval.n_tasks)
+    tasks = RUNTIME.task_pool(cfg, cfg.eval.split, n_tasks)
     settings = SamplingSettings.from_config(cfg, RUNTIME.suite(cfg), seed, greedy)
     return collect(RUNTIME.episodes(cfg), tasks, samples, loaded.engine, loaded.fmt, settings)
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=1, cache_policy=NONE)
-def evaluate(ctx: RunContext, policy: CheckpointRef, iteration: int) -> dict[str, float]:
-    """Same held-out tasks at every evaluation (the first ``eval.n_tasks`` of the split); sampling seeds
-    fixed by (seed, iteration). Logs nothing until every figure is computed, so a retry logs once."""
+def evaluate(ctx: RunContext, policy: CheckpointRef, iteration: int, end: bool = False) -> dict[str, float]:
+    """Same held-out tasks at every evaluation (the first ``eval.n_tasks`` of the split, or
+    ``eval.n_tasks_ends`` at the run's two ``end``s); sampling seeds fixed by (seed, iteration). Logs nothing
+    until every figure is computed, so a retry logs once."""
     cfg = ctx.cfg
-    sampled = play(ctx, policy, cfg.eval.samples, False, derive_seed(cfg.seed, "eval", iteration))
+    n_tasks = cfg.eval.tasks_at(end)
+    sampled = play(ctx, policy, n_tasks, cfg.eval.samples, False, derive_seed(cfg.seed, "eval", iteration))
     metrics = episode_metrics(episodes_table(sampled, cfg.run_name, iteration, policy.iteration))
     metrics[f"pass_at_{cfg.eval.samples}"] = metrics.pop("pass_at_k")
     metrics.pop("mixed_group_fraction")
     if cfg.eval.greedy:
-        greedy = play(ctx, policy, 1, True, derive_seed(cfg.seed, "eval-greedy", iteration))
+        greedy = play(ctx, policy, n_tasks, 1, True, derive_seed(cfg.seed, "eval-greedy", iteration))
         greedy_metrics = episode_metrics(episodes_table(greedy, cfg.run_name, iteration, policy.iteration))
         metrics.update({f"greedy_{k}": greedy_metrics[k] for k in ("success_rate", "mean_return", "mean_turns", "invalid_rate")})
     faults.kill_point("evaluate", iteration)

@@ -16,10 +16,20 @@ from flowkit import run_of, steps, tiny_config
 pytestmark = pytest.mark.slow
 
 
+def _config(tmp_path, tracking_uri: str, iterations: int = 2) -> dict:
+    cfg = tiny_config(tmp_path, tracking_uri, iterations=iterations)
+    cfg["eval"]["n_tasks_ends"] = 4  # the evaluations before training and after the last iteration: 4 tasks, not 3
+    return cfg
+
+
+def _episodes_by_step(c: MlflowClient, run_id: str) -> dict[int, float]:
+    return {m.step: m.value for m in c.get_metric_history(run_id, "eval/episodes")}
+
+
 def test_train_flow_logs_every_stage(prefect_harness, tmp_path, tracking_uri):
     from flows.train import train
 
-    summary = train(config=tiny_config(tmp_path, tracking_uri))
+    summary = train(config=_config(tmp_path, tracking_uri))
     assert set(summary) >= {"initial_success_rate", "final_success_rate", "improvement"}
     c = MlflowClient(tracking_uri)
     run = run_of(c, "e2e")
@@ -28,6 +38,7 @@ def test_train_flow_logs_every_stage(prefect_harness, tmp_path, tracking_uri):
     for key in ("collect/success_rate", "advantage/kept_fraction", "update/steps", "time/iteration_s"):
         assert steps(c, run.info.run_id, key) == [1, 2], key
     assert steps(c, run.info.run_id, "eval/success_rate") == [0, 1, 2]
+    assert _episodes_by_step(c, run.info.run_id) == {0: 4, 1: 3, 2: 4}, "eval.n_tasks_ends at the two ends, eval.n_tasks between"
     assert [m.value for m in c.get_metric_history(run.info.run_id, "update/lr")] == [1e-3, 1e-3], "update.lr, not annealed (lr_final unset)"
     inputs = {d.dataset.name for d in run.inputs.dataset_inputs}
     assert {"iter=1/turns", "iter=1/episodes", "iter=2/advantages-loop"} <= inputs
@@ -36,7 +47,7 @@ def test_train_flow_logs_every_stage(prefect_harness, tmp_path, tracking_uri):
     from flows.evaluate import config_of_run
     from horizonrl.config import TrainConfig
 
-    assert config_of_run(c, run.info.run_id) == TrainConfig.model_validate(tiny_config(tmp_path, tracking_uri))  # what `evaluate` reloads
+    assert config_of_run(c, run.info.run_id) == TrainConfig.model_validate(_config(tmp_path, tracking_uri))  # what `evaluate` reloads
     assert run.info.status == "FINISHED"
     import mlflow
 
@@ -56,7 +67,8 @@ def test_train_flow_logs_every_stage(prefect_harness, tmp_path, tracking_uri):
     # (a kill in the middle of an iteration: tests/test_reliability.py kills the CLI at every stage)
     first = store.iteration_dir(tmp_path / "data", "test", "e2e", 1) / "episodes.parquet"
     digest = store.file_digest(first)
-    train(config=tiny_config(tmp_path, tracking_uri, iterations=3))
+    train(config=_config(tmp_path, tracking_uri, iterations=3))
     assert store.file_digest(first) == digest, "a completed iteration was rewritten"
     for key in ("collect/success_rate", "update/steps"):
         assert steps(c, run.info.run_id, key) == [1, 2, 3], key
+    assert _episodes_by_step(c, run.info.run_id) == {0: 4, 1: 3, 2: 4, 3: 4}, "the new last evaluation on n_tasks_ends"
