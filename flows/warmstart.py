@@ -37,7 +37,7 @@ def warmstart(config_path: str | None = None, overrides: list[str] | None = None
         log_losses(ctx, policy)  # a resumed run whose last epoch crashed before its log
         demos = record_demonstrations(ctx, policy)                      # 1. walkthroughs as Parquet
         if not logged(ctx, "eval/success_rate", 0):
-            evaluate(ctx, policy, 0, end=True)                          # the starting point
+            evaluate(ctx, policy, 0)                                    # the starting point
         for epoch in range(policy.iteration + 1, cfg.warmstart.epochs + 1):
             policy = clone(ctx, epoch, demos, policy)                   # 2. cross-entropy on action tokens
             if epoch % cfg.eval.every == 0 or epoch == cfg.warmstart.epochs:

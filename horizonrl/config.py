@@ -254,8 +254,9 @@ class EvalConfig(Strict):
     n_tasks: int = Field(200, ge=1)
     n_tasks_ends: int | None = Field(None, ge=1)
     """Tasks in the two evaluations a run's gain is read from, before the first iteration and after the last
-    (None: ``n_tasks``). At 30% success, 1000 tasks give a 95% interval of about ±3 points where 200 give ±6,
-    for the cost of two larger evaluations instead of every one."""
+    (None: ``n_tasks``); in a warm start, after its last epoch only (the policy RL starts from). At 30%
+    success, 1000 tasks give a 95% interval of about ±3 points where 200 give ±6, for the cost of two
+    larger evaluations instead of every one."""
     split: str = "test"
     samples: int = Field(1, ge=1)
     """Sampled attempts per task; pass@k is reported for k = samples."""

@@ -77,7 +77,7 @@ def test_warmstart_registers_a_policy_that_train_starts_from(prefect_harness, tm
     cfg["rollout"]["context"] = "full"
     cfg["warmstart"] = {"demonstrations": 6, "epochs": 3, "minibatch_size": 2, "lr": 3e-3, "lr_final": 1e-3,
                         "model_name": "ws-test"}
-    cfg["eval"] = {"every": 3, "n_tasks": 3}
+    cfg["eval"] = {"every": 3, "n_tasks": 3, "n_tasks_ends": 4}
     summary = warmstart(config=cfg)
     assert summary["model_uri"] == "models:/ws-test/1" and summary["iterations"] == 3
 
@@ -97,6 +97,8 @@ def test_warmstart_registers_a_policy_that_train_starts_from(prefect_harness, tm
     lr = [m.value for m in sorted(c.get_metric_history(ws_run.info.run_id, "clone/lr"), key=lambda m: m.step)]
     assert lr == pytest.approx([3e-3, 2e-3, 1e-3]), "annealed linearly from warmstart.lr to warmstart.lr_final over the epochs"
     assert sorted(m.step for m in c.get_metric_history(ws_run.info.run_id, "eval/success_rate")) == [0, 3]
+    episodes_by_epoch = {m.step: m.value for m in c.get_metric_history(ws_run.info.run_id, "eval/episodes")}
+    assert episodes_by_epoch == {0: 3, 3: 4}, "eval.n_tasks_ends after the last epoch only"
 
     rl = {**cfg, "run_name": "from-ws", "model": {"path": "models:/ws-test/1"}}
     train(config=rl)
