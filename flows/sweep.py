@@ -218,7 +218,7 @@ def sweep_report(sweep_name: str, experiment: str, tracking_uri: str | None = No
         raise ValueError(f"no sweep run named {sweep_name!r} in experiment {experiment!r}")
     found = _histories(c, parent.info.run_id)
     if not found:
-        raise ValueError(f"sweep {sweep_name!r} has no cell runs under it yet")
+        raise ValueError(f"sweep {sweep_name!r} has no finished cell runs under it yet")
     cells = list(found.values())
     summaries = report.summarize(cells)
     previous = _previous_instance(c, parent)
@@ -305,7 +305,8 @@ def _page_context(c: MlflowClient, parent: Any, found: dict[str, report.CellHist
     uri = c.tracking_uri
     before = list(_histories(c, previous.info.run_id).values()) if previous is not None else []
     return report.PageContext(f"Results: {parent.info.run_name}", commits, configs, f"MLFLOW_TRACKING_URI={uri} {command}", uri, parent.info.run_id, warm,
-                              previous.info.run_name if previous is not None else None, report.summarize(before) if before else [])
+                              previous.info.run_name if previous is not None else None, report.summarize(before) if before else [],
+                              _unfinished(c, parent.info.run_id))
 
 
 @dataclass(frozen=True)
@@ -392,19 +393,29 @@ def artifact_key(name: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
 
 
-def _histories(c: MlflowClient, parent_id: str) -> dict[str, report.CellHistory]:
-    """Run id -> the metric histories of every cell run nested under ``parent_id`` that has evaluated at
-    least once; the variant is the cell's coordinates without its seed."""
+def _cell_runs(c: MlflowClient, parent_id: str) -> list[Any]:
+    """Every cell run nested under ``parent_id`` (created ahead of starting, so a sweep's whole grid)."""
     exp_id = c.get_run(parent_id).info.experiment_id
-    runs = c.search_runs([exp_id], filter_string=f"tags.`mlflow.parentRunId` = {tracking.quoted(parent_id)}", order_by=["attributes.start_time ASC"])
+    return c.search_runs([exp_id], filter_string=f"tags.`mlflow.parentRunId` = {tracking.quoted(parent_id)}", order_by=["attributes.start_time ASC"])
+
+
+def _unfinished(c: MlflowClient, parent_id: str) -> list[str]:
+    """Names of the cell runs under ``parent_id`` that have not finished (not started, running, killed)."""
+    return sorted(r.info.run_name for r in _cell_runs(c, parent_id) if r.info.status != "FINISHED")
+
+
+def _histories(c: MlflowClient, parent_id: str) -> dict[str, report.CellHistory]:
+    """Run id -> the metric histories of every finished cell run nested under ``parent_id``; the variant
+    is the cell's coordinates without its seed. A running or killed cell is left out: its last evaluation
+    is not its final one."""
     out = {}
-    for run in runs:
+    for run in _cell_runs(c, parent_id):
+        if run.info.status != "FINISHED":
+            continue
         coords = json.loads(run.data.tags.get(CELL_TAG, "{}"))
         variant = " ".join(str(v) if k == "method" else f"{k}={v}" for k, v in coords.items() if k != "seed") or "base"
         family_keys = sorted(key for key in run.data.metrics if key.startswith(FAMILY_PREFIX))
         h = {key: {m.step: m.value for m in c.get_metric_history(run.info.run_id, key)} for key in (*HISTORIES, *family_keys)}
-        if not h["eval/success_rate"]:
-            continue  # a cell that has not started (its run is created ahead) has nothing to compare yet
         train_s = h["time/train_s"][max(h["time/train_s"])] if h["time/train_s"] else float("nan")
         families = {key.removeprefix(FAMILY_PREFIX): h[key] for key in family_keys}
         out[run.info.run_id] = report.CellHistory(variant, int(run.data.tags.get("seed", coords.get("seed", 0))), h["eval/success_rate"],

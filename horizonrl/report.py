@@ -112,6 +112,7 @@ class PageContext:
     warm_start: WarmStart | None = None
     previous: str | None = None  # name of the instance compared against
     previous_summaries: list[VariantSummary] = field(default_factory=list)
+    unfinished: list[str] = field(default_factory=list)  # cell runs of the sweep left out: not finished yet
 
 
 @dataclass(frozen=True)
@@ -309,6 +310,8 @@ def results_page(cells: list[CellHistory], ctx: PageContext, figures: dict[str, 
              f"- MLflow: `{ctx.tracking_uri}`, sweep parent run `{ctx.parent_run_id}`"]
     if ctx.warm_start is not None:
         lines.append(f"- every cell starts from the warm start `{ctx.warm_start.model_uri}` (run `{ctx.warm_start.run_id}`)")
+    lines.append(f"- cells: {len(cells)} finished" + (f"; **{len(ctx.unfinished)} not finished, left out**: {', '.join(f'`{n}`' for n in ctx.unfinished)}"
+                                                     if ctx.unfinished else ", every cell of the sweep"))
     lines += ["", "## Held-out success", "", *_table_lines(summaries, ctx.warm_start), "",
               "Each cell: mean over seeds [95% percentile-bootstrap interval of the mean, resampling seeds]; "
               "the warm start: one run [95% Wilson interval over its held-out episodes]. "

@@ -134,6 +134,7 @@ def test_results_page_is_deterministic_and_complete(tmp_path):
     assert "thin lines are single seeds" in page and "95% percentile-bootstrap interval of the mean over seeds" in page
     assert "- BLPO > GiGPO > GRPO on long-horizon household tasks: **holds** (blpo 0.450 [0.400, 0.500] > gigpo 0.323 [0.300, 0.350] > grpo 0.150 [0.100, 0.200])" in page
     assert "`0123abcd`" in page and "configs/sweeps/x.yaml" in page and CTX.command in page
+    assert f"- cells: {len(cells)} finished, every cell of the sweep" in page
     assert "| loop | 3 | 0.550 [0.500, 0.600] | 0.550 [0.500, 0.600] | 0.380 [0.350, 0.405] | +0.350 [+0.300, +0.400] |" in page
     assert "- loop: **improves** (+0.350 [+0.300, +0.400])" in page and "- grpo: **no change told apart** (-0.050 [-0.100, +0.000])" in page
     assert "above no change: blpo, gigpo, loop, loop advantage_params.normalize_std=True, loop loss_params.ratio_level=turn." in page

@@ -14,7 +14,7 @@ from mlflow import MlflowClient
 
 from flowkit import tiny_config
 from flows.evaluate import config_of_run
-from flows.sweep import BASE_TAG, INSTANCE_TAG, PREVIOUS_TAG, SWEEP_TAG, artifact_key, finished, load_sweep, sweep
+from flows.sweep import BASE_TAG, INSTANCE_TAG, PREVIOUS_TAG, SWEEP_TAG, artifact_key, finished, load_sweep, sweep, sweep_report
 from horizonrl import tracking
 from horizonrl.config import TrainConfig
 
@@ -138,6 +138,12 @@ def test_cells_are_nested_under_the_sweep_when_they_start(prefect_harness, tmp_p
     for run in children:
         env_steps = sorted(m.step for m in c.get_metric_history(run.info.run_id, "eval/success_by_env_steps"))
         assert len(env_steps) == 2 and env_steps[0] == 0 and env_steps[1] > 0
+    # a cell still running (or killed) is left out of the report, and the page names it
+    c.update_run(children[1].info.run_id, status="RUNNING")
+    sweep_report("s", "test", tracking_uri, out=str(tmp_path / "page" / "results.md"))
+    page = (tmp_path / "page" / "results.md").read_text()
+    assert "- cells: 1 finished; **1 not finished, left out**: `s--seed=1`" in page
+    assert c.get_run(parent.info.run_id).data.metrics["compare/base/seeds"] == 1
 
 
 @pytest.mark.slow
