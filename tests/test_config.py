@@ -58,7 +58,7 @@ def test_every_method_validates_on_every_shipped_config(path, method):
 
 def test_main_config_values_and_derived_values():
     cfg = load_config(CONFIG_DIR / "loop_household_easy.yaml")
-    assert (cfg.method, cfg.rollout.group_size, cfg.update.lr) == ("loop", 8, 2e-3)
+    assert (cfg.method, cfg.rollout.tasks_per_iteration, cfg.rollout.group_size, cfg.update.minibatch_size, cfg.update.lr) == ("loop", 32, 8, 64, 2e-3)
     assert (cfg.iterations, cfg.time_budget_s) == (70, None)  # bounded by iterations, not the machine's speed
     name, params = cfg.loss_spec()
     assert name == "ppo_clip" and (params.clip_mode, params.eps) == ("loop", 0.2)  # file overrides the preset's 0.1
