@@ -306,7 +306,7 @@ def _page_context(c: MlflowClient, parent: Any, found: dict[str, report.CellHist
     before = list(_histories(c, previous.info.run_id).values()) if previous is not None else []
     return report.PageContext(f"Results: {parent.info.run_name}", commits, configs, f"MLFLOW_TRACKING_URI={uri} {command}", uri, parent.info.run_id, warm,
                               previous.info.run_name if previous is not None else None, report.summarize(before) if before else [],
-                              _unfinished(c, parent.info.run_id))
+                              _unfinished(c, parent.info.run_id, sweep_path, instance))
 
 
 @dataclass(frozen=True)
@@ -399,9 +399,15 @@ def _cell_runs(c: MlflowClient, parent_id: str) -> list[Any]:
     return c.search_runs([exp_id], filter_string=f"tags.`mlflow.parentRunId` = {tracking.quoted(parent_id)}", order_by=["attributes.start_time ASC"])
 
 
-def _unfinished(c: MlflowClient, parent_id: str) -> list[str]:
-    """Names of the cell runs under ``parent_id`` that have not finished (not started, running, killed)."""
-    return sorted(r.info.run_name for r in _cell_runs(c, parent_id) if r.info.status != "FINISHED")
+def _unfinished(c: MlflowClient, parent_id: str, sweep_path: str | None = None, instance: str | None = None) -> list[str]:
+    """Names of the sweep's cells that have not finished: runs under ``parent_id`` still running or killed,
+    and, given the sweep file, its cells that have no run yet."""
+    runs = _cell_runs(c, parent_id)
+    names = {r.info.run_name for r in runs if r.info.status != "FINISHED"}
+    if sweep_path is not None:
+        started = {r.info.run_name for r in runs}
+        names |= {cell.run_name for cell in load_sweep(sweep_path, instance)[1] if cell.run_name not in started}
+    return sorted(names)
 
 
 def _histories(c: MlflowClient, parent_id: str) -> dict[str, report.CellHistory]:
