@@ -286,12 +286,15 @@ def _previous_instance(c: MlflowClient, parent: Any) -> Any | None:
 def _page_context(c: MlflowClient, parent: Any, found: dict[str, report.CellHistory], sweep_path: str | None, out: str | None,
                   previous: Any | None) -> report.PageContext:
     """What the page prints besides the numbers: commit, configs, warm start, the regenerate command."""
-    runs = [c.get_run(run_id) for run_id in sorted(found)]
+    cell_runs = _cell_runs(c, parent.info.run_id)
+    runs = [r for r in cell_runs if r.info.run_id in found]
     commits = sorted({r.data.tags.get("git_commit", "unknown") for r in runs})
-    configs = [sweep_path] if sweep_path else []
+    instance = parent.data.tags.get(INSTANCE_TAG)
+    configs, expected = [], []
     if sweep_path:
-        spec = SweepConfig.model_validate(yaml.safe_load(Path(sweep_path).read_text()))
-        configs.append(os.path.normpath(Path(sweep_path).parent / spec.base))
+        spec, cells = load_sweep(sweep_path, instance)
+        configs = [sweep_path, os.path.normpath(Path(sweep_path).parent / spec.base)]
+        expected = [cell.run_name for cell in cells]
     warm = None
     sources = sorted({(r.data.tags[tracking.INIT_MODEL_TAG], r.data.tags[tracking.INIT_SOURCE_TAG]) for r in runs if tracking.INIT_SOURCE_TAG in r.data.tags})
     if len(sources) == 1:
@@ -300,13 +303,12 @@ def _page_context(c: MlflowClient, parent: Any, found: dict[str, report.CellHist
         n = {m.step: m.value for m in c.get_metric_history(source, "eval/episodes")}
         if h:
             warm = report.WarmStart(model_uri, source, h[max(h)], int(n.get(max(h), 0)))
-    instance = parent.data.tags.get(INSTANCE_TAG)
     command = f"horizonrl report {sweep_path or '<sweep file>'}" + (f" --instance {instance}" if instance else "") + (f" --out {out}" if out else "")
     uri = c.tracking_uri
     before = list(_histories(c, previous.info.run_id).values()) if previous is not None else []
     return report.PageContext(f"Results: {parent.info.run_name}", commits, configs, f"MLFLOW_TRACKING_URI={uri} {command}", uri, parent.info.run_id, warm,
                               previous.info.run_name if previous is not None else None, report.summarize(before) if before else [],
-                              _unfinished(c, parent.info.run_id, sweep_path, instance))
+                              _unfinished(cell_runs, expected))
 
 
 @dataclass(frozen=True)
@@ -399,15 +401,11 @@ def _cell_runs(c: MlflowClient, parent_id: str) -> list[Any]:
     return c.search_runs([exp_id], filter_string=f"tags.`mlflow.parentRunId` = {tracking.quoted(parent_id)}", order_by=["attributes.start_time ASC"])
 
 
-def _unfinished(c: MlflowClient, parent_id: str, sweep_path: str | None = None, instance: str | None = None) -> list[str]:
-    """Names of the sweep's cells that have not finished: runs under ``parent_id`` still running or killed,
-    and, given the sweep file, its cells that have no run yet."""
-    runs = _cell_runs(c, parent_id)
-    names = {r.info.run_name for r in runs if r.info.status != "FINISHED"}
-    if sweep_path is not None:
-        started = {r.info.run_name for r in runs}
-        names |= {cell.run_name for cell in load_sweep(sweep_path, instance)[1] if cell.run_name not in started}
-    return sorted(names)
+def _unfinished(cell_runs: list[Any], expected: list[str]) -> list[str]:
+    """Names of the sweep's cells that have not finished: its cell runs still running or killed, and the
+    ``expected`` cell names (the sweep file's, when given) that have no run yet."""
+    started = {r.info.run_name for r in cell_runs}
+    return sorted({r.info.run_name for r in cell_runs if r.info.status != "FINISHED"} | {n for n in expected if n not in started})
 
 
 def _histories(c: MlflowClient, parent_id: str) -> dict[str, report.CellHistory]:
