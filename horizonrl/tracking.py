@@ -105,8 +105,11 @@ def experiment_id(c: MlflowClient, name: str) -> str:
         artifacts = (Path(c.tracking_uri.removeprefix("sqlite:///")).parent / "artifacts").resolve().as_uri()
     try:
         return c.create_experiment(name, artifact_location=artifacts)
-    except mlflow.exceptions.MlflowException:  # created concurrently by another run
-        return c.get_experiment_by_name(name).experiment_id
+    except mlflow.exceptions.MlflowException:
+        exp = c.get_experiment_by_name(name)  # created by another run between our lookup and create
+        if exp is None:
+            raise
+        return exp.experiment_id
 
 
 def find_run(c: MlflowClient, experiment: str, run_name: str) -> Run | None:

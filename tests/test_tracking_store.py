@@ -37,3 +37,28 @@ def test_an_existing_store_is_opened_not_replaced(tmp_path, monkeypatch):
     made = MlflowClient(uri)  # made by MLflow itself, before horizonrl opens it
     run = made.create_run(made.create_experiment("mine"))
     assert tracking.client(uri).get_run(run.info.run_id).info.run_id == run.info.run_id
+
+
+class _LateLookup(MlflowClient):
+    """A real client whose first lookup by name comes before another process creates the experiment: the
+    race two runs starting at once hit on a shared server."""
+
+    def __init__(self, uri: str) -> None:
+        super().__init__(uri)
+        self.lookups = 0
+
+    def get_experiment_by_name(self, name: str):
+        self.lookups += 1
+        if self.lookups == 1:
+            MlflowClient(self.tracking_uri).create_experiment(name)  # the other run wins the race
+            return None
+        return super().get_experiment_by_name(name)
+
+
+def test_an_experiment_created_by_another_run_meanwhile_is_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    tracking.client(uri)
+    late = _LateLookup(uri)
+    made = tracking.experiment_id(late, "shared")
+    assert late.lookups == 2 and made == MlflowClient(uri).get_experiment_by_name("shared").experiment_id
