@@ -197,6 +197,36 @@ def git_commit() -> str:
         return "unknown"
 
 
+COMMITS_TAG = "horizonrl.git_commits"  # every commit a run ran at, in order, space-separated
+
+
+def record_commit(c: MlflowClient, run_id: str, commit: str) -> None:
+    """Add ``commit`` to the run's ``COMMITS_TAG``: a run resumed after a pull runs its later iterations at
+    newer code, and its ``git_commit`` tag names only the first start's."""
+    tags = c.get_run(run_id).data.tags
+    had = tags.get(COMMITS_TAG, tags.get("git_commit", "")).split()
+    if commit not in had:
+        set_tags(c, run_id, {COMMITS_TAG: " ".join([*had, commit])})
+
+
+# What a cell runs: a change here between two commits can change its numbers (docs, tests, scripts cannot).
+CODE_PATHS = ("pyproject.toml", "horizonrl", "methods", "tasks", "flows", "configs")
+
+
+def changed_code(commits: list[str]) -> list[str] | None:
+    """Files under ``CODE_PATHS`` that differ between the first of ``commits`` and any other, sorted; None
+    when git cannot compare them (a commit unknown here, or no repository)."""
+    changed: set[str] = set()
+    for other in commits[1:]:
+        try:
+            out = subprocess.run(["git", "diff", "--name-only", commits[0], other, "--", *CODE_PATHS],
+                                 capture_output=True, text=True, check=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+        changed.update(line for line in out.splitlines() if line)
+    return sorted(changed)
+
+
 def set_tags(c: MlflowClient, run_id: str, tags: dict[str, Any]) -> None:
     c.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in sorted(tags.items())])
 

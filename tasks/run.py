@@ -59,12 +59,15 @@ def start_run(cfg: TrainConfig, killed_holder: dict[str, Any] | None = None) -> 
                     "(stored rollouts are reused, logged figures are not logged again)", policy.path, policy.iteration + 1, damaged[0][0].iteration)
     uri = tracking.tracking_uri(cfg.tracking_uri)
     c = tracking.client(uri)
+    commit = tracking.git_commit()
     tags = {"method": cfg.method, "env": cfg.env.name, "tier": cfg.env.tier, "seed": str(cfg.seed), "context": cfg.rollout.context,
-            "git_commit": tracking.git_commit(), **tracking.lineage_tags(c, cfg.model.path)}
+            "git_commit": commit, tracking.COMMITS_TAG: commit, **tracking.lineage_tags(c, cfg.model.path)}
     run_id, resumed = tracking.find_or_create_run(c, cfg.experiment, cfg.run_name, tags)
     if resumed and not c.get_run(run_id).data.params:  # created ahead by a sweep, to nest it in the UI
         tracking.set_tags(c, run_id, tags)
         resumed = False
+    if resumed:
+        tracking.record_commit(c, run_id, commit)
     if not resumed:
         tracking.log_params(c, run_id, cfg.flat())
     (d / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=True))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -180,3 +181,15 @@ def test_paired_difference_pairs_iterations_inside_the_window():
     assert diff == report.interval([run[i] - control[i] for i in (1, 2, 3)])
     assert diff.low < diff.mean < diff.high and diff.low >= -0.05 - 1e-12 and diff.high <= 0.10 + 1e-12
     assert report.paired_difference(control, run, 4, 4)[1] == 0
+
+
+def test_the_page_says_what_code_differs_between_the_commits_the_cells_ran_at():
+    one = report.results_page(_fixture(), CTX, FIGURES)
+    assert "- commit: `0123abcd`" in one and "differ between" not in one
+    lines = {changes: report.results_page(_fixture(), replace(CTX, commits=["0123abcd", "4567ef01"], code_changes=None if changes is None else list(changes)), FIGURES)
+             for changes in (None, (), ("methods/loop.py",))}
+    for page in lines.values():
+        assert "- commits: the cells ran at 2 commits: `0123abcd`, `4567ef01`" in page
+    assert "differ between those commits: not compared" in lines[None]
+    assert "differ between those commits: none (only documentation" in lines[()]
+    assert "differ between those commits: `methods/loop.py`" in lines[("methods/loop.py",)]

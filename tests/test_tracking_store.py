@@ -1,7 +1,10 @@
-"""A new SQLite MLflow store is a copy of an empty store MLflow migrated once per machine (horizonrl.tracking):
-it must be the store MLflow would have made, and never touch one that exists."""
+"""horizonrl.tracking against a real SQLite MLflow store: a new store is a copy of an empty store MLflow
+migrated once per machine (it must be the store MLflow would have made, and never touch one that exists);
+experiments created concurrently; the commits a run ran at."""
 
 from __future__ import annotations
+
+import subprocess
 
 import mlflow
 from mlflow import MlflowClient
@@ -62,3 +65,31 @@ def test_an_experiment_created_by_another_run_meanwhile_is_reused(tmp_path, monk
     late = _LateLookup(uri)
     made = tracking.experiment_id(late, "shared")
     assert late.lookups == 2 and made == MlflowClient(uri).get_experiment_by_name("shared").experiment_id
+
+
+def test_each_commit_a_resumed_run_ran_at_is_recorded_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    c = tracking.client(f"sqlite:///{tmp_path}/mlflow.db")
+    older = tracking.create_run(c, "e", "r", {"git_commit": "a" * 40})  # a run from before the tag existed
+    for commit in ("b" * 40, "b" * 40, "c" * 40):
+        tracking.record_commit(c, older, commit)
+    assert c.get_run(older).data.tags[tracking.COMMITS_TAG] == " ".join(("a" * 40, "b" * 40, "c" * 40))
+
+
+def test_changed_code_names_only_files_a_cell_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    git = lambda *args: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True, capture_output=True, text=True).stdout.strip()
+    git("init", "-q")
+    (tmp_path / "methods").mkdir()
+    (tmp_path / "methods" / "loop.py").write_text("A = 1\n")
+    (tmp_path / "README.md").write_text("one\n")
+    commits = []
+    for change in (None, "README.md", "methods/loop.py"):
+        if change:
+            (tmp_path / change).write_text((tmp_path / change).read_text() + "more\n")
+        git("add", "-A")
+        git("commit", "-qm", f"change {change}")
+        commits.append(git("rev-parse", "HEAD"))
+    assert tracking.changed_code(commits[:2]) == []
+    assert tracking.changed_code(commits) == tracking.changed_code(commits[::-1]) == ["methods/loop.py"]
+    assert tracking.changed_code([commits[0], "f" * 40]) is None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from mlflow import MlflowClient
 
-from horizonrl import store
+from horizonrl import store, tracking
 from flowkit import run_of, steps, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -72,3 +72,5 @@ def test_train_flow_logs_every_stage(prefect_harness, tmp_path, tracking_uri):
     for key in ("collect/success_rate", "update/steps"):
         assert steps(c, run.info.run_id, key) == [1, 2, 3], key
     assert _episodes_by_step(c, run.info.run_id) == {0: 4, 1: 3, 2: 4, 3: 4}, "the new last evaluation on n_tasks_ends"
+    commit = tracking.git_commit()
+    assert c.get_run(run.info.run_id).data.tags[tracking.COMMITS_TAG] == commit, "a resume at the same commit adds none"
