@@ -417,7 +417,7 @@ def _histories(c: MlflowClient, parent_id: str) -> dict[str, report.CellHistory]
         if run.info.status != "FINISHED":
             continue
         coords = json.loads(run.data.tags.get(CELL_TAG, "{}"))
-        variant = " ".join(str(v) if k == "method" else f"{k}={v}" for k, v in coords.items() if k != "seed") or "base"
+        variant = report.variant_name(coords)
         family_keys = sorted(key for key in run.data.metrics if key.startswith(FAMILY_PREFIX))
         h = {key: {m.step: m.value for m in c.get_metric_history(run.info.run_id, key)} for key in (*HISTORIES, *family_keys)}
         train_s = h["time/train_s"][max(h["time/train_s"])] if h["time/train_s"] else float("nan")

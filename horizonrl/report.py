@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -138,6 +139,14 @@ CLAIMS = [
     Claim("BLPO > GiGPO > GRPO on long-horizon household tasks", ["blpo", "gigpo", "grpo"]),
     Claim("APPO above its GRPO-style baseline", ["appo", "grpo"]),
 ]
+
+
+def variant_name(coords: dict[str, Any]) -> str:
+    """A grid cell's variant: its method, then its other coordinates but the seed as ``key=value`` in key
+    order (``loop loss_params.ratio_level=turn``), the names ``CLAIMS`` use; ``base`` when it has none."""
+    rest = [f"{k}={v}" for k, v in sorted(coords.items()) if k not in ("method", "seed")]
+    method = [str(coords["method"])] if "method" in coords else []
+    return " ".join(method + rest) or "base"
 
 
 def interval(values: list[float]) -> Interval:
@@ -413,11 +422,17 @@ def _family_lines(summaries: list[VariantSummary]) -> list[str]:
 
 
 def _separation_warnings(summaries: list[VariantSummary]) -> list[str]:
-    """One line per pair of variants whose final-success intervals overlap: these seeds cannot order them."""
-    pairs = [(a.variant, b.variant) for i, a in enumerate(summaries) for b in summaries[i + 1:] if _order(a.final, b.final) == "overlap"]
-    if not pairs:
+    """Which pairs of variants these seeds order: those whose final-success intervals are disjoint, the
+    higher first. Named rather than the overlapping pairs, which are most pairs in a study of many variants."""
+    if len(summaries) < 2:
         return []
-    return [f"⚠ Final-success intervals overlap, so these seeds cannot separate: {'; '.join(f'{a} vs {b}' for a, b in pairs)}.", ""]
+    ordered = [(a.variant, b.variant) if _order(a.final, b.final) == "above" else (b.variant, a.variant)
+               for i, a in enumerate(summaries) for b in summaries[i + 1:] if _order(a.final, b.final) != "overlap"]
+    total = len(summaries) * (len(summaries) - 1) // 2
+    if not ordered:
+        return [f"⚠ The final-success intervals of every pair of variants overlap: these seeds order none of the {total} pairs.", ""]
+    return [f"⚠ These seeds order {len(ordered)} of the {total} pairs of variants (final-success intervals disjoint, higher first): "
+            f"{'; '.join(f'{a} > {b}' for a, b in sorted(ordered))}. The intervals of every other pair overlap.", ""]
 
 
 def _order(a: Interval, b: Interval) -> str:
