@@ -48,7 +48,7 @@ from horizonrl import report, runlock, tracking
 from horizonrl.config import TrainConfig, load_config, run_dir
 from horizonrl.rollout_metrics import FAMILY_SUCCESS
 
-HISTORIES = ("eval/success_rate", "collect/episodes", "collect/mean_turns", "collect/tokens_per_episode", "time/train_s", "time/env_steps")
+HISTORIES = ("eval/success_rate", "eval/episodes", "collect/episodes", "collect/mean_turns", "collect/tokens_per_episode", "time/train_s", "time/env_steps")
 FAMILY_PREFIX = f"eval/{FAMILY_SUCCESS}"  # then a task family: its held-out success
 REPORT_TABLE = "report/comparison.json"  # pandas "split" JSON: {"columns": [...], "data": [[...], ...]}
 CELL_TAG = "horizonrl.cell"  # the cell's coordinates as JSON; also one ``cell.<key>`` tag per coordinate
@@ -424,7 +424,7 @@ def _histories(c: MlflowClient, parent_id: str) -> dict[str, report.CellHistory]
         families = {key.removeprefix(FAMILY_PREFIX): h[key] for key in family_keys}
         out[run.info.run_id] = report.CellHistory(variant, int(run.data.tags.get("seed", coords.get("seed", 0))), h["eval/success_rate"],
                                                   h["collect/episodes"], h["collect/mean_turns"], h["collect/tokens_per_episode"], train_s,
-                                                  h["time/env_steps"], h["time/train_s"], families)
+                                                  h["time/env_steps"], h["time/train_s"], families, h["eval/episodes"])
     return out
 
 

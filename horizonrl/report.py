@@ -46,6 +46,7 @@ class CellHistory:
     env_steps: dict[int, float] = field(default_factory=dict)  # time/env_steps (cumulative)
     wall_s: dict[int, float] = field(default_factory=dict)  # time/train_s (cumulative)
     families: dict[str, dict[int, float]] = field(default_factory=dict)  # eval/success_rate/<family>, by family
+    eval_episodes: dict[int, float] = field(default_factory=dict)  # eval/episodes: held-out episodes behind each point
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,17 @@ class VariantSummary:
     env_steps: float = float("nan")
     change: Interval = Interval(float("nan"), float("nan"), float("nan"))  # final minus first evaluation, per seed
     families: dict[str, Interval] = field(default_factory=dict)  # final success per task family, by family
+    pooled_change: PooledChange | None = None  # the change over all seeds' episodes; None without episode counts
+
+
+@dataclass(frozen=True)
+class PooledChange:
+    """Final minus first held-out success with every seed's episodes pooled: its 95% interval is
+    binomial (it leaves out the spread between seeds, which the interval over seeds holds)."""
+
+    change: Interval
+    first_episodes: int
+    final_episodes: int
 
 
 @dataclass(frozen=True)
@@ -182,6 +194,28 @@ def wilson(p: float, n: int) -> tuple[float, float]:
     return max(0.0, centre - spread), min(1.0, centre + spread)
 
 
+def newcombe(p1: float, n1: int, p2: float, n2: int) -> Interval:
+    """``p2 - p1`` and its 95% interval from the two Wilson intervals (Newcombe's hybrid score method):
+    inside [-1, 1], sound near 0 and 1 where the Wald interval is not."""
+    l1, u1 = wilson(p1, n1)
+    l2, u2 = wilson(p2, n2)
+    d = p2 - p1
+    return Interval(d, d - math.sqrt((p2 - l2) ** 2 + (u1 - p1) ** 2), d + math.sqrt((u2 - p2) ** 2 + (p1 - l1) ** 2))
+
+
+def pooled_change(group: list[CellHistory]) -> PooledChange | None:
+    """The change from each seed's first evaluation to its last, the seeds' episodes pooled; None when a
+    seed lacks the episode counts of those two evaluations."""
+    counts = []
+    for c in group:
+        first, last = min(c.success), max(c.success)
+        if first == last or first not in c.eval_episodes or last not in c.eval_episodes:
+            return None
+        counts.append((c.success[first] * c.eval_episodes[first], c.eval_episodes[first], c.success[last] * c.eval_episodes[last], c.eval_episodes[last]))
+    won1, n1, won2, n2 = (sum(x) for x in zip(*counts))
+    return PooledChange(newcombe(won1 / n1, round(n1), won2 / n2, round(n2)), round(n1), round(n2))
+
+
 def env_steps(cell: CellHistory) -> dict[int, float]:
     """Cumulative environment steps after each iteration (0 before the first)."""
     if cell.env_steps:
@@ -228,7 +262,7 @@ def summarize(cells: list[CellHistory]) -> list[VariantSummary]:
         col = {k: [f[k] for f in figs] for k in figs[0]}
         out.append(VariantSummary(variant, len(group), interval(col["final"]), interval(col["best"]), interval(col["auc"]),
                                   float(np.mean(col["tokens"])), float(np.mean(col["train_s"])), float(np.mean(col["env_steps"])),
-                                  interval(col["change"]), _family_finals(group)))
+                                  interval(col["change"]), _family_finals(group), pooled_change(group)))
     return out
 
 
@@ -290,8 +324,14 @@ def judge(claim: Claim, summaries: list[VariantSummary]) -> str:
 
 def improvement(s: VariantSummary) -> str:
     """``improves`` when the interval of the change from the start lies above 0, ``worsens`` when below,
-    else ``no change told apart`` (also with one seed: no interval)."""
-    return {"above": "improves", "below": "worsens"}.get(_order(s.change, Interval(0.0, 0.0, 0.0)), "no change told apart")
+    else ``no change told apart`` (also with one seed: no interval). With episode counts, the pooled
+    binomial interval must agree: a percentile bootstrap over 3 seeds is narrower than the seeds warrant,
+    and the pooled interval leaves out their spread, so a verdict needs both."""
+    zero = Interval(0.0, 0.0, 0.0)
+    by_seeds = _order(s.change, zero)
+    if s.pooled_change is not None and _order(s.pooled_change.change, zero) != by_seeds:
+        return "no change told apart"
+    return {"above": "improves", "below": "worsens"}.get(by_seeds, "no change told apart")
 
 
 def drifts(now: list[VariantSummary], before: list[VariantSummary]) -> list[Drift]:
@@ -344,11 +384,14 @@ def results_page(cells: list[CellHistory], ctx: PageContext, figures: dict[str, 
               "Change: final minus the cell's first evaluation (its starting policy, evaluated in the same run).", ""]
     lines += _separation_warnings(summaries)
     lines += ["## Against the starting policy", "",
-              "Judged by the interval of the change: *improves* when it lies above 0, *worsens* when below, else *no change told apart*.", ""]
+              "Judged by two 95% intervals of the change (final minus first evaluation): over seeds (percentile bootstrap; "
+              "with few seeds narrower than they warrant) and pooled over every seed's held-out episodes (Newcombe's interval "
+              "for a difference of two proportions; it leaves out the spread between seeds). *improves* when both lie above 0, "
+              "*worsens* when both lie below, else *no change told apart*.", ""]
     verdicts = {s.variant: improvement(s) for s in summaries}
-    lines += [f"- {s.variant}: **{verdicts[s.variant]}** ({_ci(s.change, signed=True)})" for s in summaries]
+    lines += [f"- {s.variant}: **{verdicts[s.variant]}** ({_ci(s.change, signed=True)} over seeds{_pooled(s.pooled_change)})" for s in summaries]
     better = [v for v, verdict in verdicts.items() if verdict == "improves"]
-    lines += ["", f"Improves on its starting policy with a 95% interval above no change: {', '.join(better) if better else 'no variant'}.", ""]
+    lines += ["", f"Improves on its starting policy with 95% intervals above no change: {', '.join(better) if better else 'no variant'}.", ""]
     lines += _family_lines(summaries)
     lines += ["## Learning curves", ""]
     for n, (x, name) in enumerate(figures.items(), start=1):
@@ -442,6 +485,12 @@ def _order(a: Interval, b: Interval) -> str:
     if a.low > b.high:
         return "above"
     return "below" if a.high < b.low else "overlap"
+
+
+def _pooled(p: PooledChange | None) -> str:
+    if p is None:
+        return "; no episode counts to pool"
+    return f"; {_ci(p.change, signed=True)} pooled over {p.first_episodes:,} and {p.final_episodes:,} episodes"
 
 
 def _ci(ci: Interval, signed: bool = False) -> str:

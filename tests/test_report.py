@@ -30,7 +30,7 @@ def _fixture() -> list[CellHistory]:
 
     return [CellHistory(c["variant"], c["seed"], keyed(c["success"]), keyed(c["episodes"]), keyed(c["mean_turns"]),
                         keyed(c["tokens_per_episode"]), c["train_s"], keyed(c["env_steps"]), keyed(c["wall_s"]),
-                        {f: keyed(h) for f, h in c.get("families", {}).items()})
+                        {f: keyed(h) for f, h in c.get("families", {}).items()}, keyed(c.get("eval_episodes", {})))
             for c in json.loads(FIXTURE.read_text())["cells"]]
 
 
@@ -64,6 +64,18 @@ def test_bootstrap_interval_stays_inside_zero_one_and_is_fixed():
     assert report.interval(values) == ci, "the bootstrap draws from a fixed generator"
     se = np.std(values, ddof=1) / math.sqrt(len(values))
     assert ci.high - ci.low == pytest.approx(2 * 1.96 * se, rel=0.25)  # near the normal interval's width
+
+
+def test_newcombe_interval_of_a_difference():
+    # Newcombe (1998), Stat. Med. 17:873, Table II example (a): 56/70 - 48/80, method 10: 0.0524 to 0.3339
+    d = report.newcombe(48 / 80, 80, 56 / 70, 70)
+    assert (d.mean, round(d.low, 4), round(d.high, 4)) == (pytest.approx(0.2), 0.0524, 0.3339)
+    # pooled over seeds: loop's three seeds, 200 episodes at each end (by hand: +0.350 [+0.298, +0.400])
+    loop = [c for c in _fixture() if c.variant == "loop"]
+    p = report.pooled_change(loop)
+    assert (p.first_episodes, p.final_episodes) == (600, 600) and p.change.mean == pytest.approx(0.55 - 0.2)
+    assert p.change == report.newcombe(0.2, 600, 0.55, 600)
+    assert report.pooled_change([replace(loop[0], eval_episodes={0: 200})]) is None  # the last evaluation's count is missing
 
 
 def test_wilson_interval():
@@ -138,8 +150,11 @@ def test_results_page_is_deterministic_and_complete(tmp_path):
     assert "`0123abcd`" in page and "configs/sweeps/x.yaml" in page and CTX.command in page
     assert f"- cells: {len(cells)} finished, every cell of the sweep" in page
     assert "| loop | 3 | 0.550 [0.500, 0.600] | 0.550 [0.500, 0.600] | 0.380 [0.350, 0.405] | +0.350 [+0.300, +0.400] |" in page
-    assert "- loop: **improves** (+0.350 [+0.300, +0.400])" in page and "- grpo: **no change told apart** (-0.050 [-0.100, +0.000])" in page
-    assert "above no change: blpo, gigpo, loop, loop advantage_params.normalize_std=True, loop loss_params.ratio_level=turn." in page
+    assert "- loop: **improves** (+0.350 [+0.300, +0.400] over seeds; +0.350 [+0.298, +0.400] pooled over 600 and 600 episodes)" in page
+    assert "- grpo: **no change told apart** (-0.050 [-0.100, +0.000] over seeds; no episode counts to pool)" in page
+    # gigpo's seeds agree (+0.123 [+0.100, +0.150]) but its 60 + 60 episodes do not tell the change from none
+    assert "- gigpo: **no change told apart** (+0.123 [+0.100, +0.150] over seeds; +0.123 [-0.034, +0.273] pooled over 60 and 60 episodes)" in page
+    assert "above no change: blpo, loop, loop advantage_params.normalize_std=True, loop loss_params.ratio_level=turn." in page
     # by task family: each seed's last evaluation; grpo logged only pick_two, and on one seed (no interval)
     assert "| variant | pick_and_place | pick_two |" in page
     assert "| loop | 0.750 [0.700, 0.800] | 0.350 [0.300, 0.400] |" in page
