@@ -74,6 +74,15 @@ class VariantSummary:
     change: Interval = Interval(float("nan"), float("nan"), float("nan"))  # final minus first evaluation, per seed
     families: dict[str, Interval] = field(default_factory=dict)  # final success per task family, by family
     pooled_change: PooledChange | None = None  # the change over all seeds' episodes; None without episode counts
+    pooled_final: Pooled | None = None  # final success over all seeds' last-evaluation episodes
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """A success rate over every seed's episodes of one evaluation (first or last)."""
+
+    rate: float
+    episodes: int
 
 
 @dataclass(frozen=True)
@@ -203,17 +212,36 @@ def newcombe(p1: float, n1: int, p2: float, n2: int) -> Interval:
     return Interval(d, d - math.sqrt((p2 - l2) ** 2 + (u1 - p1) ** 2), d + math.sqrt((u2 - p2) ** 2 + (p1 - l1) ** 2))
 
 
-def pooled_change(group: list[CellHistory]) -> PooledChange | None:
-    """The change from each seed's first evaluation to its last, the seeds' episodes pooled; None when a
-    seed lacks the episode counts of those two evaluations."""
-    counts = []
+def pooled(group: list[CellHistory], last: bool) -> Pooled | None:
+    """Success over every seed's episodes of its first (or last) evaluation; None when a seed lacks that
+    evaluation's episode count."""
+    won = n = 0.0
     for c in group:
-        first, last = min(c.success), max(c.success)
-        if first == last or first not in c.eval_episodes or last not in c.eval_episodes:
+        it = max(c.success) if last else min(c.success)
+        if it not in c.eval_episodes:
             return None
-        counts.append((c.success[first] * c.eval_episodes[first], c.eval_episodes[first], c.success[last] * c.eval_episodes[last], c.eval_episodes[last]))
-    won1, n1, won2, n2 = (sum(x) for x in zip(*counts))
-    return PooledChange(newcombe(won1 / n1, round(n1), won2 / n2, round(n2)), round(n1), round(n2))
+        won, n = won + c.success[it] * c.eval_episodes[it], n + c.eval_episodes[it]
+    return Pooled(won / n, round(n)) if n else None
+
+
+def pooled_change(group: list[CellHistory]) -> PooledChange | None:
+    """The change from each seed's first evaluation to its last, the seeds' episodes pooled; None without
+    the episode counts, or when a seed has one evaluation only."""
+    first, final = pooled(group, last=False), pooled(group, last=True)
+    if first is None or final is None or any(len(c.success) < 2 for c in group):
+        return None
+    return PooledChange(newcombe(first.rate, first.episodes, final.rate, final.episodes), first.episodes, final.episodes)
+
+
+def compare(a: VariantSummary, b: VariantSummary) -> str:
+    """``above`` / ``below`` when ``a``'s final success is told apart from ``b``'s, else ``overlap``: the
+    intervals over seeds must be disjoint and, with episode counts, the pooled binomial interval of the
+    difference must exclude 0 on the same side (the same two-interval rule as ``improvement``)."""
+    by_seeds = _order(a.final, b.final)
+    if a.pooled_final is None or b.pooled_final is None or by_seeds == "overlap":
+        return by_seeds
+    d = newcombe(b.pooled_final.rate, b.pooled_final.episodes, a.pooled_final.rate, a.pooled_final.episodes)
+    return by_seeds if _order(d, Interval(0.0, 0.0, 0.0)) == by_seeds else "overlap"
 
 
 def env_steps(cell: CellHistory) -> dict[int, float]:
@@ -262,7 +290,7 @@ def summarize(cells: list[CellHistory]) -> list[VariantSummary]:
         col = {k: [f[k] for f in figs] for k in figs[0]}
         out.append(VariantSummary(variant, len(group), interval(col["final"]), interval(col["best"]), interval(col["auc"]),
                                   float(np.mean(col["tokens"])), float(np.mean(col["train_s"])), float(np.mean(col["env_steps"])),
-                                  interval(col["change"]), _family_finals(group), pooled_change(group)))
+                                  interval(col["change"]), _family_finals(group), pooled_change(group), pooled(group, last=True)))
     return out
 
 
@@ -310,13 +338,13 @@ def table(summaries: list[VariantSummary]) -> list[dict[str, float | int | str]]
 
 
 def judge(claim: Claim, summaries: list[VariantSummary]) -> str:
-    """``holds`` when every claimed-better variant's final-success interval lies above the next one's,
-    ``does not hold`` when one lies below, else ``cannot be told apart`` (or ``not measured``)."""
+    """``holds`` when every claimed-better variant's final success is told apart above the next one's
+    (``compare``), ``does not hold`` when one is below, else ``cannot be told apart`` (or ``not measured``)."""
     by = {s.variant: s for s in summaries}
     missing = [v for v in claim.order if v not in by]
     if missing:
         return f"not measured ({', '.join(missing)} absent)"
-    verdicts = [_order(by[a].final, by[b].final) for a, b in zip(claim.order, claim.order[1:])]
+    verdicts = [compare(by[a], by[b]) for a, b in zip(claim.order, claim.order[1:])]
     if "below" in verdicts:
         return "does not hold"
     return "holds" if all(v == "above" for v in verdicts) else "cannot be told apart"
@@ -399,8 +427,9 @@ def results_page(cells: list[CellHistory], ctx: PageContext, figures: dict[str, 
                   f"*Figure {n}. Held-out success against {X_AXES[x]}: thin lines are single seeds, the thick line their mean, "
                   "the band the 95% percentile-bootstrap interval of the mean over seeds at each evaluation.*", ""]
     lines += ["## The papers' claims at this scale", "",
-              "Judged by the final-success intervals: *holds* when each claimed-better interval lies above the next, "
-              "*does not hold* when one lies below, else *cannot be told apart*.", ""]
+              "Judged by final success as variants are ordered above (intervals over seeds disjoint and, where episodes "
+              "are counted, the pooled interval of the difference on the same side of 0): *holds* when each claimed-better "
+              "variant is above the next, *does not hold* when one is below, else *cannot be told apart*.", ""]
     by = {s.variant: s for s in summaries}
     for c in CLAIMS:
         figures = " > ".join(f"{v} {_ci(by[v].final)}" for v in c.order if v in by)
@@ -465,17 +494,22 @@ def _family_lines(summaries: list[VariantSummary]) -> list[str]:
 
 
 def _separation_warnings(summaries: list[VariantSummary]) -> list[str]:
-    """Which pairs of variants these seeds order: those whose final-success intervals are disjoint, the
-    higher first. Named rather than the overlapping pairs, which are most pairs in a study of many variants."""
+    """Which pairs of variants these seeds order by final success (``compare``), the higher first. Named
+    rather than the pairs not told apart, which are most pairs in a study of many variants."""
     if len(summaries) < 2:
         return []
-    ordered = [(a.variant, b.variant) if _order(a.final, b.final) == "above" else (b.variant, a.variant)
-               for i, a in enumerate(summaries) for b in summaries[i + 1:] if _order(a.final, b.final) != "overlap"]
+    ordered = [(a.variant, b.variant) if compare(a, b) == "above" else (b.variant, a.variant)
+               for i, a in enumerate(summaries) for b in summaries[i + 1:] if compare(a, b) != "overlap"]
     total = len(summaries) * (len(summaries) - 1) // 2
     if not ordered:
-        return [f"⚠ The final-success intervals of every pair of variants overlap: these seeds order none of the {total} pairs.", ""]
-    return [f"⚠ These seeds order {len(ordered)} of the {total} pairs of variants (final-success intervals disjoint, higher first): "
-            f"{'; '.join(f'{a} > {b}' for a, b in sorted(ordered))}. The intervals of every other pair overlap.", ""]
+        return [f"⚠ These seeds order none of the {total} pairs of variants by final success.", "", _ORDER_RULE, ""]
+    return [f"⚠ These seeds order {len(ordered)} of the {total} pairs of variants by final success (higher first): "
+            f"{'; '.join(f'{a} > {b}' for a, b in sorted(ordered))}. No other pair is told apart.", "", _ORDER_RULE, ""]
+
+
+_ORDER_RULE = ("Two variants are ordered when their final-success intervals over seeds are disjoint and, where the "
+               "evaluations' episodes are counted, the 95% interval of the difference with every seed's episodes pooled "
+               "(Newcombe) excludes 0 on the same side.")
 
 
 def _order(a: Interval, b: Interval) -> str:

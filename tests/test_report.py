@@ -221,3 +221,15 @@ def test_every_variant_a_claim_names_is_a_cell_of_the_shipped_study():
     assert {v for claim in report.CLAIMS for v in claim.order} <= variants, variants
     assert report.variant_name({"seed": 0, "method": "loop", "loss_params.ratio_level": "turn"}) == "loop loss_params.ratio_level=turn"
     assert report.variant_name({"seed": 1}) == "base"
+
+
+def test_two_variants_are_ordered_only_when_the_pooled_episodes_agree_with_the_seeds():
+    by = {s.variant: s for s in report.summarize(_fixture())}
+    gigpo, grpo = by["gigpo"], by["grpo"]  # final 0.323 [0.300, 0.350] and 0.150 [0.100, 0.200]: disjoint over seeds
+    assert gigpo.pooled_final == report.Pooled(pytest.approx(19.4 / 60), 60) and grpo.pooled_final is None
+    assert report.compare(gigpo, grpo) == "above" and report.compare(grpo, gigpo) == "below"  # grpo has no episode counts
+    few, many = replace(grpo, pooled_final=report.Pooled(0.15, 20)), replace(grpo, pooled_final=report.Pooled(0.15, 2000))
+    assert report.compare(replace(gigpo, pooled_final=report.Pooled(0.323, 20)), few) == "overlap"  # 20 + 20 episodes: -0.092 to +0.412
+    assert report.compare(replace(gigpo, pooled_final=report.Pooled(0.323, 2000)), many) == "above"
+    blpo_first = replace(by["blpo"], pooled_final=report.Pooled(0.45, 20))
+    assert report.judge(report.CLAIMS[2], [blpo_first, replace(gigpo, pooled_final=report.Pooled(0.323, 20)), grpo]) == "cannot be told apart"
