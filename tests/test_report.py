@@ -175,12 +175,19 @@ def test_results_page_is_deterministic_and_complete(tmp_path):
 def test_plot_draws_each_seed_thin_under_the_mean_with_integer_ticks():
     cells = _fixture()
     fig = report.plot(report.curves(cells), "iterations")
-    ax = fig.axes[0]
-    lines = ax.get_lines()
-    assert len(lines) == len(cells) + 8  # one thin line per seed, one mean per variant
-    assert [line.get_label() for line in lines if not line.get_label().startswith("_")] == sorted({c.variant for c in cells})
-    assert all(t == int(t) for t in ax.get_xticks())
-    assert max(line.get_linewidth() for line in lines if line.get_label().startswith("_")) < min(line.get_linewidth() for line in lines if not line.get_label().startswith("_"))
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    variants = sorted({c.variant for c in cells})
+    assert [ax.get_title().replace("\n", " ") for ax in panels] == variants  # one panel per variant
+    for ax, variant in zip(panels, variants):
+        lines = ax.get_lines()
+        seeds = [line for line in lines if line.get_label() == "_seed"]
+        (mean,) = [line for line in lines if line.get_label() == variant]
+        assert len(seeds) == sum(c.variant == variant for c in cells)
+        assert len([line for line in lines if line.get_label() == "_context"]) == len(variants) - 1
+        assert max(line.get_linewidth() for line in seeds) < mean.get_linewidth()
+        assert all(t == int(t) for t in ax.get_xticks())
+    low, high = panels[0].get_ylim()  # the data span 0.1 to 0.7: the axis fits them, inside [0, 1]
+    assert 0.0 <= low <= 0.1 and 0.7 <= high <= 1.0 and high - low < 0.8
 
 
 def test_a_run_without_evaluation_is_named():
