@@ -77,6 +77,9 @@ class SweepConfig(BaseModel):
     """Fanned-out cells in flight at once."""
     register_best: str | None = None
     """Register the best cell's policy under this model name (MLflow model registry)."""
+    tuning: str | None = None
+    """What was tuned before the sweep, and on which methods: printed on the results page, since a
+    comparison is only as fair as the tuning behind it."""
 
     @field_validator("grid")
     @classmethod
@@ -290,11 +293,12 @@ def _page_context(c: MlflowClient, parent: Any, found: dict[str, report.CellHist
     runs = [r for r in cell_runs if r.info.run_id in found]
     commits = sorted({commit for r in runs for commit in r.data.tags.get(tracking.COMMITS_TAG, r.data.tags.get("git_commit", "unknown")).split()})
     instance = parent.data.tags.get(INSTANCE_TAG)
-    configs, expected = [], []
+    configs, expected, tuning = [], [], None
     if sweep_path:
         spec, cells = load_sweep(sweep_path, instance)
         configs = [sweep_path, os.path.normpath(Path(sweep_path).parent / spec.base)]
         expected = [cell.run_name for cell in cells]
+        tuning = spec.tuning
     warm = None
     sources = sorted({(r.data.tags[tracking.INIT_MODEL_TAG], r.data.tags[tracking.INIT_SOURCE_TAG]) for r in runs if tracking.INIT_SOURCE_TAG in r.data.tags})
     if len(sources) == 1:
@@ -308,7 +312,7 @@ def _page_context(c: MlflowClient, parent: Any, found: dict[str, report.CellHist
     before = list(_histories(c, previous.info.run_id).values()) if previous is not None else []
     return report.PageContext(f"Results: {parent.info.run_name}", commits, configs, f"MLFLOW_TRACKING_URI={uri} {command}", uri, parent.info.run_id, warm,
                               previous.info.run_name if previous is not None else None, report.summarize(before) if before else [],
-                              _unfinished(cell_runs, expected), tracking.changed_code(commits) if len(commits) > 1 else None)
+                              _unfinished(cell_runs, expected), tracking.changed_code(commits) if len(commits) > 1 else None, tuning)
 
 
 @dataclass(frozen=True)

@@ -136,6 +136,7 @@ class PageContext:
     previous_summaries: list[VariantSummary] = field(default_factory=list)
     unfinished: list[str] = field(default_factory=list)  # cell runs of the sweep left out: not finished yet
     code_changes: list[str] | None = None  # files a cell runs that differ between ``commits``; None: not compared
+    tuning: str | None = None  # the sweep file's account of what was tuned
 
 
 @dataclass(frozen=True)
@@ -427,6 +428,7 @@ def results_page(cells: list[CellHistory], ctx: PageContext, figures: dict[str, 
                   f"*Figure {n}. Held-out success against {X_AXES[x]}, one panel per variant: thin lines are single seeds, the thick "
                   "line their mean, the band the 95% percentile-bootstrap interval of the mean over seeds at each evaluation; grey "
                   "lines are the other variants' means. The y axis spans the data, not 0 to 1.*", ""]
+    lines += ["## What was tuned", "", " ".join((ctx.tuning or "The sweep file does not say (its `tuning` field).").split()), ""]
     lines += ["## The papers' claims at this scale", "",
               "Judged by final success as variants are ordered above (intervals over seeds disjoint and, where episodes "
               "are counted, the pooled interval of the difference on the same side of 0): *holds* when each claimed-better "

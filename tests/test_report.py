@@ -149,6 +149,9 @@ def test_results_page_is_deterministic_and_complete(tmp_path):
     assert "- BLPO > GiGPO > GRPO on long-horizon household tasks: **holds** (blpo 0.450 [0.400, 0.500] > gigpo 0.323 [0.300, 0.350] > grpo 0.150 [0.100, 0.200])" in page
     assert "`0123abcd`" in page and "configs/sweeps/x.yaml" in page and CTX.command in page
     assert f"- cells: {len(cells)} finished, every cell of the sweep" in page
+    assert "## What was tuned\n\nThe sweep file does not say" in page
+    told = report.results_page(cells, replace(CTX, tuning="Only the\n  learning rate, on LOOP."), FIGURES)
+    assert "## What was tuned\n\nOnly the learning rate, on LOOP.\n" in told
     assert "| loop | 3 | 0.550 [0.500, 0.600] | 0.550 [0.500, 0.600] | 0.380 [0.350, 0.405] | +0.350 [+0.300, +0.400] |" in page
     assert "- loop: **improves** (+0.350 [+0.300, +0.400] over seeds; +0.350 [+0.298, +0.400] pooled over 600 and 600 episodes)" in page
     assert "- grpo: **no change told apart** (-0.050 [-0.100, +0.000] over seeds; no episode counts to pool)" in page

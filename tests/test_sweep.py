@@ -145,9 +145,11 @@ def test_cells_are_nested_under_the_sweep_when_they_start(prefect_harness, tmp_p
     assert "- cells: 1 finished; **1 not finished, left out**: `s--seed=1`" in page
     assert c.get_run(parent.info.run_id).data.metrics["compare/base/seeds"] == 1
     # given the sweep file, a cell that has not started is named too
-    grown = _write(tmp_path, {"grid": {"seed": [0, 1, 2]}}, base)
+    grown = _write(tmp_path, {"grid": {"seed": [0, 1, 2]}, "tuning": "Nothing was tuned."}, base)
     sweep_report("s", "test", tracking_uri, sweep_path=str(grown), out=str(tmp_path / "page" / "results.md"))
-    assert "- cells: 1 finished; **2 not finished, left out**: `s--seed=1`, `s--seed=2`" in (tmp_path / "page" / "results.md").read_text()
+    page = (tmp_path / "page" / "results.md").read_text()
+    assert "- cells: 1 finished; **2 not finished, left out**: `s--seed=1`, `s--seed=2`" in page
+    assert "## What was tuned\n\nNothing was tuned.\n" in page  # from the sweep file
 
 
 @pytest.mark.slow
