@@ -225,6 +225,23 @@ def pooled(group: list[CellHistory], last: bool) -> Pooled | None:
     return Pooled(won / n, round(n)) if n else None
 
 
+def cells_start(cells: list[CellHistory]) -> tuple[Pooled, int] | None:
+    """The starting policy as the cells evaluated it: each seed's first evaluation pooled over the seeds,
+    and the number of seeds. Cells of one seed that start from the same policy sample the same episodes,
+    so each seed counts once; None when they disagree (not one starting policy) or lack episode counts."""
+    by_seed: dict[int, set[tuple[float, float]]] = {}
+    for c in cells:
+        first = min(c.success)
+        if first not in c.eval_episodes:
+            return None
+        by_seed.setdefault(c.seed, set()).add((c.success[first], c.eval_episodes[first]))
+    if not by_seed or any(len(v) != 1 for v in by_seed.values()):
+        return None
+    starts = [next(iter(v)) for v in by_seed.values()]
+    n = sum(e for _, e in starts)
+    return Pooled(sum(p * e for p, e in starts) / n, round(n)), len(starts)
+
+
 def pooled_change(group: list[CellHistory]) -> PooledChange | None:
     """The change from each seed's first evaluation to its last, the seeds' episodes pooled; None without
     the episode counts, or when a seed has one evaluation only."""
@@ -406,9 +423,11 @@ def results_page(cells: list[CellHistory], ctx: PageContext, figures: dict[str, 
         lines.append(f"- every cell starts from the warm start `{ctx.warm_start.model_uri}` (run `{ctx.warm_start.run_id}`)")
     lines.append(f"- cells: {len(cells)} finished" + (f"; **{len(ctx.unfinished)} not finished, left out**: {', '.join(f'`{n}`' for n in ctx.unfinished)}"
                                                      if ctx.unfinished else ", every cell of the sweep"))
-    lines += ["", "## Held-out success", "", *_table_lines(summaries, ctx.warm_start), "",
+    lines += ["", "## Held-out success", "", *_table_lines(summaries, ctx.warm_start, cells_start(cells) if ctx.warm_start else None), "",
               "Each cell: mean over seeds [95% percentile-bootstrap interval of the mean, resampling seeds]; "
-              "the warm start: one run [95% Wilson interval over its held-out episodes]. "
+              "the warm start: its own last evaluation, and below it the cells' first evaluations of the same policy "
+              "[95% Wilson interval over the held-out episodes]; they differ only in the sampling seed, so their gap is "
+              "the evaluation's noise. "
               "AUC: area under success against iteration over the iterations spanned (the curve's mean height). "
               "Change: final minus the cell's first evaluation (its starting policy, evaluated in the same run).", ""]
     lines += _separation_warnings(summaries)
@@ -493,11 +512,15 @@ def plot(curve_list: list[Curve], x: str):
     return fig
 
 
-def _table_lines(summaries: list[VariantSummary], warm: WarmStart | None) -> list[str]:
+def _table_lines(summaries: list[VariantSummary], warm: WarmStart | None, start: tuple[Pooled, int] | None = None) -> list[str]:
     lines = ["| variant | seeds | final | best | AUC | change | env steps | tokens | wall time (s) | note |", "|---|---|---|---|---|---|---|---|---|---|"]
     if warm is not None:
         low, high = wilson(warm.success, warm.episodes)
         lines.append(f"| warm start (`{warm.model_uri}`) | 1 | {warm.success:.3f} [{low:.3f}, {high:.3f}] | | | | | | | starting point |")
+    if start is not None:
+        (p, seeds), (low, high) = start, wilson(start[0].rate, start[0].episodes)
+        lines.append(f"| the same, as the cells first evaluated it | {seeds} | {p.rate:.3f} [{low:.3f}, {high:.3f}] | | | | | | | "
+                     f"each seed's first evaluation, pooled over {p.episodes:,} episodes |")
     for s in summaries:
         cells = " | ".join([*(_ci(ci) for ci in (s.final, s.best, s.auc)), _ci(s.change, signed=True)])
         note = f"⚠ {s.seeds} seed{'s' if s.seeds != 1 else ''}: too few to separate methods" if s.seeds < MIN_SEEDS else ""

@@ -243,3 +243,13 @@ def test_two_variants_are_ordered_only_when_the_pooled_episodes_agree_with_the_s
     assert report.compare(replace(gigpo, pooled_final=report.Pooled(0.323, 2000)), many) == "above"
     blpo_first = replace(by["blpo"], pooled_final=report.Pooled(0.45, 20))
     assert report.judge(report.CLAIMS[2], [blpo_first, replace(gigpo, pooled_final=report.Pooled(0.323, 20)), grpo]) == "cannot be told apart"
+
+
+def test_the_starting_policy_as_the_cells_evaluated_it_counts_each_seed_once():
+    cells = [replace(c, eval_episodes={min(c.success): 100, max(c.success): 100}) for c in _fixture()]
+    start, seeds = report.cells_start(cells)  # every cell starts at 0.2; seeds 0, 1, 2
+    assert (start, seeds) == (report.Pooled(pytest.approx(0.2), 300), 3)
+    low, high = report.wilson(0.2, 300)
+    assert f"| the same, as the cells first evaluated it | 3 | 0.200 [{low:.3f}, {high:.3f}] |" in report.results_page(cells, CTX, FIGURES)
+    other = replace(cells[0], success={**cells[0].success, 0: 0.25})  # one cell of seed 0 started elsewhere
+    assert report.cells_start([other, *cells[1:]]) is None and report.cells_start(_fixture()) is None  # no counts
