@@ -291,7 +291,7 @@ def _page_context(c: MlflowClient, parent: Any, found: dict[str, report.CellHist
     """What the page prints besides the numbers: commit, configs, warm start, the regenerate command."""
     cell_runs = _cell_runs(c, parent.info.run_id)
     runs = [r for r in cell_runs if r.info.run_id in found]
-    commits = sorted({commit for r in runs for commit in r.data.tags.get(tracking.COMMITS_TAG, r.data.tags.get("git_commit", "unknown")).split()})
+    commits = sorted({commit for r in runs for commit in tracking.run_commits(r.data.tags) or ["unknown"]})
     instance = parent.data.tags.get(INSTANCE_TAG)
     configs, expected, tuning = [], [], None
     if sweep_path:
@@ -312,7 +312,7 @@ def _page_context(c: MlflowClient, parent: Any, found: dict[str, report.CellHist
     before = list(_histories(c, previous.info.run_id).values()) if previous is not None else []
     return report.PageContext(f"Results: {parent.info.run_name}", commits, configs, f"MLFLOW_TRACKING_URI={uri} {command}", uri, parent.info.run_id, warm,
                               previous.info.run_name if previous is not None else None, report.summarize(before) if before else [],
-                              _unfinished(cell_runs, expected), tracking.changed_code(commits) if len(commits) > 1 else None, tuning)
+                              _unfinished(cell_runs, expected), tracking.changed_code(commits), tuning)
 
 
 @dataclass(frozen=True)

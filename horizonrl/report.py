@@ -229,17 +229,13 @@ def cells_start(cells: list[CellHistory]) -> tuple[Pooled, int] | None:
     """The starting policy as the cells evaluated it: each seed's first evaluation pooled over the seeds,
     and the number of seeds. Cells of one seed that start from the same policy sample the same episodes,
     so each seed counts once; None when they disagree (not one starting policy) or lack episode counts."""
-    by_seed: dict[int, set[tuple[float, float]]] = {}
+    by_seed: dict[int, list[CellHistory]] = {}
     for c in cells:
-        first = min(c.success)
-        if first not in c.eval_episodes:
-            return None
-        by_seed.setdefault(c.seed, set()).add((c.success[first], c.eval_episodes[first]))
-    if not by_seed or any(len(v) != 1 for v in by_seed.values()):
+        by_seed.setdefault(c.seed, []).append(c)
+    if any(len({(c.success[min(c.success)], c.eval_episodes.get(min(c.success))) for c in group}) != 1 for group in by_seed.values()):
         return None
-    starts = [next(iter(v)) for v in by_seed.values()]
-    n = sum(e for _, e in starts)
-    return Pooled(sum(p * e for p, e in starts) / n, round(n)), len(starts)
+    start = pooled([group[0] for group in by_seed.values()], last=False)
+    return (start, len(by_seed)) if start is not None else None
 
 
 def pooled_change(group: list[CellHistory]) -> PooledChange | None:
@@ -518,7 +514,8 @@ def _table_lines(summaries: list[VariantSummary], warm: WarmStart | None, start:
         low, high = wilson(warm.success, warm.episodes)
         lines.append(f"| warm start (`{warm.model_uri}`) | 1 | {warm.success:.3f} [{low:.3f}, {high:.3f}] | | | | | | | starting point |")
     if start is not None:
-        (p, seeds), (low, high) = start, wilson(start[0].rate, start[0].episodes)
+        p, seeds = start
+        low, high = wilson(p.rate, p.episodes)
         lines.append(f"| the same, as the cells first evaluated it | {seeds} | {p.rate:.3f} [{low:.3f}, {high:.3f}] | | | | | | | "
                      f"each seed's first evaluation, pooled over {p.episodes:,} episodes |")
     for s in summaries:
@@ -543,8 +540,8 @@ def _separation_warnings(summaries: list[VariantSummary]) -> list[str]:
     rather than the pairs not told apart, which are most pairs in a study of many variants."""
     if len(summaries) < 2:
         return []
-    ordered = [(a.variant, b.variant) if compare(a, b) == "above" else (b.variant, a.variant)
-               for i, a in enumerate(summaries) for b in summaries[i + 1:] if compare(a, b) != "overlap"]
+    verdicts = [(a.variant, b.variant, compare(a, b)) for i, a in enumerate(summaries) for b in summaries[i + 1:]]
+    ordered = [(a, b) if verdict == "above" else (b, a) for a, b, verdict in verdicts if verdict != "overlap"]
     total = len(summaries) * (len(summaries) - 1) // 2
     if not ordered:
         return [f"⚠ These seeds order none of the {total} pairs of variants by final success.", "", _ORDER_RULE, ""]

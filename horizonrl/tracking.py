@@ -200,11 +200,15 @@ def git_commit() -> str:
 COMMITS_TAG = "horizonrl.git_commits"  # every commit a run ran at, in order, space-separated
 
 
+def run_commits(tags: dict[str, str]) -> list[str]:
+    """The commits a run ran at, from its tags (a run from before ``COMMITS_TAG``: its ``git_commit``)."""
+    return tags.get(COMMITS_TAG, tags.get("git_commit", "")).split()
+
+
 def record_commit(c: MlflowClient, run_id: str, commit: str) -> None:
     """Add ``commit`` to the run's ``COMMITS_TAG``: a run resumed after a pull runs its later iterations at
     newer code, and its ``git_commit`` tag names only the first start's."""
-    tags = c.get_run(run_id).data.tags
-    had = tags.get(COMMITS_TAG, tags.get("git_commit", "")).split()
+    had = run_commits(c.get_run(run_id).data.tags)
     if commit not in had:
         set_tags(c, run_id, {COMMITS_TAG: " ".join([*had, commit])})
 

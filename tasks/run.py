@@ -68,7 +68,7 @@ def start_run(cfg: TrainConfig, killed_holder: dict[str, Any] | None = None) -> 
         resumed = False
     if resumed:
         tracking.record_commit(c, run_id, commit)
-    if not resumed:
+    else:
         tracking.log_params(c, run_id, cfg.flat())
     (d / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=True))
     c.log_artifact(run_id, str(d / CONFIG_FILE))  # the run's config as it ran: the evaluate flow reloads it
