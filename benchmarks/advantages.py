@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -49,14 +50,21 @@ def make_batch(rows: int, groups: int, keys: int, update_index: int, seed: int =
     n_roles = max(keys // 2, 1)
     roles = ((group * TURNS + turn) % n_roles).tolist()
     return StepBatch(
-        group_id=group, traj_id=traj, turn=turn, reward=reward, episode_return=won[traj].astype(np.float64),
-        n_tokens=np.full(n, 4, np.int64), update_index=update_index,
+        group_id=group,
+        traj_id=traj,
+        turn=turn,
+        reward=reward,
+        episode_return=won[traj].astype(np.float64),
+        n_tokens=np.full(n, 4, np.int64),
+        update_index=update_index,
         anchor_obs=np.asarray(obs, dtype=object),
         action=np.asarray([f"Go To  shelf {a}" for a in act.tolist()], dtype=object),
-        valid=rng.random(n) > 0.05, format_valid=np.ones(n, bool),
+        valid=rng.random(n) > 0.05,
+        format_valid=np.ones(n, bool),
         progress_key=np.asarray([f"role {r}" for r in roles], dtype=object),
         abstract_action=np.asarray([f"move {a % 2}" for a in act.tolist()], dtype=object),
-        context_id=np.asarray([f"household|{o}" for o in obs], dtype=object), shareable=np.ones(n, bool),
+        context_id=np.asarray([f"household|{o}" for o in obs], dtype=object),
+        shareable=np.ones(n, bool),
     )
 
 
@@ -137,7 +145,9 @@ def loop_blpo(batch: StepBatch, p: BLPOParams, memory: BLPOMemory) -> tuple[list
     child-balanced effects; then one memory write and one read per role, as the estimator does."""
     score, reward = _penalized(batch, p.invalid_penalty)
     traj, obs, valid = batch.traj_id.tolist(), batch.anchor_obs.tolist(), batch.valid.tolist()
-    fmt, role, abstract, context = (c.tolist() for c in (batch.format_valid, batch.progress_key, batch.abstract_action, batch.context_id))
+    fmt, role, abstract, context = (
+        c.tolist() for c in (batch.format_valid, batch.progress_key, batch.abstract_action, batch.context_id)
+    )
     normal: dict[str, str] = {}
     action = [(0 if v else 1) if f else 2 for v, f in zip(valid, fmt)]
     action = [(a, normal.setdefault(t, normalize_action_text(t))) for a, t in zip(action, batch.action.tolist())]
@@ -175,7 +185,12 @@ def loop_blpo(batch: StepBatch, p: BLPOParams, memory: BLPOMemory) -> tuple[list
         hashes += [h for h, _ in children]
         weights += [w for _, w in children]
         bounds.append(len(hashes))
-    sums = [[effects[k][0] for k in keys], [effects[k][1] for k in keys], [effects[k][2] for k in keys], [effects[k][0] for k in keys]]
+    sums = [
+        [effects[k][0] for k in keys],
+        [effects[k][1] for k in keys],
+        [effects[k][2] for k in keys],
+        [effects[k][0] for k in keys],
+    ]
     update = int(batch.update_index)
     memory = memory.with_effects(update, keys, sums, (hashes, weights, bounds))
     reads = {}
@@ -183,8 +198,14 @@ def loop_blpo(batch: StepBatch, p: BLPOParams, memory: BLPOMemory) -> tuple[list
     for i in range(n):
         if role[i] not in reads:
             reads[role[i]] = role_progress_advantage(
-                memory.role_records(role[i], update, p.eps), mode=p.mode, confidence=p.role_confidence, tau=p.tau,
-                support_scale=p.support_scale, std_floor=p.std_floor, eps=p.eps)
+                memory.role_records(role[i], update, p.eps),
+                mode=p.mode,
+                confidence=p.role_confidence,
+                tau=p.tau,
+                support_scale=p.support_scale,
+                std_floor=p.std_floor,
+                eps=p.eps,
+            )
         read = reads[role[i]]
         on = read.active and abstract[i] in read.score
         w_x, w_p = p.exact_prior * exact_on[i], p.role_prior * on
@@ -218,7 +239,21 @@ def run(rows: int, groups: int, keys: int) -> list[Figure]:
         np.testing.assert_allclose(fast.adv, ref, rtol=1e-9, atol=1e-9, err_msg=name)
         extra = f", memory {len(memory):,} keys" if name == "blpo" else ""
         figures += [
-            Figure(f"advantage/{name}_s", fast_s, "s", f"< {LIMITS[name]}", fast_s < LIMITS[name], f"{len(batch):,} rows, {groups:,} groups{extra}"),
-            Figure(f"advantage/{name}_speedup", slow_s / fast_s, "x", ">= 20", slow_s / fast_s >= 20, f"plain loop {slow_s:.2f} s"),
+            Figure(
+                f"advantage/{name}_s",
+                fast_s,
+                "s",
+                f"< {LIMITS[name]}",
+                fast_s < LIMITS[name],
+                f"{len(batch):,} rows, {groups:,} groups{extra}",
+            ),
+            Figure(
+                f"advantage/{name}_speedup",
+                slow_s / fast_s,
+                "x",
+                ">= 20",
+                slow_s / fast_s >= 20,
+                f"plain loop {slow_s:.2f} s",
+            ),
         ]
     return figures

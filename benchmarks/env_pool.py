@@ -53,7 +53,9 @@ def play(envs: EpisodeBatch, tasks: list, turns: int) -> tuple[float, float, lis
     last, live = [obs for obs, _ in states], {slot: info for slot, (_, info) in enumerate(states)}
     start = time.perf_counter()
     for turn in range(turns):
-        results = envs.step_many({slot: _choice(slot, turn, info["admissible_commands"]) for slot, info in live.items()})
+        results = envs.step_many(
+            {slot: _choice(slot, turn, info["admissible_commands"]) for slot, info in live.items()}
+        )
         for slot, (obs, _, done, info) in results.items():
             last[slot], live[slot] = obs, info
             if done or "error" in info:
@@ -82,13 +84,13 @@ class _RemoteLatency:
 
 def compare_overlap(pool: EnvPool, tasks: list[Task], args: argparse.Namespace) -> None:
     """Median seconds of full ``collect`` rounds through ``pool``, overlap off and on, side by side."""
-    from horizonrl.engines.hf import TransformersEngine
-    from horizonrl.models import load_policy
-    from horizonrl.prompting import ChatFormat
     from dataclasses import replace
 
-    from horizonrl.rollout import SamplingSettings, collect
-    from horizonrl.runtime import PolicyRuntime
+    from horizonrl.engines.hf import TransformersEngine
+    from horizonrl.models.loading import load_policy
+    from horizonrl.rollout.loop import SamplingSettings, collect
+    from horizonrl.rollout.prompting import ChatFormat
+    from horizonrl.run.runtime import PolicyRuntime
 
     cfg = TrainConfig(env=EnvConfig(name=args.suite, tier=args.tier, max_turns=args.turns))
     rt = PolicyRuntime()
@@ -111,8 +113,10 @@ def compare_overlap(pool: EnvPool, tasks: list[Task], args: argparse.Namespace) 
             times[overlap].append(seconds(overlap))
     off, on = statistics.median(times[False]), statistics.median(times[True])
     latency = f", +{args.gen_latency_ms:g} ms idle per engine call" if args.gen_latency_ms else ""
-    print(f"collect: {len(tasks) * args.group_size} episodes, tiny model{latency}, {args.workers} workers, at most {args.turns} turns "
-          f"(median of rounds)")
+    print(
+        f"collect: {len(tasks) * args.group_size} episodes, tiny model{latency}, {args.workers} workers, at most {args.turns} turns "
+        f"(median of rounds)"
+    )
     print(f"no overlap  {off:6.2f}s\noverlap     {on:6.2f}s\nspeed-up:   {off / on:.2f}x")
 
 
@@ -126,9 +130,15 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds on each side first")
-    parser.add_argument("--overlap", action="store_true", help="also time full collect with the tiny model, overlap off and on")
-    parser.add_argument("--gen-latency-ms", type=float, default=0.0,
-                        help="with --overlap: idle milliseconds added to each engine call, standing in for generation off this CPU")
+    parser.add_argument(
+        "--overlap", action="store_true", help="also time full collect with the tiny model, overlap off and on"
+    )
+    parser.add_argument(
+        "--gen-latency-ms",
+        type=float,
+        default=0.0,
+        help="with --overlap: idle milliseconds added to each engine call, standing in for generation off this CPU",
+    )
     args = parser.parse_args()
 
     suite = make_suite(args.suite, 0)
@@ -149,13 +159,17 @@ def main() -> None:
         times["sequential"].append(play(local, tasks, args.turns)[:2])
         times["pool"].append(play(pool, tasks, args.turns)[:2])
     local.close()
-    print(f"suite={args.suite} tier={args.tier} episodes={args.episodes} turns={args.turns} workers={args.workers} "
-          f"rounds={args.rounds} warm-up rounds={args.warmup_rounds} ({warmup:.1f}s) (median of rounds; reset + steps)")
+    print(
+        f"suite={args.suite} tier={args.tier} episodes={args.episodes} turns={args.turns} workers={args.workers} "
+        f"rounds={args.rounds} warm-up rounds={args.warmup_rounds} ({warmup:.1f}s) (median of rounds; reset + steps)"
+    )
     print("per round:   " + "  ".join(f"{sum(s) / sum(p):.2f}x" for s, p in zip(times["sequential"], times["pool"])))
     med = {side: [statistics.median(t[i] for t in rounds) for i in (0, 1)] for side, rounds in times.items()}
     for side in ("sequential", "pool"):
         print(f"{side:<11} total {sum(med[side]):6.2f}s  reset {med[side][0]:6.2f}s  steps {med[side][1]:6.2f}s")
-    print(f"speed-up:   total {sum(med['sequential']) / sum(med['pool']):.2f}x  steps {med['sequential'][1] / med['pool'][1]:.2f}x")
+    print(
+        f"speed-up:   total {sum(med['sequential']) / sum(med['pool']):.2f}x  steps {med['sequential'][1] / med['pool'][1]:.2f}x"
+    )
     if args.overlap:
         compare_overlap(pool, distinct, args)
     pool.close()

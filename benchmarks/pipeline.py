@@ -40,24 +40,33 @@ import torch
 
 import methods
 from benchmarks.report import Figure
-from horizonrl import store, traces, tracking
+from horizonrl import store
 from horizonrl.config import TrainConfig, load_config
 from horizonrl.engines.hf import TransformersEngine
-from horizonrl.models import load_policy
-from horizonrl.prompting import ChatFormat
-from horizonrl.rollout import SamplingSettings, collect
-from horizonrl.runtime import PolicyRuntime, sample_tasks
+from horizonrl.models.loading import load_policy
+from horizonrl.rollout.loop import SamplingSettings, collect
+from horizonrl.rollout.prompting import ChatFormat
+from horizonrl.run.runtime import PolicyRuntime, sample_tasks
 from horizonrl.seeding import derive_seed
-from horizonrl.sequences import attach_advantages, step_batch, train_rows
-from horizonrl.trainer import UpdateSettings, ppo_update
+from horizonrl.tracking import mlflow_runs, traces
+from horizonrl.training.sequences import attach_advantages, step_batch, train_rows
+from horizonrl.training.trainer import UpdateSettings, ppo_update
 
 MEMORY_LIMIT_MB = 4096
 STARTUP_LIMIT_S = 8.0
-STARTUP_RUN = ["iterations=1", "env.max_turns=2", "rollout.tasks_per_iteration=1", "rollout.group_size=2", "eval.n_tasks=1"]  # only its start is read
+STARTUP_RUN = [
+    "iterations=1",
+    "env.max_turns=2",
+    "rollout.tasks_per_iteration=1",
+    "rollout.group_size=2",
+    "eval.n_tasks=1",
+]  # only its start is read
 # The run is started from this small launcher, whose RUSAGE_CHILDREN then covers the run alone: a child
 # forked straight from the suite would count the suite's own pages (shared until exec) in its peak.
-_MAXRSS = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[2:]); "
-           "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); sys.exit(rc)")
+_MAXRSS = (
+    "import resource, subprocess, sys; rc = subprocess.call(sys.argv[2:]); "
+    "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); sys.exit(rc)"
+)
 
 
 def _tree_rss(launcher: psutil.Process, helper_cpu: dict[int, float]) -> int:
@@ -76,7 +85,13 @@ def _tree_rss(launcher: psutil.Process, helper_cpu: dict[int, float]) -> int:
 
 
 def _train_command(config: str, overrides: list[str]) -> list[str]:
-    return [str(Path(sys.executable).with_name("horizonrl")), "train", "--config", config, *(a for o in overrides for a in ("--set", o))]
+    return [
+        str(Path(sys.executable).with_name("horizonrl")),
+        "train",
+        "--config",
+        config,
+        *(a for o in overrides for a in ("--set", o)),
+    ]
 
 
 def train_subprocess(config: str, overrides: list[str], log: Path) -> tuple[float, float, float, float]:
@@ -112,8 +127,10 @@ def train_subprocess(config: str, overrides: list[str], log: Path) -> tuple[floa
 
 def startup_seconds(cfg: TrainConfig) -> float:
     """``time/startup_s`` the flow logged: from its process's start to its first stage."""
-    c = tracking.client(cfg.tracking_uri)
-    return c.get_metric_history(tracking.find_run(c, cfg.experiment, cfg.run_name).info.run_id, "time/startup_s")[0].value
+    c = mlflow_runs.client(cfg.tracking_uri)
+    return c.get_metric_history(mlflow_runs.find_run(c, cfg.experiment, cfg.run_name).info.run_id, "time/startup_s")[
+        0
+    ].value
 
 
 def startup_with_running_server(config: str, overrides: list[str], out_dir: Path, timeout_s: float = 180) -> float:
@@ -126,8 +143,21 @@ def startup_with_running_server(config: str, overrides: list[str], out_dir: Path
     api = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str((out_dir / "prefect-server").resolve())}
     with open(out_dir / "prefect-server.log", "w") as log:
-        server = subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                                  stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        server = subprocess.Popen(
+            [
+                str(Path(sys.executable).with_name("prefect")),
+                "server",
+                "start",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -140,7 +170,12 @@ def startup_with_running_server(config: str, overrides: list[str], out_dir: Path
                 time.sleep(0.5)
         run = [*overrides, f"run_name=startup-{time.strftime('%Y%m%d-%H%M%S')}", *STARTUP_RUN]
         with open(out_dir / "startup.log", "w") as out:
-            rc = subprocess.call(_train_command(config, run), stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PREFECT_API_URL": api})
+            rc = subprocess.call(
+                _train_command(config, run),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PREFECT_API_URL": api},
+            )
         if rc != 0:
             raise RuntimeError(f"start-up train run failed (exit {rc}); log: {out_dir / 'startup.log'}")
         return startup_seconds(load_config(config, run))
@@ -151,8 +186,8 @@ def startup_with_running_server(config: str, overrides: list[str], out_dir: Path
 
 def flow_iteration_seconds(cfg: TrainConfig) -> list[float]:
     """``time/iteration_s`` of every iteration the flow logged, in order."""
-    c = tracking.client(cfg.tracking_uri)
-    run = tracking.find_run(c, cfg.experiment, cfg.run_name)
+    c = mlflow_runs.client(cfg.tracking_uri)
+    run = mlflow_runs.find_run(c, cfg.experiment, cfg.run_name)
     return [m.value for m in sorted(c.get_metric_history(run.info.run_id, "time/iteration_s"), key=lambda m: m.step)]
 
 
@@ -166,19 +201,36 @@ def plain_iterations(cfg: TrainConfig) -> list[float]:
     name, params = cfg.advantage_spec()
     s = UpdateSettings.from_config(cfg, tokenizer.pad_token_id, sampled_here=True)
     suite = rt.suite(cfg)
-    collect(suite, rt.task_pool(cfg, "test", 1), 1, engine, fmt, SamplingSettings.from_config(cfg, suite, 0))  # warm-up, as the flow's first evaluation is
+    collect(
+        suite, rt.task_pool(cfg, "test", 1), 1, engine, fmt, SamplingSettings.from_config(cfg, suite, 0)
+    )  # warm-up, as the flow's first evaluation is
     state, times = None, []
     for it in range(1, cfg.iterations + 1):
         t0 = time.perf_counter()
         pool = rt.task_pool(cfg, "train", cfg.env.train_pool)  # built on first use, as in the flow's first collect
         tasks = sample_tasks(pool, cfg.rollout.tasks_per_iteration, cfg.seed, it)
-        records = collect(suite, tasks, cfg.rollout.group_size, engine, fmt, SamplingSettings.from_config(cfg, suite, derive_seed(cfg.seed, "collect", it)))
+        records = collect(
+            suite,
+            tasks,
+            cfg.rollout.group_size,
+            engine,
+            fmt,
+            SamplingSettings.from_config(cfg, suite, derive_seed(cfg.seed, "collect", it)),
+        )
         turns, episodes = store.turns_table(records), store.episodes_table(records, cfg.run_name, it, it - 1)
         batch = step_batch(episodes, turns, it - 1)
         result = methods.ADVANTAGES.get(name).fn(batch, params, state)
         state = result.state
-        adv = pa.table({"rollout_id": batch.traj_id, "turn": batch.turn.astype(np.int32), "adv": result.adv, "keep": result.keep,
-                        "adv_tokens": pa.nulls(len(batch), pa.list_(pa.float64()))}, schema=store.ADVANTAGES)
+        adv = pa.table(
+            {
+                "rollout_id": batch.traj_id,
+                "turn": batch.turn.astype(np.int32),
+                "adv": result.adv,
+                "keep": result.keep,
+                "adv_tokens": pa.nulls(len(batch), pa.list_(pa.float64())),
+            },
+            schema=store.ADVANTAGES,
+        )
         rows = attach_advantages(train_rows(turns, cfg.rollout.context), adv)
         if rows:
             ppo_update(model, optimizer, rows, s, derive_seed(cfg.seed, "update", it))
@@ -194,22 +246,31 @@ def tracing_figures(config: str, cfg: TrainConfig, iteration_s: list[float], out
     ``iterations``, so an iteration carries that share of an evaluation's cost. The sum, over the flow's
     mean iteration time. Also the flow's own seconds in tracing (``trace/*/log_s``) and the trace store's
     size (its spans' JSON) per iteration of the run above."""
-    c = tracking.client(cfg.tracking_uri)
-    run = tracking.find_run(c, cfg.experiment, cfg.run_name)
+    c = mlflow_runs.client(cfg.tracking_uri)
+    run = mlflow_runs.find_run(c, cfg.experiment, cfg.run_name)
     found = c.search_traces(locations=[run.info.experiment_id], run_id=run.info.run_id, max_results=1000)
     size_kb = sum(len(json.dumps(span.to_dict())) for t in found for span in t.data.spans) / 1024
-    blocking_s = sum(m.value for split in ("train", "eval") for m in c.get_metric_history(run.info.run_id, f"trace/{split}/log_s"))
+    blocking_s = sum(
+        m.value for split in ("train", "eval") for m in c.get_metric_history(run.info.run_id, f"trace/{split}/log_s")
+    )
 
     it_dir = store.iteration_dir(Path(cfg.data_dir), cfg.experiment, cfg.run_name, 1)
-    episodes, turns = store.read_table(it_dir / "episodes.parquet", "episodes"), store.read_table(it_dir / "turns.parquet", "turns")
+    episodes, turns = (
+        store.read_table(it_dir / "episodes.parquet", "episodes"),
+        store.read_table(it_dir / "turns.parquet", "turns"),
+    )
     advantages = store.read_table(it_dir / f"advantages-{cfg.method}.parquet", "advantages")
     chosen = traces.training_sample(episodes, cfg.trace.train_random, derive_seed(cfg.seed, "trace", 1))
     uri = f"sqlite:///{(out_dir / 'tracing.db').resolve()}"
     (out_dir / "tracing.db").unlink(missing_ok=True)
-    fresh = tracking.client(uri)
-    experiment = fresh.create_experiment("tracing", artifact_location=(out_dir / "tracing-artifacts").resolve().as_uri())
+    fresh = mlflow_runs.client(uri)
+    experiment = fresh.create_experiment(
+        "tracing", artifact_location=(out_dir / "tracing-artifacts").resolve().as_uri()
+    )
     target = traces.TraceTarget(uri, fresh.create_run(experiment).info.run_id, cfg.run_name, cfg.method, cfg.seed)
-    traces.log_episodes(target, "eval", 0, episodes.slice(0, 1), turns)  # the store's first writes set it up, as in the run
+    traces.log_episodes(
+        target, "eval", 0, episodes.slice(0, 1), turns
+    )  # the store's first writes set it up, as in the run
 
     def cpu_s(split: str, rollout_ids: list[int], adv: pa.Table | None) -> float:
         t0 = time.process_time()  # every thread of this process
@@ -227,21 +288,44 @@ def tracing_figures(config: str, cfg: TrainConfig, iteration_s: list[float], out
     per_iteration_kb = size_kb / len(iteration_s)
     ten_minutes_mb = per_iteration_kb * 600 / mean_iteration_s / 1024
     return [
-        Figure("tracing/share_of_iteration", share, "x", "<= 0.03", share <= 0.03,
-               f"CPU {per_iteration_s:.2f} s per iteration (writes incl.): {len(chosen)} training traces {train_s:.2f} s, "
-               f"{len(eval_ids)} evaluation traces {eval_s:.2f} s x {evals_per_iteration:.3f} evaluations per iteration; "
-               f"iteration {mean_iteration_s:.1f} s"),
-        Figure("tracing/flow_wait_share", blocking_s / sum(iteration_s), "x", "", None,
-               f"the flow's own seconds in tracing in the run above: {blocking_s:.2f} s over {sum(iteration_s):.1f} s (its 2 evaluations' traces incl.)"),
-        Figure("tracing/store_kb_per_iteration", per_iteration_kb, "kB", "", None,
-               f"{size_kb:.0f} kB of traces (spans' JSON) in all; a 10-minute run at this pace: {ten_minutes_mb:.1f} MB"),
+        Figure(
+            "tracing/share_of_iteration",
+            share,
+            "x",
+            "<= 0.03",
+            share <= 0.03,
+            f"CPU {per_iteration_s:.2f} s per iteration (writes incl.): {len(chosen)} training traces {train_s:.2f} s, "
+            f"{len(eval_ids)} evaluation traces {eval_s:.2f} s x {evals_per_iteration:.3f} evaluations per iteration; "
+            f"iteration {mean_iteration_s:.1f} s",
+        ),
+        Figure(
+            "tracing/flow_wait_share",
+            blocking_s / sum(iteration_s),
+            "x",
+            "",
+            None,
+            f"the flow's own seconds in tracing in the run above: {blocking_s:.2f} s over {sum(iteration_s):.1f} s (its 2 evaluations' traces incl.)",
+        ),
+        Figure(
+            "tracing/store_kb_per_iteration",
+            per_iteration_kb,
+            "kB",
+            "",
+            None,
+            f"{size_kb:.0f} kB of traces (spans' JSON) in all; a 10-minute run at this pace: {ten_minutes_mb:.1f} MB",
+        ),
     ]
 
 
 def run(config: str, overrides: list[str], out_dir: Path) -> list[Figure]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    overrides = [*overrides, f"run_name=bench-{time.strftime('%Y%m%d-%H%M%S')}", "experiment=benchmarks-pipeline",
-                 f"data_dir={out_dir / 'data'}", f"tracking_uri=sqlite:///{(out_dir / 'mlflow.db').resolve()}"]
+    overrides = [
+        *overrides,
+        f"run_name=bench-{time.strftime('%Y%m%d-%H%M%S')}",
+        "experiment=benchmarks-pipeline",
+        f"data_dir={out_dir / 'data'}",
+        f"tracking_uri=sqlite:///{(out_dir / 'mlflow.db').resolve()}",
+    ]
     cfg = load_config(config, overrides)
     largest, tree, wall, helper_cpu = train_subprocess(config, overrides, out_dir / "train.log")
     flow = flow_iteration_seconds(cfg)
@@ -249,15 +333,54 @@ def run(config: str, overrides: list[str], out_dir: Path) -> list[Figure]:
     tracing = tracing_figures(config, cfg, flow, out_dir)
     plain = plain_iterations(cfg)
     ratio = sum(flow) / sum(plain)
-    return [*tracing,
-        Figure("pipeline/flow_vs_plain", ratio, "x", "<= 1.05", ratio <= 1.05,
-               f"{len(flow)} iterations: flow {' + '.join(f'{t:.1f}' for t in flow)} s, plain {' + '.join(f'{t:.1f}' for t in plain)} s"),
-        Figure("pipeline/helper_cpu_s", helper_cpu, "s", "", None, f"CPU used by the run's helper processes (Prefect API server) over its {wall:.0f} s"),
-        Figure("startup/temporary_server_s", startup_temporary, "s", "", None,
-               "`horizonrl train` to its first stage (the evaluation before training): imports, Prefect's temporary API server, opening the run"),
-        Figure("startup/running_server_s", startup_running, "s", f"<= {STARTUP_LIMIT_S:g}", startup_running <= STARTUP_LIMIT_S,
-               "the same with PREFECT_API_URL at a running Prefect server (and the MLflow store, tiny model already there)"),
-        Figure("memory/peak_rss_mb", largest, "MB", f"<= {MEMORY_LIMIT_MB}", largest <= MEMORY_LIMIT_MB,
-               f"largest process of the main run, {cfg.iterations} iterations ({wall:.0f} s incl. evaluation and start-up)"),
-        Figure("memory/peak_tree_rss_mb", tree, "MB", f"<= {MEMORY_LIMIT_MB}", tree <= MEMORY_LIMIT_MB, "sum over its process tree (Prefect API server incl.), sampled every 0.25 s"),
+    return [
+        *tracing,
+        Figure(
+            "pipeline/flow_vs_plain",
+            ratio,
+            "x",
+            "<= 1.05",
+            ratio <= 1.05,
+            f"{len(flow)} iterations: flow {' + '.join(f'{t:.1f}' for t in flow)} s, plain {' + '.join(f'{t:.1f}' for t in plain)} s",
+        ),
+        Figure(
+            "pipeline/helper_cpu_s",
+            helper_cpu,
+            "s",
+            "",
+            None,
+            f"CPU used by the run's helper processes (Prefect API server) over its {wall:.0f} s",
+        ),
+        Figure(
+            "startup/temporary_server_s",
+            startup_temporary,
+            "s",
+            "",
+            None,
+            "`horizonrl train` to its first stage (the evaluation before training): imports, Prefect's temporary API server, opening the run",
+        ),
+        Figure(
+            "startup/running_server_s",
+            startup_running,
+            "s",
+            f"<= {STARTUP_LIMIT_S:g}",
+            startup_running <= STARTUP_LIMIT_S,
+            "the same with PREFECT_API_URL at a running Prefect server (and the MLflow store, tiny model already there)",
+        ),
+        Figure(
+            "memory/peak_rss_mb",
+            largest,
+            "MB",
+            f"<= {MEMORY_LIMIT_MB}",
+            largest <= MEMORY_LIMIT_MB,
+            f"largest process of the main run, {cfg.iterations} iterations ({wall:.0f} s incl. evaluation and start-up)",
+        ),
+        Figure(
+            "memory/peak_tree_rss_mb",
+            tree,
+            "MB",
+            f"<= {MEMORY_LIMIT_MB}",
+            tree <= MEMORY_LIMIT_MB,
+            "sum over its process tree (Prefect API server incl.), sampled every 0.25 s",
+        ),
     ]

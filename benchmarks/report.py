@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from horizonrl import tracking
+from horizonrl.tracking import mlflow_runs
 
 EXPERIMENT = "benchmarks"
 
@@ -45,10 +45,14 @@ PUBLISH_START, PUBLISH_END = "<!-- benchmarks:start (written by `make bench`) --
 def markdown(figures: list[Figure], params: dict[str, object]) -> str:
     """The figures as a Markdown table, headed by when, at which commit and on what they were measured."""
     scored = [f for f in figures if f.passed is not None]
-    lines = [f"Measured {time.strftime('%Y-%m-%d')} at commit `{tracking.git_commit()[:7]}` on {os.cpu_count()} CPU cores "
-             f"({platform.processor() or platform.machine()}), `python -m benchmarks` "
-             f"({'quick sizes' if params.get('quick') else 'full sizes'}): {sum(f.passed for f in scored)} of {len(scored)} targets met.",
-             "", "| figure | value | unit | target | result | what |", "|---|---:|---|---|---|---|"]
+    lines = [
+        f"Measured {time.strftime('%Y-%m-%d')} at commit `{mlflow_runs.git_commit()[:7]}` on {os.cpu_count()} CPU cores "
+        f"({platform.processor() or platform.machine()}), `python -m benchmarks` "
+        f"({'quick sizes' if params.get('quick') else 'full sizes'}): {sum(f.passed for f in scored)} of {len(scored)} targets met.",
+        "",
+        "| figure | value | unit | target | result | what |",
+        "|---|---:|---|---|---|---|",
+    ]
     for f in figures:
         result = "" if f.passed is None else ("pass" if f.passed else "**miss**")
         lines.append(f"| `{f.name}` | {f.value:,.3f} | {f.unit} | {f.target} | {result} | {f.note.replace('|', '/')} |")
@@ -56,7 +60,7 @@ def markdown(figures: list[Figure], params: dict[str, object]) -> str:
 
 
 def publish(figures: list[Figure], params: dict[str, object], page: Path) -> None:
-    """Replace the block between the markers in ``page`` (the README) with the table, so the numbers
+    """Replace the block between the markers in ``page`` (docs/benchmarks.md) with the table, so the numbers
     shown are the ones measured, never typed."""
     text = page.read_text()
     if PUBLISH_START not in text or PUBLISH_END not in text:
@@ -69,7 +73,12 @@ def save(figures: list[Figure], out_dir: Path, params: dict[str, object]) -> tup
     """Write ``figures.json`` (with the run's parameters) and ``figures.csv``; return both paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     js, cs = out_dir / "figures.json", out_dir / "figures.csv"
-    js.write_text(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "params": params, "figures": [asdict(f) for f in figures]}, indent=1))
+    js.write_text(
+        json.dumps(
+            {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "params": params, "figures": [asdict(f) for f in figures]},
+            indent=1,
+        )
+    )
     with open(cs, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(asdict(figures[0])))
         writer.writeheader()
@@ -77,20 +86,28 @@ def save(figures: list[Figure], out_dir: Path, params: dict[str, object]) -> tup
     return js, cs
 
 
-def log_mlflow(figures: list[Figure], params: dict[str, object], files: tuple[Path, ...], tracking_uri: str | None = None) -> str:
+def log_mlflow(
+    figures: list[Figure], params: dict[str, object], files: tuple[Path, ...], tracking_uri: str | None = None
+) -> str:
     """One run in the ``benchmarks`` experiment: every figure as a metric (step 0), pass/miss as tags,
     the table files as artifacts, so that runs can be compared over time. Returns the run id."""
-    c = tracking.client(tracking.tracking_uri(tracking_uri))
-    run_id, _ = tracking.find_or_create_run(c, EXPERIMENT, f"bench-{time.strftime('%Y%m%d-%H%M%S')}",
-                                            {"git_commit": tracking.git_commit(), "host": platform.node()})
-    tracking.log_params(c, run_id, {k: str(v) for k, v in params.items()})
+    c = mlflow_runs.client(mlflow_runs.tracking_uri(tracking_uri))
+    run_id, _ = mlflow_runs.find_or_create_run(
+        c,
+        EXPERIMENT,
+        f"bench-{time.strftime('%Y%m%d-%H%M%S')}",
+        {"git_commit": mlflow_runs.git_commit(), "host": platform.node()},
+    )
+    mlflow_runs.log_params(c, run_id, {k: str(v) for k, v in params.items()})
     by_section: dict[str, dict[str, float]] = {}
     for f in figures:
         section, name = f.name.split("/", 1)
         by_section.setdefault(section, {})[name] = f.value
     for section, values in by_section.items():
-        tracking.log_metrics(c, run_id, section, values, 0)
-    tracking.set_tags(c, run_id, {f"target.{f.name}": "pass" if f.passed else "miss" for f in figures if f.passed is not None})
+        mlflow_runs.log_metrics(c, run_id, section, values, 0)
+    mlflow_runs.set_tags(
+        c, run_id, {f"target.{f.name}": "pass" if f.passed else "miss" for f in figures if f.passed is not None}
+    )
     for path in files:
         c.log_artifact(run_id, str(path))
     c.set_terminated(run_id, "FINISHED")

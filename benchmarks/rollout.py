@@ -30,11 +30,11 @@ from transformers.cache_utils import DynamicLayer
 from benchmarks.report import Figure
 from horizonrl.config import TrainConfig
 from horizonrl.engines.hf import TransformersEngine
-from horizonrl.models import load_policy, tiny_model_dir
-from horizonrl.prompting import ChatFormat
-from horizonrl.records import EpisodeRecord
-from horizonrl.rollout import SamplingSettings, collect
-from horizonrl.runtime import PolicyRuntime
+from horizonrl.models.loading import load_policy, tiny_model_dir
+from horizonrl.rollout.loop import SamplingSettings, collect
+from horizonrl.rollout.prompting import ChatFormat
+from horizonrl.rollout.records import EpisodeRecord
+from horizonrl.run.runtime import PolicyRuntime
 
 TOKENIZER_CACHE = Path(__file__).resolve().parents[1] / "data" / "tokenizers"  # shared with the tests (npm, once)
 
@@ -55,14 +55,21 @@ def _naive_prefill(records: list[EpisodeRecord]) -> int:
     return total
 
 
-def _record_calls(model: torch.nn.Module) -> tuple[list[tuple[dict, tuple[int, ...] | None]], torch.utils.hooks.RemovableHandle]:
+def _record_calls(
+    model: torch.nn.Module,
+) -> tuple[list[tuple[dict, tuple[int, ...] | None]], torch.utils.hooks.RemovableHandle]:
     """Every forward call of ``model`` from now on, as (its arguments but the cache, the cache's key shape
     (rows, kv_heads, L, head_dim) or None), and the hook's handle."""
     calls: list[tuple[dict, tuple[int, ...] | None]] = []
 
     def hook(module, args, kwargs):
         cache = kwargs.get("cache")
-        calls.append(({k: v for k, v in kwargs.items() if k != "cache"}, None if cache is None else tuple(cache.layers[0].keys.shape)))
+        calls.append(
+            (
+                {k: v for k, v in kwargs.items() if k != "cache"},
+                None if cache is None else tuple(cache.layers[0].keys.shape),
+            )
+        )
 
     return calls, model.register_forward_pre_hook(hook, with_kwargs=True)
 
@@ -71,7 +78,11 @@ def _replay(model: torch.nn.Module, calls: list[tuple[dict, tuple[int, ...] | No
     """Seconds of ``calls`` replayed alone, each against a zero cache of its recorded shape (views of one
     buffer: nothing is copied before a call; the call's own cache append is)."""
     shapes = [s for _, s in calls if s is not None]
-    buffer = torch.zeros(max(s[0] for s in shapes), shapes[0][1], max(s[2] for s in shapes), shapes[0][3]) if shapes else None
+    buffer = (
+        torch.zeros(max(s[0] for s in shapes), shapes[0][1], max(s[2] for s in shapes), shapes[0][3])
+        if shapes
+        else None
+    )
     n_layers = model.config.num_hidden_layers
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -88,7 +99,9 @@ def _replay(model: torch.nn.Module, calls: list[tuple[dict, tuple[int, ...] | No
     return time.perf_counter() - t0
 
 
-def _chat_vocab_collect(cfg: TrainConfig, rt: PolicyRuntime, tasks: list, group: int, seed: int) -> tuple[float, int, int]:
+def _chat_vocab_collect(
+    cfg: TrainConfig, rt: PolicyRuntime, tasks: list, group: int, seed: int
+) -> tuple[float, int, int]:
     """(tokens/s, new tokens, vocabulary size) of the batched collect with the tiny model of ``cfg`` built
     around the genuine Qwen3 tokenizer (Qwen3 architecture)."""
     model_cfg = cfg.model.model_copy(update={"tokenizer": "qwen3"})
@@ -125,7 +138,9 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, seed: int = 0) -> list[Figur
     single_tokens, t0 = 0, time.perf_counter()
     for g, task in enumerate(tasks):
         for k in range(group):
-            single_tokens += _new_tokens(collect(suite, [task], 1, engine, fmt, sampling, first_rollout_id=g * group + k))
+            single_tokens += _new_tokens(
+                collect(suite, [task], 1, engine, fmt, sampling, first_rollout_id=g * group + k)
+            )
     single_s = time.perf_counter() - t0
 
     prompts = [r.turns[0].prompt_ids for r in batched]
@@ -134,12 +149,18 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, seed: int = 0) -> list[Figur
     ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
     attn = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):], attn[i, width - len(p):] = torch.tensor(p), 1
+        ids[i, width - len(p) :], attn[i, width - len(p) :] = torch.tensor(p), 1
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=per_row, min_new_tokens=per_row, do_sample=True,
-                       pad_token_id=tokenizer.pad_token_id)
+        model.generate(
+            input_ids=ids,
+            attention_mask=attn,
+            max_new_tokens=per_row,
+            min_new_tokens=per_row,
+            do_sample=True,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     generate_s = time.perf_counter() - t0
 
     chat_tps, chat_tokens, chat_vocab = _chat_vocab_collect(cfg, rt, tasks, group, seed)
@@ -152,15 +173,61 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, seed: int = 0) -> list[Figur
     prefills = sum("logits_to_keep" in kwargs for kwargs, _ in calls)
     decode_padding = 1 - counts["decode_real"] / counts["decode_computed"]
     return [
-        Figure("rollout/batched_tokens_s", batched_tps, "tok/s", "", None, f"{n} episodes, {turns} turns, {_new_tokens(batched)} new tokens, {batched_s:.1f} s"),
-        Figure("rollout/vs_bare_replay", replay_s / batched_s, "x", ">= 0.8", replay_s / batched_s >= 0.8,
-               f"the same {len(calls)} forward calls alone: {replay_s:.1f} s ({prefills} prefill, {len(calls) - prefills} decode)"),
-        Figure("rollout/vs_one_generate", batched_tps / generate_tps, "x", "", None, f"one generate call: {generate_tps:,.0f} tok/s ({n} x {per_row} tokens)"),
-        Figure("rollout/vs_one_at_a_time", batched_tps / single_tps, "x", ">= 10", batched_tps / single_tps >= 10, f"one at a time: {single_tps:,.0f} tok/s"),
-        Figure("rollout/prefill_vs_new", prefill / new, "x", "<= 1.15", prefill / new <= 1.15, f"prefilled {prefill:,} (padding incl.), new {new:,}"),
+        Figure(
+            "rollout/batched_tokens_s",
+            batched_tps,
+            "tok/s",
+            "",
+            None,
+            f"{n} episodes, {turns} turns, {_new_tokens(batched)} new tokens, {batched_s:.1f} s",
+        ),
+        Figure(
+            "rollout/vs_bare_replay",
+            replay_s / batched_s,
+            "x",
+            ">= 0.8",
+            replay_s / batched_s >= 0.8,
+            f"the same {len(calls)} forward calls alone: {replay_s:.1f} s ({prefills} prefill, {len(calls) - prefills} decode)",
+        ),
+        Figure(
+            "rollout/vs_one_generate",
+            batched_tps / generate_tps,
+            "x",
+            "",
+            None,
+            f"one generate call: {generate_tps:,.0f} tok/s ({n} x {per_row} tokens)",
+        ),
+        Figure(
+            "rollout/vs_one_at_a_time",
+            batched_tps / single_tps,
+            "x",
+            ">= 10",
+            batched_tps / single_tps >= 10,
+            f"one at a time: {single_tps:,.0f} tok/s",
+        ),
+        Figure(
+            "rollout/prefill_vs_new",
+            prefill / new,
+            "x",
+            "<= 1.15",
+            prefill / new <= 1.15,
+            f"prefilled {prefill:,} (padding incl.), new {new:,}",
+        ),
         Figure("rollout/naive_prefill_vs_new", naive / new, "x", "", None, "re-reading the whole history each turn"),
-        Figure("rollout/qwen3_vocab_tokens_s", chat_tps, "tok/s", "", None,
-               f"{chat_vocab:,} ids (word-level: {len(tokenizer):,} ids, {batched_tps:,.0f} tok/s): x{chat_tps / batched_tps:.2f}; {chat_tokens} new tokens"),
-        Figure("rollout/decode_padding", decode_padding, "frac", "<= 0.05", decode_padding <= 0.05,
-               f"decode positions fed for episodes whose action had ended, of {counts['decode_computed']:,}"),
+        Figure(
+            "rollout/qwen3_vocab_tokens_s",
+            chat_tps,
+            "tok/s",
+            "",
+            None,
+            f"{chat_vocab:,} ids (word-level: {len(tokenizer):,} ids, {batched_tps:,.0f} tok/s): x{chat_tps / batched_tps:.2f}; {chat_tokens} new tokens",
+        ),
+        Figure(
+            "rollout/decode_padding",
+            decode_padding,
+            "frac",
+            "<= 0.05",
+            decode_padding <= 0.05,
+            f"decode positions fed for episodes whose action had ended, of {counts['decode_computed']:,}",
+        ),
     ]

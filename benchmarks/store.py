@@ -26,12 +26,17 @@ def make_table(rows: int) -> pa.Table:
     rng = np.random.default_rng(1)
     offsets = pa.array(np.r_[0, np.cumsum(rng.integers(4, 12, rows))], pa.int32())
     n = offsets[-1].as_py()
-    return pa.table({
-        "rollout_id": np.arange(rows), "turn": np.zeros(rows, np.int32), "action": pa.array(["go to shelf 1"] * rows),
-        "action_ids": pa.ListArray.from_arrays(offsets, pa.array(rng.integers(0, 150, n), pa.int32())),
-        "logprobs": pa.ListArray.from_arrays(offsets, pa.array(-rng.random(n), pa.float32())),
-        "reward": rng.random(rows), "won": rng.random(rows) < 0.1,
-    })
+    return pa.table(
+        {
+            "rollout_id": np.arange(rows),
+            "turn": np.zeros(rows, np.int32),
+            "action": pa.array(["go to shelf 1"] * rows),
+            "action_ids": pa.ListArray.from_arrays(offsets, pa.array(rng.integers(0, 150, n), pa.int32())),
+            "logprobs": pa.ListArray.from_arrays(offsets, pa.array(-rng.random(n), pa.float32())),
+            "reward": rng.random(rows),
+            "won": rng.random(rows) < 0.1,
+        }
+    )
 
 
 def run(rows: int) -> list[Figure]:
@@ -56,8 +61,22 @@ def run(rows: int) -> list[Figure]:
         size_mb = path.stat().st_size / 1e6
     share = column_s / read_s
     return [
-        Figure("store/write_MB_s", mb / write_s, "MB/s", "", None, f"{rows:,} rows, {mb:,.0f} MB in memory, {size_mb:,.1f} MB on disk (zstd)"),
+        Figure(
+            "store/write_MB_s",
+            mb / write_s,
+            "MB/s",
+            "",
+            None,
+            f"{rows:,} rows, {mb:,.0f} MB in memory, {size_mb:,.1f} MB on disk (zstd)",
+        ),
         Figure("store/read_MB_s", mb / read_s, "MB/s", "", None, "whole file"),
         Figure("store/jsonl_vs_parquet_size", ratio, "x", ">= 5", ratio >= 5, "JSON lines bytes / Parquet bytes"),
-        Figure("store/one_column_read_share", share, "frac", "< 0.1", share < 0.1, "time to read 'won' / time to read every column"),
+        Figure(
+            "store/one_column_read_share",
+            share,
+            "frac",
+            "< 0.1",
+            share < 0.1,
+            "time to read 'won' / time to read every column",
+        ),
     ]

@@ -4,7 +4,7 @@ The rows are one iteration of the main run (``tasks x group`` full-context episo
 policy), with random advantages, all kept: an untrained policy rarely wins, so its LOO advantages are
 mostly filtered out, and the update's cost does not depend on the values. The PPO side is the whole
 ``ppo_update`` call as the flow makes it: the rows were sampled by these weights in this process, so pi_old
-is their stored sampling log-probs after the check on a sample of rows (horizonrl/trainer.py; a failed
+is their stored sampling log-probs after the check on a sample of rows (horizonrl/training/trainer.py; a failed
 check recomputes every row, and counts in the time); its tokens are epochs x the real tokens of the rows. The bare side runs the same real tokens, cut into equal-length rows with no padding, through
 ``model(...)`` with a next-token cross-entropy, backward, clipping and one AdamW step per minibatch.
 """
@@ -23,27 +23,44 @@ from benchmarks.report import Figure
 from horizonrl import store
 from horizonrl.config import TrainConfig
 from horizonrl.engines.hf import TransformersEngine
-from horizonrl.models import load_policy
-from horizonrl.prompting import ChatFormat
-from horizonrl.rollout import SamplingSettings, collect
-from horizonrl.runtime import PolicyRuntime
-from horizonrl.sequences import TrainRow, attach_advantages, train_rows
-from horizonrl.trainer import PI_OLD_CHECK_ROWS, UpdateSettings, ppo_update
+from horizonrl.models.loading import load_policy
+from horizonrl.rollout.loop import SamplingSettings, collect
+from horizonrl.rollout.prompting import ChatFormat
+from horizonrl.run.runtime import PolicyRuntime
+from horizonrl.training.sequences import TrainRow, attach_advantages, train_rows
+from horizonrl.training.trainer import PI_OLD_CHECK_ROWS, UpdateSettings, ppo_update
 
 
 def _rows(cfg: TrainConfig, model: torch.nn.Module, tokenizer, tasks_n: int, group: int) -> list[TrainRow]:
     rt = PolicyRuntime()
     fmt = ChatFormat.for_tokenizer(tokenizer)
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
-    records = collect(rt.suite(cfg), rt.task_pool(cfg, "train", tasks_n), group, engine, fmt, SamplingSettings.from_config(cfg, rt.suite(cfg), 0))
+    records = collect(
+        rt.suite(cfg),
+        rt.task_pool(cfg, "train", tasks_n),
+        group,
+        engine,
+        fmt,
+        SamplingSettings.from_config(cfg, rt.suite(cfg), 0),
+    )
     turns = store.turns_table(records)
     n = turns.num_rows
-    adv = pa.table({"rollout_id": turns["rollout_id"], "turn": turns["turn"], "adv": np.random.default_rng(0).normal(size=n),
-                    "keep": np.ones(n, bool), "adv_tokens": pa.nulls(n, pa.list_(pa.float64()))}, schema=store.ADVANTAGES)
+    adv = pa.table(
+        {
+            "rollout_id": turns["rollout_id"],
+            "turn": turns["turn"],
+            "adv": np.random.default_rng(0).normal(size=n),
+            "keep": np.ones(n, bool),
+            "adv_tokens": pa.nulls(n, pa.list_(pa.float64())),
+        },
+        schema=store.ADVANTAGES,
+    )
     return attach_advantages(train_rows(turns, cfg.rollout.context), adv)
 
 
-def bare_loop(model: torch.nn.Module, rows: list[TrainRow], epochs: int, steps: int, lr: float, clip: float) -> tuple[int, float]:
+def bare_loop(
+    model: torch.nn.Module, rows: list[TrainRow], epochs: int, steps: int, lr: float, clip: float
+) -> tuple[int, float]:
     """Forward, backward and an AdamW step over the rows' real tokens (cut after the last policy
     token, as the update does), packed into equal rows; returns (tokens, seconds)."""
     stream = [t for r in rows for t in r.input_ids[: r.positions[-1] + 1]]
@@ -87,9 +104,29 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, rounds: int = 2) -> list[Fig
     pad = result.stats["pad_fraction"]
     pi_old = "stored sampling log-probs" if result.stats["pi_old_shortcut"] else "recomputed (check failed)"
     return [
-        Figure("update/ppo_tokens_s", ppo_tps, "tok/s", "", None, f"{len(rows)} rows, {real:,} tokens x {s.epochs} epochs x {rounds} rounds, {ppo_s:.1f} s (pi_old: {pi_old})"),
-        Figure("update/vs_bare_loop", ppo_tps / bare_tps, "x", ">= 0.95", ppo_tps / bare_tps >= 0.95, f"bare forward+backward: {bare_tps:,.0f} tok/s"),
+        Figure(
+            "update/ppo_tokens_s",
+            ppo_tps,
+            "tok/s",
+            "",
+            None,
+            f"{len(rows)} rows, {real:,} tokens x {s.epochs} epochs x {rounds} rounds, {ppo_s:.1f} s (pi_old: {pi_old})",
+        ),
+        Figure(
+            "update/vs_bare_loop",
+            ppo_tps / bare_tps,
+            "x",
+            ">= 0.95",
+            ppo_tps / bare_tps >= 0.95,
+            f"bare forward+backward: {bare_tps:,.0f} tok/s",
+        ),
         Figure("update/padding", pad, "frac", "<= 0.10", pad <= 0.10, "padded share of computed decoder positions"),
-        Figure("update/pi_old_max_diff", result.stats["pi_old_max_diff"], "nats", f"<= {s.pi_old_tol:g}", result.stats["pi_old_max_diff"] <= s.pi_old_tol,
-               f"max |stored sampling log-prob - learner's| on the {PI_OLD_CHECK_ROWS} checked rows (above: pi_old recomputed, update.pi_old_tol)"),
+        Figure(
+            "update/pi_old_max_diff",
+            result.stats["pi_old_max_diff"],
+            "nats",
+            f"<= {s.pi_old_tol:g}",
+            result.stats["pi_old_max_diff"] <= s.pi_old_tol,
+            f"max |stored sampling log-prob - learner's| on the {PI_OLD_CHECK_ROWS} checked rows (above: pi_old recomputed, update.pi_old_tol)",
+        ),
     ]

@@ -48,26 +48,45 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train one method (runs the Prefect 'train' flow)")
     tr.add_argument("--config", help="YAML config file")
-    tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. method=grpo")
-    ws = sub.add_parser("warmstart", help="behaviour-clone the walkthroughs and register the policy (runs the Prefect 'warmstart' flow)")
+    tr.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. method=grpo"
+    )
+    ws = sub.add_parser(
+        "warmstart", help="behaviour-clone the walkthroughs and register the policy (runs the Prefect 'warmstart' flow)"
+    )
     ws.add_argument("--config", help="YAML config file (section warmstart: demonstrations, epochs, ...)")
-    ws.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. warmstart.epochs=3")
+    ws.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. warmstart.epochs=3",
+    )
     rc = sub.add_parser("recompute", help="compute a method's advantages over a stored run, without new rollouts")
     rc.add_argument("--run-dir", required=True, help="data/<experiment>/<run_name>")
     rc.add_argument("--method", required=True, help="method (loop, grpo, gigpo, blpo, ...) or estimator name")
     rc.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="estimator parameter override")
     sw = sub.add_parser("sweep", help="run a sweep file's grid as child train runs, then the comparison report")
     sw.add_argument("sweep_file", help="sweep YAML (configs/sweeps/)")
-    sw.add_argument("--here", action="store_true", help="run the cells in this process even if the file names a deployment")
-    rp = sub.add_parser("report", help="compare the finished cells of a sweep (MLflow parent run + Prefect artifacts; --out: the results page)")
+    sw.add_argument(
+        "--here", action="store_true", help="run the cells in this process even if the file names a deployment"
+    )
+    rp = sub.add_parser(
+        "report",
+        help="compare the finished cells of a sweep (MLflow parent run + Prefect artifacts; --out: the results page)",
+    )
     rp.add_argument("sweep_file", help="sweep YAML the sweep ran from")
     for p in (sw, rp):
-        p.add_argument("--instance", help="an instance of a scheduled sweep (<time>-<commit>, the parent run's name after '--')")
+        p.add_argument(
+            "--instance", help="an instance of a scheduled sweep (<time>-<commit>, the parent run's name after '--')"
+        )
         p.add_argument("--out", help="also write the results page here, figures beside it (e.g. docs/results.md)")
     ev = sub.add_parser("evaluate", help="evaluate a logged policy on a split, in a new MLflow run")
     ev.add_argument("--source", required=True, help="MLflow run id, runs:/<run id>, or models:/<name>/<version>")
     ev.add_argument("--split", default="test", help="environment split (default test)")
-    ev.add_argument("--n-tasks", type=int, help="tasks evaluated (default: the source run's eval.n_tasks_ends, else eval.n_tasks)")
+    ev.add_argument(
+        "--n-tasks", type=int, help="tasks evaluated (default: the source run's eval.n_tasks_ends, else eval.n_tasks)"
+    )
     ev.add_argument("--samples", type=int, help="sampled attempts per task (default: the source run's eval.samples)")
     sh = sub.add_parser("show", help="print a stored iteration's episodes, or one episode turn by turn (Parquet store)")
     sh.add_argument("run", help="run folder (data/<experiment>/<run_name>) or a run name under data/")
@@ -77,12 +96,20 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("stack", help="local prefect server + process worker + mlflow server on 127.0.0.1")
     st.add_argument("action", choices=["up", "down", "status"])
     st.add_argument("--home", default=".stack", help="pid files and logs (default .stack/)")
-    st.add_argument("--store", default="mlflow", help="MLflow store folder: artifacts, SQLite database or PostgreSQL cluster (default mlflow/)")
+    st.add_argument(
+        "--store",
+        default="mlflow",
+        help="MLflow store folder: artifacts, SQLite database or PostgreSQL cluster (default mlflow/)",
+    )
     st.add_argument("--prefect-port", type=int, default=4200)
     st.add_argument("--mlflow-port", type=int, default=5000)
     st.add_argument("--pool", default="horizonrl", help="process work pool (prefect.yaml deploys to 'horizonrl')")
-    st.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite",
-                    help="behind both servers: SQLite files, or a local PostgreSQL (many concurrent sweep workers) in <store>/postgres")
+    st.add_argument(
+        "--database",
+        choices=["sqlite", "postgres"],
+        default="sqlite",
+        help="behind both servers: SQLite files, or a local PostgreSQL (many concurrent sweep workers) in <store>/postgres",
+    )
     st.add_argument("--postgres-port", type=int, default=5432)
     args = parser.parse_args(argv)
     if args.command == "recompute":
@@ -104,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
 
         server = _temporary_server_in_background()
         from flows.train import STARTED_AT, train
-        from horizonrl.checkpoint import CheckpointDamaged
-        from horizonrl.runlock import RunInUse
-        from horizonrl.tracking import tracking_uri
+        from horizonrl.run.runlock import RunInUse
+        from horizonrl.tracking.mlflow_runs import tracking_uri
+        from horizonrl.training.checkpoint import CheckpointDamaged
 
         os.environ[STARTED_AT] = str(psutil.Process().create_time())  # the flow logs time/startup_s from it
         if server is not None:
@@ -118,18 +145,26 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         uri = tracking_uri(cfg.tracking_uri)
         print("\n== horizonrl: run finished ==")
-        print(f"held-out success (sampled, {cfg.eval.tasks_at(end=True)} tasks): {summary['initial_success_rate']:.3f} -> {summary['final_success_rate']:.3f} "
-              f"({summary['improvement'] * 100:+.1f} points) after {int(summary['iterations'])} iterations")
-        print(f"MLflow: experiment {cfg.experiment!r}, run {cfg.run_name!r}; open the UI with: mlflow ui --backend-store-uri {uri} --host 127.0.0.1")
+        print(
+            f"held-out success (sampled, {cfg.eval.tasks_at(end=True)} tasks): {summary['initial_success_rate']:.3f} -> {summary['final_success_rate']:.3f} "
+            f"({summary['improvement'] * 100:+.1f} points) after {int(summary['iterations'])} iterations"
+        )
+        print(
+            f"MLflow: experiment {cfg.experiment!r}, run {cfg.run_name!r}; open the UI with: mlflow ui --backend-store-uri {uri} --host 127.0.0.1"
+        )
         print(f"data: {os.path.join(cfg.data_dir, cfg.experiment, cfg.run_name)}")
     if args.command == "warmstart":
         from flows.warmstart import warmstart
 
         summary = warmstart(config=cfg.model_dump())
         print("\n== horizonrl: warm start finished ==")
-        print(f"held-out success (sampled, {cfg.eval.tasks_at(end=True)} tasks): {summary['initial_success_rate']:.3f} -> {summary['final_success_rate']:.3f} "
-              f"after {int(summary['iterations'])} epochs on {cfg.warmstart.demonstrations} demonstrations")
-        print(f"registered: {summary['model_uri']}; train from it with: horizonrl train --config <config> --set model.path={summary['model_uri']}")
+        print(
+            f"held-out success (sampled, {cfg.eval.tasks_at(end=True)} tasks): {summary['initial_success_rate']:.3f} -> {summary['final_success_rate']:.3f} "
+            f"after {int(summary['iterations'])} epochs on {cfg.warmstart.demonstrations} demonstrations"
+        )
+        print(
+            f"registered: {summary['model_uri']}; train from it with: horizonrl train --config <config> --set model.path={summary['model_uri']}"
+        )
         print(f"demonstrations: {os.path.join(cfg.data_dir, cfg.experiment, cfg.run_name, 'demonstrations')}")
     return 0
 
@@ -137,11 +172,11 @@ def main(argv: list[str] | None = None) -> int:
 def _recompute(args: argparse.Namespace) -> int:
     import yaml
 
-    from flows.recompute import recompute_advantages
-    from horizonrl.config import estimator_of
-    from horizonrl.runlock import RunInUse
-    from horizonrl.store import StoreError
     import methods
+    from flows.recompute import recompute_advantages
+    from horizonrl.run.runlock import RunInUse
+    from horizonrl.store import StoreError
+    from methods.presets import estimator_of
 
     try:
         name = estimator_of(args.method)
@@ -171,17 +206,24 @@ def _recompute(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from horizonrl import episode_view
+    from horizonrl.tracking import episode_view
 
     run_dir = Path(args.run)
     if not run_dir.is_dir():
         found = sorted(p for p in Path(args.data_dir).glob(f"*/{args.run}") if p.is_dir())
         if len(found) != 1:
-            print(f"horizonrl: run {args.run!r}: not a folder, and {len(found)} runs of that name under {args.data_dir}/", file=sys.stderr)
+            print(
+                f"horizonrl: run {args.run!r}: not a folder, and {len(found)} runs of that name under {args.data_dir}/",
+                file=sys.stderr,
+            )
             return 2
         run_dir = found[0]
     try:
-        text = episode_view.iteration_text(run_dir, args.iteration) if args.episode is None else episode_view.episode_text(run_dir, args.iteration, args.episode)
+        text = (
+            episode_view.iteration_text(run_dir, args.iteration)
+            if args.episode is None
+            else episode_view.episode_text(run_dir, args.iteration, args.episode)
+        )
     except ValueError as err:
         print(f"horizonrl: {err}", file=sys.stderr)
         return 2
@@ -203,23 +245,29 @@ def _sweep(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from flows.sweep import instance_name, load_sweep, sweep_report
-    from horizonrl.tracking import tracking_uri
+    from horizonrl.tracking.mlflow_runs import tracking_uri
 
     try:
         spec, cells = load_sweep(args.sweep_file, args.instance)
     except ValueError as err:
         print(f"horizonrl: bad sweep: {err}", file=sys.stderr)
         return 2
-    sweep_report(instance_name(spec.name, args.instance), cells[0].config.experiment, tracking_uri(cells[0].config.tracking_uri), args.sweep_file, args.out)
+    sweep_report(
+        instance_name(spec.name, args.instance),
+        cells[0].config.experiment,
+        tracking_uri(cells[0].config.tracking_uri),
+        args.sweep_file,
+        args.out,
+    )
     return 0
 
 
 def _evaluate(args: argparse.Namespace) -> int:
     from flows.evaluate import evaluate_policy
-    from horizonrl import tracking
+    from horizonrl.tracking import mlflow_runs
 
     try:  # before the flow, so that an unknown source is one line, not a flow's traceback
-        tracking.resolve_policy(tracking.client(tracking.tracking_uri()), args.source)
+        mlflow_runs.resolve_policy(mlflow_runs.client(mlflow_runs.tracking_uri()), args.source)
     except ValueError as err:
         print(f"horizonrl: evaluate: {err}", file=sys.stderr)
         return 2
@@ -232,8 +280,15 @@ def _stack(args: argparse.Namespace) -> int:
 
     import horizonrl_stack as stack
 
-    s = stack.Stack(Path(args.home), Path(args.store), args.prefect_port, args.mlflow_port, args.pool,
-                    database=args.database, postgres_port=args.postgres_port)
+    s = stack.Stack(
+        Path(args.home),
+        Path(args.store),
+        args.prefect_port,
+        args.mlflow_port,
+        args.pool,
+        database=args.database,
+        postgres_port=args.postgres_port,
+    )
     if args.action == "up":
         try:
             urls = stack.up(s)
@@ -241,7 +296,9 @@ def _stack(args: argparse.Namespace) -> int:
             print(f"horizonrl: stack up: {err}", file=sys.stderr)
             return 1
         database = f"PostgreSQL on 127.0.0.1:{s.postgres_port} ({s.pg_data})" if s.database == "postgres" else "SQLite"
-        print(f"prefect UI {urls['prefect_ui']}, MLflow UI {urls['mlflow']}, work pool {s.pool!r}, database {database}; logs in {s.home}/")
+        print(
+            f"prefect UI {urls['prefect_ui']}, MLflow UI {urls['mlflow']}, work pool {s.pool!r}, database {database}; logs in {s.home}/"
+        )
         print(f"export PREFECT_API_URL={s.prefect_api} MLFLOW_TRACKING_URI={s.mlflow_uri}")
     elif args.action == "down":
         print("stopped:", ", ".join(stack.down(s)) or "nothing was running")

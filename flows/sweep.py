@@ -25,16 +25,15 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import yaml
-from mlflow import MlflowClient
 from prefect import flow, get_run_logger, task
-from prefect.cache_policies import NONE
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NONE
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, FlowRunFilterState, FlowRunFilterStateType
 from prefect.client.schemas.objects import FlowRun, StateType
@@ -44,11 +43,21 @@ from prefect.states import Crashed
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from horizonrl import report, runlock, tracking
 from horizonrl.config import TrainConfig, load_config, run_dir
-from horizonrl.rollout_metrics import FAMILY_SUCCESS
+from horizonrl.rollout.metrics import FAMILY_SUCCESS
+from horizonrl.run import runlock
+from horizonrl.tracking import mlflow_runs, report
+from mlflow import MlflowClient
 
-HISTORIES = ("eval/success_rate", "eval/episodes", "collect/episodes", "collect/mean_turns", "collect/tokens_per_episode", "time/train_s", "time/env_steps")
+HISTORIES = (
+    "eval/success_rate",
+    "eval/episodes",
+    "collect/episodes",
+    "collect/mean_turns",
+    "collect/tokens_per_episode",
+    "time/train_s",
+    "time/env_steps",
+)
 FAMILY_PREFIX = f"eval/{FAMILY_SUCCESS}"  # then a task family: its held-out success
 REPORT_TABLE = "report/comparison.json"  # pandas "split" JSON: {"columns": [...], "data": [[...], ...]}
 CELL_TAG = "horizonrl.cell"  # the cell's coordinates as JSON; also one ``cell.<key>`` tag per coordinate
@@ -83,10 +92,14 @@ class SweepConfig(BaseModel):
 
     @field_validator("grid")
     @classmethod
-    def _non_empty(cls, grid: dict[str, list[Any]] | list[dict[str, list[Any]]]) -> dict[str, list[Any]] | list[dict[str, list[Any]]]:
+    def _non_empty(
+        cls, grid: dict[str, list[Any]] | list[dict[str, list[Any]]]
+    ) -> dict[str, list[Any]] | list[dict[str, list[Any]]]:
         for g in grid if isinstance(grid, list) else [grid]:
             if not g:
-                raise ValueError("grid is empty: give at least one key with a list of values, e.g. method: [loop, grpo]")
+                raise ValueError(
+                    "grid is empty: give at least one key with a list of values, e.g. method: [loop, grpo]"
+                )
             for key, values in g.items():
                 if not values:
                     raise ValueError(f"grid.{key} has no values")
@@ -133,13 +146,15 @@ def load_sweep(path: str | Path, instance: str | None = None) -> tuple[SweepConf
         raise ValueError(f"sweep file {str(p)!r}: the grids repeat cells {duplicates}")
     for field in ("experiment", "tracking_uri"):
         if len({getattr(c.config, field) for c in cells}) > 1:
-            raise ValueError(f"sweep file {str(p)!r}: grid varies {field!r}; a sweep's runs share one experiment and store")
+            raise ValueError(
+                f"sweep file {str(p)!r}: grid varies {field!r}; a sweep's runs share one experiment and store"
+            )
     return spec, cells
 
 
 def finished(c: MlflowClient, cell: Cell) -> bool:
     """The cell's run ended (FINISHED) after all its iterations (or its time or environment-step budget)."""
-    run = tracking.find_run(c, cell.config.experiment, cell.run_name)
+    run = mlflow_runs.find_run(c, cell.config.experiment, cell.run_name)
     if run is None or run.info.status != "FINISHED":
         return False
     budgeted = cell.config.time_budget_s is not None or cell.config.env_step_budget is not None
@@ -147,8 +162,13 @@ def finished(c: MlflowClient, cell: Cell) -> bool:
 
 
 @flow(name="sweep", log_prints=True)
-def sweep(sweep_path: str, in_process: bool = False, new_instance: bool = False, instance: str | None = None,
-          out: str | None = None) -> list[dict[str, Any]]:
+def sweep(
+    sweep_path: str,
+    in_process: bool = False,
+    new_instance: bool = False,
+    instance: str | None = None,
+    out: str | None = None,
+) -> list[dict[str, Any]]:
     """Run a sweep file's unfinished cells and report; returns the report's rows (one per variant).
     ``in_process`` runs the cells here even where the file names a deployment (no server at hand).
     ``new_instance`` (the scheduled deployment) makes this firing a new instance of the sweep, named by
@@ -156,19 +176,31 @@ def sweep(sweep_path: str, in_process: bool = False, new_instance: bool = False,
     ``instance`` resumes a named instance. ``out`` also writes the results page (``docs/results.md``)."""
     log = get_run_logger()
     if new_instance and instance is None:
-        instance = f"{scheduled_time():%Y%m%dT%H%M%SZ}-{tracking.git_commit()[:8]}"
+        instance = f"{scheduled_time():%Y%m%dT%H%M%SZ}-{mlflow_runs.git_commit()[:8]}"
     spec, cells = load_sweep(sweep_path, instance)
     name = instance_name(spec.name, instance)
     cfg0 = cells[0].config
-    uri = tracking.tracking_uri(cfg0.tracking_uri)
-    c = tracking.client(uri)
-    tags = {SWEEP_TAG: name, "horizonrl.kind": "sweep", BASE_TAG: spec.name, **({INSTANCE_TAG: instance} if instance else {})}
-    parent_id, _ = tracking.find_or_create_run(c, cfg0.experiment, name, tags)
-    tracking.set_tags(c, parent_id, {"git_commit": tracking.git_commit()})
+    uri = mlflow_runs.tracking_uri(cfg0.tracking_uri)
+    c = mlflow_runs.client(uri)
+    tags = {
+        SWEEP_TAG: name,
+        "horizonrl.kind": "sweep",
+        BASE_TAG: spec.name,
+        **({INSTANCE_TAG: instance} if instance else {}),
+    }
+    parent_id, _ = mlflow_runs.find_or_create_run(c, cfg0.experiment, name, tags)
+    mlflow_runs.set_tags(c, parent_id, {"git_commit": mlflow_runs.git_commit()})
     c.log_text(parent_id, Path(sweep_path).read_text(), "sweep.yaml")
     todo = [cell for cell in cells if not finished(c, cell)]
     deployment = None if in_process else spec.deployment
-    log.info("sweep %s: %d cells, %d finished, %d to run (%s)", name, len(cells), len(cells) - len(todo), len(todo), deployment or "in process")
+    log.info(
+        "sweep %s: %d cells, %d finished, %d to run (%s)",
+        name,
+        len(cells),
+        len(cells) - len(todo),
+        len(todo),
+        deployment or "in process",
+    )
     status = "FAILED"
     try:
         for cell in cells:
@@ -177,7 +209,7 @@ def sweep(sweep_path: str, in_process: bool = False, new_instance: bool = False,
         states = _run_deployed(todo, deployment, spec.concurrency, link) if deployment else _run_here(todo, link)
         failed = {name: state for name, state in states.items() if state != "Completed"}
         for cell in (cell for cell in todo if cell.run_name in failed):
-            run = tracking.find_run(c, cell.config.experiment, cell.run_name)
+            run = mlflow_runs.find_run(c, cell.config.experiment, cell.run_name)
             if run is not None and run.info.status == "RUNNING":
                 c.set_terminated(run.info.run_id, "FAILED")
         rows = sweep_report(name, cfg0.experiment, uri, sweep_path, out)
@@ -202,21 +234,26 @@ def scheduled_time() -> datetime:
     from prefect.runtime import flow_run
 
     when = flow_run.scheduled_start_time
-    return when.astimezone(timezone.utc) if when is not None else datetime.now(timezone.utc)
+    return when.astimezone(UTC) if when is not None else datetime.now(UTC)
 
 
 @flow(name="sweep-report", log_prints=True)
-def sweep_report(sweep_name: str, experiment: str, tracking_uri: str | None = None, sweep_path: str | None = None,
-                 out: str | None = None) -> list[dict[str, Any]]:
-    """Compare a sweep's cells from their MLflow metrics (``horizonrl.report``); log the table, the page
+def sweep_report(
+    sweep_name: str,
+    experiment: str,
+    tracking_uri: str | None = None,
+    sweep_path: str | None = None,
+    out: str | None = None,
+) -> list[dict[str, Any]]:
+    """Compare a sweep's cells from their MLflow metrics (``horizonrl.tracking.report``); log the table, the page
     (``report/report.md``, embedding the learning curves beside it) to the parent run, and publish table,
     summary and, for an instance, the comparison with the previous instance as Prefect artifacts. ``out``
     also writes the page and its figures there (``docs/results.md``, ``docs/results_<x>.png``). Rerunning
     it replaces the parent's report files and gives the same page."""
     import matplotlib.pyplot as plt
 
-    c = tracking.client(tracking.tracking_uri(tracking_uri))
-    parent = tracking.find_run(c, experiment, sweep_name)
+    c = mlflow_runs.client(mlflow_runs.tracking_uri(tracking_uri))
+    parent = mlflow_runs.find_run(c, experiment, sweep_name)
     if parent is None:
         raise ValueError(f"no sweep run named {sweep_name!r} in experiment {experiment!r}")
     found = _histories(c, parent.info.run_id)
@@ -249,16 +286,37 @@ def sweep_report(sweep_name: str, experiment: str, tracking_uri: str | None = No
     rows = report.table(summaries)
     c.log_text(parent.info.run_id, pd.DataFrame(rows).to_json(orient="split", index=False), REPORT_TABLE)
     log_comparison(c, parent.info.run_id, rows)
-    create_table_artifact(rows, key=f"{key}-report", description=f"Sweep {sweep_name}: held-out success per variant (mean, 95% bootstrap interval over seeds)")
-    create_markdown_artifact(report.markdown(f"Sweep {sweep_name}", summaries), key=f"{key}-summary", description=f"Sweep {sweep_name}: comparison")
+    create_table_artifact(
+        rows,
+        key=f"{key}-report",
+        description=f"Sweep {sweep_name}: held-out success per variant (mean, 95% bootstrap interval over seeds)",
+    )
+    create_markdown_artifact(
+        report.markdown(f"Sweep {sweep_name}", summaries),
+        key=f"{key}-summary",
+        description=f"Sweep {sweep_name}: comparison",
+    )
     if previous is not None:
         drifted = report.drifts(summaries, ctx.previous_summaries)
-        lines = [f"- **{d.variant}**: final success {d.now:.3f}, outside [{d.before.low:.3f}, {d.before.high:.3f}] of {ctx.previous}" for d in drifted]
-        create_markdown_artifact("\n".join([f"# {sweep_name} against {ctx.previous}", "", *(lines or ["No variant left the previous interval."])]),
-                                 key=f"{artifact_key(parent.data.tags.get(BASE_TAG, sweep_name))}-drift",
-                                 description=f"Variants of {sweep_name} whose final success left {ctx.previous}'s interval")
-        tracking.set_tags(c, parent.info.run_id, {PREVIOUS_TAG: ctx.previous, "horizonrl.drifted": ",".join(d.variant for d in drifted)})
-    print(f"report: MLflow run {parent.info.run_id} ({sweep_name}), artifacts report/report.md and report/success_vs_*.png")
+        lines = [
+            f"- **{d.variant}**: final success {d.now:.3f}, outside [{d.before.low:.3f}, {d.before.high:.3f}] of {ctx.previous}"
+            for d in drifted
+        ]
+        create_markdown_artifact(
+            "\n".join(
+                [f"# {sweep_name} against {ctx.previous}", "", *(lines or ["No variant left the previous interval."])]
+            ),
+            key=f"{artifact_key(parent.data.tags.get(BASE_TAG, sweep_name))}-drift",
+            description=f"Variants of {sweep_name} whose final success left {ctx.previous}'s interval",
+        )
+        mlflow_runs.set_tags(
+            c,
+            parent.info.run_id,
+            {PREVIOUS_TAG: ctx.previous, "horizonrl.drifted": ",".join(d.variant for d in drifted)},
+        )
+    print(
+        f"report: MLflow run {parent.info.run_id} ({sweep_name}), artifacts report/report.md and report/success_vs_*.png"
+    )
     if out is not None:
         print(f"page: {out}; figures: {', '.join(str(Path(out).parent / f) for f in pages['out'][1].values())}")
     return rows
@@ -272,7 +330,7 @@ def log_comparison(c: MlflowClient, parent_id: str, rows: list[dict[str, Any]]) 
     for row in rows:
         variant = re.sub(r"[^A-Za-z0-9_\-. /:]+", "_", str(row["variant"]))
         figures.update({f"{variant}/{k}": float(v) for k, v in row.items() if k != "variant"})
-    tracking.log_metrics(c, parent_id, "compare", figures, 0)
+    mlflow_runs.log_metrics(c, parent_id, "compare", figures, 0)
 
 
 def _previous_instance(c: MlflowClient, parent: Any) -> Any | None:
@@ -280,18 +338,27 @@ def _previous_instance(c: MlflowClient, parent: Any) -> Any | None:
     base = parent.data.tags.get(BASE_TAG)
     if INSTANCE_TAG not in parent.data.tags or base is None:
         return None
-    runs = c.search_runs([parent.info.experiment_id], filter_string=f"tags.`{BASE_TAG}` = {tracking.quoted(base)} and attributes.status = 'FINISHED'",
-                         order_by=["attributes.start_time DESC"])
+    runs = c.search_runs(
+        [parent.info.experiment_id],
+        filter_string=f"tags.`{BASE_TAG}` = {mlflow_runs.quoted(base)} and attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time DESC"],
+    )
     earlier = [r for r in runs if INSTANCE_TAG in r.data.tags and r.info.start_time < parent.info.start_time]
     return earlier[0] if earlier else None
 
 
-def _page_context(c: MlflowClient, parent: Any, found: dict[str, report.CellHistory], sweep_path: str | None, out: str | None,
-                  previous: Any | None) -> report.PageContext:
+def _page_context(
+    c: MlflowClient,
+    parent: Any,
+    found: dict[str, report.CellHistory],
+    sweep_path: str | None,
+    out: str | None,
+    previous: Any | None,
+) -> report.PageContext:
     """What the page prints besides the numbers: commit, configs, warm start, the regenerate command."""
     cell_runs = _cell_runs(c, parent.info.run_id)
     runs = [r for r in cell_runs if r.info.run_id in found]
-    commits = sorted({commit for r in runs for commit in tracking.run_commits(r.data.tags) or ["unknown"]})
+    commits = sorted({commit for r in runs for commit in mlflow_runs.run_commits(r.data.tags) or ["unknown"]})
     instance = parent.data.tags.get(INSTANCE_TAG)
     configs, expected, tuning = [], [], None
     if sweep_path:
@@ -300,19 +367,40 @@ def _page_context(c: MlflowClient, parent: Any, found: dict[str, report.CellHist
         expected = [cell.run_name for cell in cells]
         tuning = spec.tuning
     warm = None
-    sources = sorted({(r.data.tags[tracking.INIT_MODEL_TAG], r.data.tags[tracking.INIT_SOURCE_TAG]) for r in runs if tracking.INIT_SOURCE_TAG in r.data.tags})
+    sources = sorted(
+        {
+            (r.data.tags[mlflow_runs.INIT_MODEL_TAG], r.data.tags[mlflow_runs.INIT_SOURCE_TAG])
+            for r in runs
+            if mlflow_runs.INIT_SOURCE_TAG in r.data.tags
+        }
+    )
     if len(sources) == 1:
         model_uri, source = sources[0]
         h = {m.step: m.value for m in c.get_metric_history(source, "eval/success_rate")}
         n = {m.step: m.value for m in c.get_metric_history(source, "eval/episodes")}
         if h:
             warm = report.WarmStart(model_uri, source, h[max(h)], int(n.get(max(h), 0)))
-    command = f"horizonrl report {sweep_path or '<sweep file>'}" + (f" --instance {instance}" if instance else "") + (f" --out {out}" if out else "")
+    command = (
+        f"horizonrl report {sweep_path or '<sweep file>'}"
+        + (f" --instance {instance}" if instance else "")
+        + (f" --out {out}" if out else "")
+    )
     uri = c.tracking_uri
     before = list(_histories(c, previous.info.run_id).values()) if previous is not None else []
-    return report.PageContext(f"Results: {parent.info.run_name}", commits, configs, f"MLFLOW_TRACKING_URI={uri} {command}", uri, parent.info.run_id, warm,
-                              previous.info.run_name if previous is not None else None, report.summarize(before) if before else [],
-                              _unfinished(cell_runs, expected), tracking.changed_code(commits), tuning)
+    return report.PageContext(
+        f"Results: {parent.info.run_name}",
+        commits,
+        configs,
+        f"MLFLOW_TRACKING_URI={uri} {command}",
+        uri,
+        parent.info.run_id,
+        warm,
+        previous.info.run_name if previous is not None else None,
+        report.summarize(before) if before else [],
+        _unfinished(cell_runs, expected),
+        mlflow_runs.changed_code(commits),
+        tuning,
+    )
 
 
 @dataclass(frozen=True)
@@ -324,12 +412,14 @@ class Link:
     sweep_name: str
 
     def cell(self, cell: Cell) -> None:
-        _link(tracking.client(self.tracking_uri), self.parent_id, self.sweep_name, cell, create=True)
+        _link(mlflow_runs.client(self.tracking_uri), self.parent_id, self.sweep_name, cell, create=True)
 
 
 def _run_here(cells: list[Cell], link: Link) -> dict[str, str]:
     """One child train flow after another; a failed cell does not stop the others."""
-    from flows.train import train  # here, not at the top: a fanned-out sweep never needs the model stack (~10 s to import)
+    from flows.train import (
+        train,
+    )  # here, not at the top: a fanned-out sweep never needs the model stack (~10 s to import)
 
     states = {}
     for cell in cells:
@@ -344,7 +434,10 @@ def _run_deployed(cells: list[Cell], deployment: str, concurrency: int, link: Li
     ``sweep-cell`` task that waits for its flow run, on a thread-pool task runner of ``concurrency``
     workers; return final state names."""
     with ThreadPoolTaskRunner(max_workers=concurrency) as runner:
-        futures = {cell.run_name: runner.submit(run_cell, {"cell": cell, "deployment": deployment, "link": link}) for cell in cells}
+        futures = {
+            cell.run_name: runner.submit(run_cell, {"cell": cell, "deployment": deployment, "link": link})
+            for cell in cells
+        }
         return {name: f.result() for name, f in futures.items()}
 
 
@@ -356,20 +449,38 @@ def run_cell(cell: Cell, deployment: str, link: Link) -> str:
     is gone (the machine or the stack stopped under it: no process holds the run's lock) is marked crashed
     and the cell submitted again; the new flow run resumes from the cell's last checkpoint."""
     with get_client(sync_client=True) as client:
-        unfinished = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[cell.run_name]),
-                                                                          state=FlowRunFilterState(type=FlowRunFilterStateType(any_=UNFINISHED))))
+        unfinished = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                name=FlowRunFilterName(any_=[cell.run_name]),
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=UNFINISHED)),
+            )
+        )
         live = []
         for run in unfinished:
             if run.state_type == StateType.RUNNING and _abandoned(run, cell):
-                client.set_flow_run_state(run.id, Crashed(message="its process is gone (no process holds the run's lock)"), force=True)
-                get_run_logger().warning("cell %s: flow run %s was left running by a process that is gone; marked crashed, resubmitting",
-                                         cell.run_name, run.name)
+                client.set_flow_run_state(
+                    run.id, Crashed(message="its process is gone (no process holds the run's lock)"), force=True
+                )
+                get_run_logger().warning(
+                    "cell %s: flow run %s was left running by a process that is gone; marked crashed, resubmitting",
+                    cell.run_name,
+                    run.name,
+                )
             else:
                 live.append(run)
     if not live:
         link.cell(cell)
-    run = live[0] if live else run_deployment(deployment, parameters={"config": cell.config.model_dump()}, flow_run_name=cell.run_name,
-                                              timeout=0, as_subflow=False)
+    run = (
+        live[0]
+        if live
+        else run_deployment(
+            deployment,
+            parameters={"config": cell.config.model_dump()},
+            flow_run_name=cell.run_name,
+            timeout=0,
+            as_subflow=False,
+        )
+    )
     return asyncio.run(wait_for_flow_run(run.id, timeout=None)).state.name
 
 
@@ -377,7 +488,7 @@ def _abandoned(run: FlowRun, cell: Cell, grace_s: float = 300) -> bool:
     """A RUNNING flow run whose process is gone: it started more than ``grace_s`` ago (a live train flow
     takes the run's lock within seconds of starting) and no process holds the cell's run lock."""
     started = run.start_time or run.expected_start_time
-    old = started is not None and (datetime.now(timezone.utc) - started).total_seconds() > grace_s
+    old = started is not None and (datetime.now(UTC) - started).total_seconds() > grace_s
     return old and not runlock.held_elsewhere(run_dir(cell.config))
 
 
@@ -386,12 +497,17 @@ def _link(c: MlflowClient, parent_id: str, sweep_name: str, cell: Cell, create: 
     created when the cell starts (``create``), so its start time and duration in the UI are the cell's own,
     not the sweep's queue; the train flow then continues the run it finds by name."""
     coords = {f"cell.{k}": str(v) for k, v in cell.coords.items()}
-    tags = {"mlflow.parentRunId": parent_id, SWEEP_TAG: sweep_name, CELL_TAG: json.dumps(cell.coords, sort_keys=True), **coords}
-    run = tracking.find_run(c, cell.config.experiment, cell.run_name)
+    tags = {
+        "mlflow.parentRunId": parent_id,
+        SWEEP_TAG: sweep_name,
+        CELL_TAG: json.dumps(cell.coords, sort_keys=True),
+        **coords,
+    }
+    run = mlflow_runs.find_run(c, cell.config.experiment, cell.run_name)
     if run is not None:
-        tracking.set_tags(c, run.info.run_id, tags)
+        mlflow_runs.set_tags(c, run.info.run_id, tags)
     elif create:
-        tracking.create_run(c, cell.config.experiment, cell.run_name, tags)
+        mlflow_runs.create_run(c, cell.config.experiment, cell.run_name, tags)
 
 
 def artifact_key(name: str) -> str:
@@ -402,14 +518,20 @@ def artifact_key(name: str) -> str:
 def _cell_runs(c: MlflowClient, parent_id: str) -> list[Any]:
     """Every cell run nested under ``parent_id`` (created ahead of starting, so a sweep's whole grid)."""
     exp_id = c.get_run(parent_id).info.experiment_id
-    return c.search_runs([exp_id], filter_string=f"tags.`mlflow.parentRunId` = {tracking.quoted(parent_id)}", order_by=["attributes.start_time ASC"])
+    return c.search_runs(
+        [exp_id],
+        filter_string=f"tags.`mlflow.parentRunId` = {mlflow_runs.quoted(parent_id)}",
+        order_by=["attributes.start_time ASC"],
+    )
 
 
 def _unfinished(cell_runs: list[Any], expected: list[str]) -> list[str]:
     """Names of the sweep's cells that have not finished: its cell runs still running or killed, and the
     ``expected`` cell names (the sweep file's, when given) that have no run yet."""
     started = {r.info.run_name for r in cell_runs}
-    return sorted({r.info.run_name for r in cell_runs if r.info.status != "FINISHED"} | {n for n in expected if n not in started})
+    return sorted(
+        {r.info.run_name for r in cell_runs if r.info.status != "FINISHED"} | {n for n in expected if n not in started}
+    )
 
 
 def _histories(c: MlflowClient, parent_id: str) -> dict[str, report.CellHistory]:
@@ -423,12 +545,25 @@ def _histories(c: MlflowClient, parent_id: str) -> dict[str, report.CellHistory]
         coords = json.loads(run.data.tags.get(CELL_TAG, "{}"))
         variant = report.variant_name(coords)
         family_keys = sorted(key for key in run.data.metrics if key.startswith(FAMILY_PREFIX))
-        h = {key: {m.step: m.value for m in c.get_metric_history(run.info.run_id, key)} for key in (*HISTORIES, *family_keys)}
+        h = {
+            key: {m.step: m.value for m in c.get_metric_history(run.info.run_id, key)}
+            for key in (*HISTORIES, *family_keys)
+        }
         train_s = h["time/train_s"][max(h["time/train_s"])] if h["time/train_s"] else float("nan")
         families = {key.removeprefix(FAMILY_PREFIX): h[key] for key in family_keys}
-        out[run.info.run_id] = report.CellHistory(variant, int(run.data.tags.get("seed", coords.get("seed", 0))), h["eval/success_rate"],
-                                                  h["collect/episodes"], h["collect/mean_turns"], h["collect/tokens_per_episode"], train_s,
-                                                  h["time/env_steps"], h["time/train_s"], families, h["eval/episodes"])
+        out[run.info.run_id] = report.CellHistory(
+            variant,
+            int(run.data.tags.get("seed", coords.get("seed", 0))),
+            h["eval/success_rate"],
+            h["collect/episodes"],
+            h["collect/mean_turns"],
+            h["collect/tokens_per_episode"],
+            train_s,
+            h["time/env_steps"],
+            h["time/train_s"],
+            families,
+            h["eval/episodes"],
+        )
     return out
 
 
@@ -437,6 +572,8 @@ def _register_best(c: MlflowClient, parent_id: str, model_name: str) -> str:
     returns the version (an existing one if this policy is already registered under the name)."""
     cells = _histories(c, parent_id)
     run_id = max(cells, key=lambda r: (report.seed_figures(cells[r])["final"], report.seed_figures(cells[r])["auc"]))
-    version = tracking.register_policy(c, run_id, model_name)
-    tracking.set_tags(c, parent_id, {"horizonrl.best_run_id": run_id, "horizonrl.registered_model": f"{model_name}/{version}"})
+    version = mlflow_runs.register_policy(c, run_id, model_name)
+    mlflow_runs.set_tags(
+        c, parent_id, {"horizonrl.best_run_id": run_id, "horizonrl.registered_model": f"{model_name}/{version}"}
+    )
     return version

@@ -16,8 +16,9 @@ from typing import Any
 from prefect import flow
 from prefect.runtime import flow_run
 
-from horizonrl import runlock, tracking
 from horizonrl.config import run_dir, train_config
+from horizonrl.run import runlock
+from horizonrl.tracking import mlflow_runs
 from tasks.evaluate import evaluate
 from tasks.run import end_failed_run, finish_run, start_run
 from tasks.tracking import logged
@@ -25,7 +26,9 @@ from tasks.warmstart import clone, log_losses, record_demonstrations
 
 
 @flow(name="warmstart", log_prints=True, on_failure=[end_failed_run], on_crashed=[end_failed_run])
-def warmstart(config_path: str | None = None, overrides: list[str] | None = None, config: dict[str, Any] | None = None) -> dict[str, Any]:
+def warmstart(
+    config_path: str | None = None, overrides: list[str] | None = None, config: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Clone the walkthroughs; returns the summary (held-out success before and after) and the registered
     model's URI under ``model_uri``."""
     cfg = train_config(config_path, overrides, config)
@@ -33,19 +36,21 @@ def warmstart(config_path: str | None = None, overrides: list[str] | None = None
         lock.record(flow_run_id=flow_run.get_id())
         run = start_run(cfg, lock.previous)
         ctx, policy = run.ctx, run.policy
-        tracking.set_tags(ctx.mlflow(), ctx.mlflow_run_id, {"horizonrl.kind": "warmstart"})
+        mlflow_runs.set_tags(ctx.mlflow(), ctx.mlflow_run_id, {"horizonrl.kind": "warmstart"})
         log_losses(ctx, policy)  # a resumed run whose last epoch crashed before its log
-        demos = record_demonstrations(ctx, policy)                      # 1. walkthroughs as Parquet
+        demos = record_demonstrations(ctx, policy)  # 1. walkthroughs as Parquet
         if not logged(ctx, "eval/success_rate", 0):
-            evaluate(ctx, policy, 0)                                    # the starting point
+            evaluate(ctx, policy, 0)  # the starting point
         for epoch in range(policy.iteration + 1, cfg.warmstart.epochs + 1):
-            policy = clone(ctx, epoch, demos, policy)                   # 2. cross-entropy on action tokens
+            policy = clone(ctx, epoch, demos, policy)  # 2. cross-entropy on action tokens
             if epoch % cfg.eval.every == 0 or epoch == cfg.warmstart.epochs:
                 evaluate(ctx, policy, epoch, end=epoch == cfg.warmstart.epochs)  # 3. held-out success
-        summary: dict[str, Any] = dict(finish_run(ctx, policy))         # 4. logged as an MLflow model
+        summary: dict[str, Any] = dict(finish_run(ctx, policy))  # 4. logged as an MLflow model
     c = ctx.mlflow()
-    version = tracking.register_policy(c, ctx.mlflow_run_id, cfg.warmstart.model_name)
+    version = mlflow_runs.register_policy(c, ctx.mlflow_run_id, cfg.warmstart.model_name)
     summary["model_uri"] = f"models:/{cfg.warmstart.model_name}/{version}"
-    tracking.set_tags(c, ctx.mlflow_run_id, {"horizonrl.registered_model": summary["model_uri"]})
-    print(f"warm start registered as {summary['model_uri']} (run {ctx.mlflow_run_id}); start RL from it with --set model.path={summary['model_uri']}")
+    mlflow_runs.set_tags(c, ctx.mlflow_run_id, {"horizonrl.registered_model": summary["model_uri"]})
+    print(
+        f"warm start registered as {summary['model_uri']} (run {ctx.mlflow_run_id}); start RL from it with --set model.path={summary['model_uri']}"
+    )
     return summary

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 
@@ -57,7 +57,9 @@ def nan_gradients(model: torch.nn.Module, iteration: int) -> Iterator[None]:
     """Within the block, every gradient of ``model`` is NaN if ``nan-grad:<iteration>`` is asked for."""
     hooks = []
     if active("nan-grad", iteration):
-        hooks = [p.register_hook(lambda g: torch.full_like(g, float("nan"))) for p in model.parameters() if p.requires_grad]
+        hooks = [
+            p.register_hook(lambda g: torch.full_like(g, float("nan"))) for p in model.parameters() if p.requires_grad
+        ]
     try:
         yield
     finally:

@@ -9,8 +9,6 @@ can be computed over the same rollouts.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
 from pathlib import Path
@@ -20,38 +18,80 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from horizonrl.records import EpisodeRecord
+from horizonrl.files import file_digest, write_json
+from horizonrl.rollout.records import EpisodeRecord
 
 SCHEMA_VERSION = "1"
 _META_VERSION = b"horizonrl.schema_version"
 _META_TABLE = b"horizonrl.table"
 
-EPISODES = pa.schema([
-    ("run_name", pa.string()), ("iteration", pa.int32()), ("policy_version", pa.int32()),
-    ("rollout_id", pa.int64()), ("group_id", pa.int64()), ("task_id", pa.string()), ("env", pa.string()),
-    ("split", pa.string()), ("tier", pa.string()), ("family", pa.string()), ("task_seed", pa.int64()),
-    ("kind", pa.string()), ("parent_rollout", pa.int64()), ("branch_token", pa.int64()), ("branch_score", pa.float64()),
-    ("context", pa.string()), ("sample_seed", pa.int64()), ("n_turns", pa.int32()),
-    ("episode_return", pa.float64()), ("won", pa.bool_()), ("score", pa.float64()),
-    ("n_invalid", pa.int32()), ("gen_tokens", pa.int64()), ("status", pa.string()), ("error", pa.string()),
-])
+EPISODES = pa.schema(
+    [
+        ("run_name", pa.string()),
+        ("iteration", pa.int32()),
+        ("policy_version", pa.int32()),
+        ("rollout_id", pa.int64()),
+        ("group_id", pa.int64()),
+        ("task_id", pa.string()),
+        ("env", pa.string()),
+        ("split", pa.string()),
+        ("tier", pa.string()),
+        ("family", pa.string()),
+        ("task_seed", pa.int64()),
+        ("kind", pa.string()),
+        ("parent_rollout", pa.int64()),
+        ("branch_token", pa.int64()),
+        ("branch_score", pa.float64()),
+        ("context", pa.string()),
+        ("sample_seed", pa.int64()),
+        ("n_turns", pa.int32()),
+        ("episode_return", pa.float64()),
+        ("won", pa.bool_()),
+        ("score", pa.float64()),
+        ("n_invalid", pa.int32()),
+        ("gen_tokens", pa.int64()),
+        ("status", pa.string()),
+        ("error", pa.string()),
+    ]
+)
 
-TURNS = pa.schema([
-    ("rollout_id", pa.int64()), ("group_id", pa.int64()), ("turn", pa.int32()),
-    ("observation", pa.string()), ("action", pa.string()),
-    ("prompt_ids", pa.list_(pa.int32())), ("action_ids", pa.list_(pa.int32())),
-    ("logprobs", pa.list_(pa.float32())), ("entropy", pa.list_(pa.float32())),
-    ("policy_mask", pa.list_(pa.bool_())), ("allowed", pa.list_(pa.list_(pa.int32()))),
-    ("finished", pa.bool_()), ("reward", pa.float64()), ("done", pa.bool_()), ("won", pa.bool_()),
-    ("valid", pa.bool_()), ("format_valid", pa.bool_()), ("score", pa.float64()),
-    ("progress_key", pa.string()), ("abstract_action", pa.string()), ("n_admissible", pa.int32()),
-    ("gen_s", pa.float32()), ("env_s", pa.float32()),
-])
+TURNS = pa.schema(
+    [
+        ("rollout_id", pa.int64()),
+        ("group_id", pa.int64()),
+        ("turn", pa.int32()),
+        ("observation", pa.string()),
+        ("action", pa.string()),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("action_ids", pa.list_(pa.int32())),
+        ("logprobs", pa.list_(pa.float32())),
+        ("entropy", pa.list_(pa.float32())),
+        ("policy_mask", pa.list_(pa.bool_())),
+        ("allowed", pa.list_(pa.list_(pa.int32()))),
+        ("finished", pa.bool_()),
+        ("reward", pa.float64()),
+        ("done", pa.bool_()),
+        ("won", pa.bool_()),
+        ("valid", pa.bool_()),
+        ("format_valid", pa.bool_()),
+        ("score", pa.float64()),
+        ("progress_key", pa.string()),
+        ("abstract_action", pa.string()),
+        ("n_admissible", pa.int32()),
+        ("gen_s", pa.float32()),
+        ("env_s", pa.float32()),
+    ]
+)
 
-ADVANTAGES = pa.schema([
-    ("rollout_id", pa.int64()), ("turn", pa.int32()), ("adv", pa.float64()), ("keep", pa.bool_()),
-    ("adv_tokens", pa.list_(pa.float64())),
-])
+ADVANTAGES = pa.schema(
+    [
+        ("rollout_id", pa.int64()),
+        ("turn", pa.int32()),
+        ("adv", pa.float64()),
+        ("keep", pa.bool_()),
+        ("adv_tokens", pa.list_(pa.float64())),
+    ]
+)
 
 _SCHEMAS = {"episodes": EPISODES, "turns": TURNS, "advantages": ADVANTAGES}
 
@@ -68,13 +108,31 @@ def episodes_table(records: list[EpisodeRecord], run_name: str, iteration: int, 
     rows = {name: [] for name in EPISODES.names}
     for r in records:
         values = dict(
-            run_name=run_name, iteration=iteration, policy_version=policy_version, rollout_id=r.rollout_id,
-            group_id=r.group_id, task_id=r.task.task_id, env=r.task.env, split=r.task.split, tier=r.task.tier,
-            family=r.task.family, task_seed=r.task.seed, kind=r.kind, parent_rollout=r.parent_rollout,
-            branch_token=r.branch_token, branch_score=r.branch_score, context=r.context, sample_seed=r.sample_seed, n_turns=len(r.turns),
-            episode_return=r.episode_return, won=r.won, score=r.turns[-1].score if r.turns else 0.0,
-            n_invalid=sum(not t.valid for t in r.turns), gen_tokens=sum(len(t.gen.token_ids) for t in r.turns),
-            status=r.status, error=r.error,
+            run_name=run_name,
+            iteration=iteration,
+            policy_version=policy_version,
+            rollout_id=r.rollout_id,
+            group_id=r.group_id,
+            task_id=r.task.task_id,
+            env=r.task.env,
+            split=r.task.split,
+            tier=r.task.tier,
+            family=r.task.family,
+            task_seed=r.task.seed,
+            kind=r.kind,
+            parent_rollout=r.parent_rollout,
+            branch_token=r.branch_token,
+            branch_score=r.branch_score,
+            context=r.context,
+            sample_seed=r.sample_seed,
+            n_turns=len(r.turns),
+            episode_return=r.episode_return,
+            won=r.won,
+            score=r.turns[-1].score if r.turns else 0.0,
+            n_invalid=sum(not t.valid for t in r.turns),
+            gen_tokens=sum(len(t.gen.token_ids) for t in r.turns),
+            status=r.status,
+            error=r.error,
         )
         for k, v in values.items():
             rows[k].append(v)
@@ -92,20 +150,43 @@ def turns_table(records: list[EpisodeRecord]) -> pa.Table:
         for t in r.turns:
             g = t.gen
             values = dict(
-                rollout_id=r.rollout_id, group_id=r.group_id, turn=t.turn, observation=t.observation,
-                action=t.action, prompt_ids=t.prompt_ids, action_ids=g.token_ids, logprobs=g.logprobs,
-                entropy=g.entropy, policy_mask=g.policy_mask, allowed=g.allowed, finished=g.finished,
-                reward=t.reward, done=t.done, won=t.won, valid=t.valid, format_valid=t.format_valid,
-                score=t.score, progress_key=t.progress_key, abstract_action=t.abstract_action,
-                n_admissible=t.n_admissible, gen_s=t.gen_s, env_s=t.env_s,
+                rollout_id=r.rollout_id,
+                group_id=r.group_id,
+                turn=t.turn,
+                observation=t.observation,
+                action=t.action,
+                prompt_ids=t.prompt_ids,
+                action_ids=g.token_ids,
+                logprobs=g.logprobs,
+                entropy=g.entropy,
+                policy_mask=g.policy_mask,
+                allowed=g.allowed,
+                finished=g.finished,
+                reward=t.reward,
+                done=t.done,
+                won=t.won,
+                valid=t.valid,
+                format_valid=t.format_valid,
+                score=t.score,
+                progress_key=t.progress_key,
+                abstract_action=t.abstract_action,
+                n_admissible=t.n_admissible,
+                gen_s=t.gen_s,
+                env_s=t.env_s,
             )
             for k, v in values.items():
                 rows[k].append(v)
     return pa.table(rows, schema=TURNS)
 
 
-def advantages_table(rollout_id: np.ndarray, turn: np.ndarray, adv: np.ndarray, keep: np.ndarray,
-                     adv_tokens: np.ndarray | None = None, n_tokens: np.ndarray | None = None) -> pa.Table:
+def advantages_table(
+    rollout_id: np.ndarray,
+    turn: np.ndarray,
+    adv: np.ndarray,
+    keep: np.ndarray,
+    adv_tokens: np.ndarray | None = None,
+    n_tokens: np.ndarray | None = None,
+) -> pa.Table:
     """The advantages of N step rows, (N,) arrays, the rows of a trajectory contiguous and in turn order.
 
     Per-token advantages ``adv_tokens`` (M,) (row n owns ``n_tokens[n]`` of them, in row order) are
@@ -123,12 +204,24 @@ def advantages_table(rollout_id: np.ndarray, turn: np.ndarray, adv: np.ndarray, 
         traj_end = ends[last][np.cumsum(first) - 1]  # (N,) token end of the row's trajectory
         # a first row's list spans its trajectory's tokens; the others are empty and masked as null
         offsets = np.append(np.where(first, ends - n_tokens, traj_end), ends[-1] if n else 0)  # (N + 1,)
-        tokens = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(adv_tokens, pa.float64()), mask=pa.array(~first))
-    return pa.table({"rollout_id": rollout_id, "turn": np.asarray(turn, dtype=np.int32), "adv": adv, "keep": keep,
-                     "adv_tokens": tokens}, schema=ADVANTAGES)
+        tokens = pa.ListArray.from_arrays(
+            pa.array(offsets, pa.int32()), pa.array(adv_tokens, pa.float64()), mask=pa.array(~first)
+        )
+    return pa.table(
+        {
+            "rollout_id": rollout_id,
+            "turn": np.asarray(turn, dtype=np.int32),
+            "adv": adv,
+            "keep": keep,
+            "adv_tokens": tokens,
+        },
+        schema=ADVANTAGES,
+    )
 
 
-def write_advantages(iteration_dir: str | Path, method: str, table: pa.Table, state: dict | None) -> tuple[Path, str, Path | None]:
+def write_advantages(
+    iteration_dir: str | Path, method: str, table: pa.Table, state: dict | None
+) -> tuple[Path, str, Path | None]:
     """Write ``advantages-<method>.parquet`` and, for a stateful estimator, ``estimator_state-<method>.json``
     into an iteration's folder (other methods' files are left alone). Returns (table path, its digest, state path)."""
     d = Path(iteration_dir)
@@ -163,20 +256,6 @@ def write_table(table: pa.Table, path: str | Path, kind: str) -> str:
     return file_digest(path)
 
 
-def write_json(obj: dict, path: str | Path) -> None:
-    """Write ``obj`` as JSON atomically (temporary file, fsync, rename), e.g. an estimator's state."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def read_table(path: str | Path, kind: str, columns: list[str] | None = None) -> pa.Table:
     """Read a stored table, checking it is complete, of this schema version and has its kind's columns."""
     check_table(path, kind)
@@ -204,13 +283,22 @@ def check_table(path: str | Path, kind: str) -> None:
     version = meta.get(_META_VERSION, b"?").decode()
     # checked before the columns, so a file of another kind is named as such, not as damaged
     if version != SCHEMA_VERSION or meta.get(_META_TABLE, b"").decode() != kind:
-        raise StoreError(f"{path}: schema version {version!r} of table {meta.get(_META_TABLE, b'?').decode()!r}; this code reads version {SCHEMA_VERSION!r} of {kind!r}")
+        raise StoreError(
+            f"{path}: schema version {version!r} of table {meta.get(_META_TABLE, b'?').decode()!r}; this code reads version {SCHEMA_VERSION!r} of {kind!r}"
+        )
     expected = _SCHEMAS[kind]
     missing = [name for name in expected.names if name not in stored.names]
     extra = [name for name in stored.names if name not in expected.names]
-    retyped = [f"{f.name} ({stored.field(f.name).type}, expected {f.type})" for f in expected
-               if f.name in stored.names and not stored.field(f.name).type.equals(f.type)]
-    for what, names in (("lacks column", missing), ("has unknown column", extra), ("has a column of another type:", retyped)):
+    retyped = [
+        f"{f.name} ({stored.field(f.name).type}, expected {f.type})"
+        for f in expected
+        if f.name in stored.names and not stored.field(f.name).type.equals(f.type)
+    ]
+    for what, names in (
+        ("lacks column", missing),
+        ("has unknown column", extra),
+        ("has a column of another type:", retyped),
+    ):
         if names:
             raise StoreError(f"{path}: the {kind!r} table {what} {', '.join(names)}")
 
@@ -218,8 +306,16 @@ def check_table(path: str | Path, kind: str) -> None:
 def env_steps(data_dir: str | Path, experiment: str, run_name: str, iterations: range) -> int:
     """Environment steps taken by the stored rollouts of ``iterations``: every episode's turns, APPO's
     branches included (a branch's turns copied from its parent were replayed in its environment)."""
-    return sum(int(read_table(iteration_dir(data_dir, experiment, run_name, it) / "episodes.parquet", "episodes", ["n_turns"])["n_turns"].to_numpy().sum())
-               for it in iterations)
+    return sum(
+        int(
+            read_table(iteration_dir(data_dir, experiment, run_name, it) / "episodes.parquet", "episodes", ["n_turns"])[
+                "n_turns"
+            ]
+            .to_numpy()
+            .sum()
+        )
+        for it in iterations
+    )
 
 
 def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
@@ -235,11 +331,3 @@ def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
             p.unlink(missing_ok=True)
         removed.append(p)
     return removed
-
-
-def file_digest(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()

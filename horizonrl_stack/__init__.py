@@ -78,9 +78,14 @@ class Stack:
 
     def environ(self) -> dict[str, str]:
         """What a client of the stack (worker, ``prefect deploy``, a flow run) needs in its environment."""
-        return {**os.environ, "PREFECT_HOME": os.environ.get("PREFECT_HOME", str((self.home / "prefect").resolve())),
-                "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **self.env,
-                "PREFECT_API_URL": self.prefect_api, "MLFLOW_TRACKING_URI": self.mlflow_uri}
+        return {
+            **os.environ,
+            "PREFECT_HOME": os.environ.get("PREFECT_HOME", str((self.home / "prefect").resolve())),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            **self.env,
+            "PREFECT_API_URL": self.prefect_api,
+            "MLFLOW_TRACKING_URI": self.mlflow_uri,
+        }
 
 
 def up(stack: Stack, timeout_s: float = 180) -> dict[str, str]:
@@ -92,7 +97,11 @@ def up(stack: Stack, timeout_s: float = 180) -> dict[str, str]:
         raise RuntimeError(f"the stack in {stack.home} is already running ({', '.join(running)}); take it down first")
     if stack.database not in ("sqlite", "postgres"):
         raise ValueError(f"stack database must be 'sqlite' or 'postgres', got {stack.database!r}")
-    ports = {"prefect": stack.prefect_port, "mlflow": stack.mlflow_port, **({"postgres": stack.postgres_port} if stack.database == "postgres" else {})}
+    ports = {
+        "prefect": stack.prefect_port,
+        "mlflow": stack.mlflow_port,
+        **({"postgres": stack.postgres_port} if stack.database == "postgres" else {}),
+    }
     for name, port in ports.items():
         if not _port_free(port):
             raise RuntimeError(f"port {port} ({name}) is already in use on {HOST}: choose another with --{name}-port")
@@ -108,19 +117,53 @@ def up(stack: Stack, timeout_s: float = 180) -> dict[str, str]:
             db_env = {"PGPASSWORD": _postgres_up(stack, timeout_s)}
             prefect_db = {"PREFECT_API_DATABASE_CONNECTION_URL": stack.pg_url("prefect", "postgresql+asyncpg")}
             mlflow_store = stack.pg_url("mlflow", "postgresql+psycopg")
-        _start(stack, "prefect", [str(bin_dir / "prefect"), "server", "start", "--host", HOST, "--port", str(stack.prefect_port)], {**db_env, **prefect_db})
+        _start(
+            stack,
+            "prefect",
+            [str(bin_dir / "prefect"), "server", "start", "--host", HOST, "--port", str(stack.prefect_port)],
+            {**db_env, **prefect_db},
+        )
         # MLflow's job runner (GenAI judges, trace roll-ups) is not used here: six fewer processes
-        _start(stack, "mlflow", [str(bin_dir / "mlflow"), "server", "--host", HOST, "--port", str(stack.mlflow_port), "--workers", "1",
-                                 "--backend-store-uri", mlflow_store, "--artifacts-destination", str((stack.store / "artifacts").resolve())],
-               {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **db_env})
+        _start(
+            stack,
+            "mlflow",
+            [
+                str(bin_dir / "mlflow"),
+                "server",
+                "--host",
+                HOST,
+                "--port",
+                str(stack.mlflow_port),
+                "--workers",
+                "1",
+                "--backend-store-uri",
+                mlflow_store,
+                "--artifacts-destination",
+                str((stack.store / "artifacts").resolve()),
+            ],
+            {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **db_env},
+        )
         _wait_http(f"{stack.prefect_api}/health", timeout_s, stack, "prefect")
         _wait_http(f"{stack.mlflow_uri}/health", timeout_s, stack, "mlflow")
-        _start(stack, "worker", [str(bin_dir / "prefect"), "worker", "start", "--pool", stack.pool, "--type", "process"])
-        _wait_http(f"{stack.prefect_api}/work_pools/{stack.pool}/workers/filter", timeout_s, stack, "worker", method="POST", nonempty=True)
+        _start(
+            stack, "worker", [str(bin_dir / "prefect"), "worker", "start", "--pool", stack.pool, "--type", "process"]
+        )
+        _wait_http(
+            f"{stack.prefect_api}/work_pools/{stack.pool}/workers/filter",
+            timeout_s,
+            stack,
+            "worker",
+            method="POST",
+            nonempty=True,
+        )
     except BaseException:
         down(stack)
         raise
-    return {"prefect": stack.prefect_api, "prefect_ui": f"http://{HOST}:{stack.prefect_port}", "mlflow": stack.mlflow_uri}
+    return {
+        "prefect": stack.prefect_api,
+        "prefect_ui": f"http://{HOST}:{stack.prefect_port}",
+        "mlflow": stack.mlflow_uri,
+    }
 
 
 def down(stack: Stack, grace_s: float = 20) -> list[str]:
@@ -195,11 +238,20 @@ def status(stack: Stack) -> dict[str, int | None]:
     return out
 
 
-def _start(stack: Stack, name: str, cmd: list[str], env: dict[str, str] | None = None, user: dict[str, Any] | None = None) -> None:
+def _start(
+    stack: Stack, name: str, cmd: list[str], env: dict[str, str] | None = None, user: dict[str, Any] | None = None
+) -> None:
     pid_file = stack.home / f"{name}.pid"
     with open(stack.home / f"{name}.log", "ab") as log:
-        proc = subprocess.Popen(cmd, env={**stack.environ(), **(env or {})}, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, **(user or {}))
+        proc = subprocess.Popen(
+            cmd,
+            env={**stack.environ(), **(env or {})},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            **(user or {}),
+        )
     pid_file.write_text(str(proc.pid))
 
 
@@ -216,20 +268,45 @@ def _postgres_up(stack: Stack, timeout_s: float) -> str:
     if not (data / "PG_VERSION").is_file():
         _initdb(stack, data, user)
     password = _pg_password(stack)
-    _start(stack, "postgres", [_pg_bin("postgres"), "-D", str(data), "-p", str(stack.postgres_port), "-c", f"listen_addresses={HOST}",
-                               "-c", "unix_socket_directories=", "-c", "max_connections=200"], user=user)
+    _start(
+        stack,
+        "postgres",
+        [
+            _pg_bin("postgres"),
+            "-D",
+            str(data),
+            "-p",
+            str(stack.postgres_port),
+            "-c",
+            f"listen_addresses={HOST}",
+            "-c",
+            "unix_socket_directories=",
+            "-c",
+            "max_connections=200",
+        ],
+        user=user,
+    )
     deadline = time.monotonic() + timeout_s
     while True:
         if status(stack)["postgres"] is None:
             raise RuntimeError(f"stack postgres exited while starting; see {stack.home / 'postgres.log'}")
         try:
-            conn = psycopg.connect(host=HOST, port=stack.postgres_port, user=PG_USER, password=password, dbname="postgres",
-                                   connect_timeout=3, autocommit=True)  # CREATE DATABASE cannot run in a transaction
+            conn = psycopg.connect(
+                host=HOST,
+                port=stack.postgres_port,
+                user=PG_USER,
+                password=password,
+                dbname="postgres",
+                connect_timeout=3,
+                autocommit=True,
+            )  # CREATE DATABASE cannot run in a transaction
             break
         except psycopg.OperationalError as err:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"stack postgres did not accept connections on {HOST}:{stack.postgres_port} within {timeout_s:.0f} s "
-                                   f"({str(err).strip()}); see {stack.home / 'postgres.log'}") from None
+                raise TimeoutError(
+                    f"stack postgres did not accept connections on {HOST}:{stack.postgres_port} within {timeout_s:.0f} s "
+                    f"({str(err).strip()}); see {stack.home / 'postgres.log'}"
+                ) from None
             time.sleep(0.5)
     with conn:
         for name in PG_DATABASES:
@@ -243,8 +320,10 @@ def _initdb(stack: Stack, data: Path, user: dict[str, Any]) -> None:
     if user:
         for folder in data.parents:
             if not folder.stat().st_mode & 0o001:
-                raise RuntimeError(f"PostgreSQL cannot run as root, so it runs as user 'postgres', which cannot enter {folder} "
-                                   f"(mode {folder.stat().st_mode & 0o777:o}): put the stack's store elsewhere or `chmod o+x {folder}`")
+                raise RuntimeError(
+                    f"PostgreSQL cannot run as root, so it runs as user 'postgres', which cannot enter {folder} "
+                    f"(mode {folder.stat().st_mode & 0o777:o}): put the stack's store elsewhere or `chmod o+x {folder}`"
+                )
     password = secrets.token_urlsafe(24)
     stack.pg_password_file.touch(mode=0o600)
     stack.pg_password_file.write_text(password)
@@ -257,8 +336,23 @@ def _initdb(stack: Stack, data: Path, user: dict[str, Any]) -> None:
         if user:
             for path in (data, pwfile):
                 os.chown(path, user["user"], user["group"])
-        done = subprocess.run([_pg_bin("initdb"), "-D", str(data), "-U", PG_USER, f"--pwfile={pwfile}", "--auth=scram-sha-256",
-                               "-E", "UTF8", "--locale=C"], capture_output=True, text=True, **user)
+        done = subprocess.run(
+            [
+                _pg_bin("initdb"),
+                "-D",
+                str(data),
+                "-U",
+                PG_USER,
+                f"--pwfile={pwfile}",
+                "--auth=scram-sha-256",
+                "-E",
+                "UTF8",
+                "--locale=C",
+            ],
+            capture_output=True,
+            text=True,
+            **user,
+        )
     finally:
         os.unlink(pwfile)
     if done.returncode != 0:
@@ -267,7 +361,9 @@ def _initdb(stack: Stack, data: Path, user: dict[str, Any]) -> None:
 
 def _pg_password(stack: Stack) -> str:
     if not stack.pg_password_file.is_file():
-        raise RuntimeError(f"{stack.pg_password_file} is missing: the cluster in {stack.pg_data} cannot be opened without it")
+        raise RuntimeError(
+            f"{stack.pg_password_file} is missing: the cluster in {stack.pg_data} cannot be opened without it"
+        )
     return stack.pg_password_file.read_text().strip()
 
 
@@ -278,34 +374,56 @@ def _pg_user() -> dict[str, Any]:
     try:
         pw = pwd.getpwnam("postgres")
     except KeyError:
-        raise RuntimeError("running as root, PostgreSQL needs an unprivileged user: Debian's 'postgres' user is missing "
-                           "(apt-get install postgresql creates it)") from None
+        raise RuntimeError(
+            "running as root, PostgreSQL needs an unprivileged user: Debian's 'postgres' user is missing "
+            "(apt-get install postgresql creates it)"
+        ) from None
     return {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []}
 
 
 def _pg_bin(name: str) -> str:
     """A PostgreSQL server program: on PATH, else Debian's /usr/lib/postgresql/<newest>/bin."""
-    found = shutil.which(name) or next((str(p) for p in sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"),
-                                                                 key=lambda p: int(p.parts[-3]) if p.parts[-3].isdigit() else 0, reverse=True)), None)
+    found = shutil.which(name) or next(
+        (
+            str(p)
+            for p in sorted(
+                Path("/usr/lib/postgresql").glob(f"*/bin/{name}"),
+                key=lambda p: int(p.parts[-3]) if p.parts[-3].isdigit() else 0,
+                reverse=True,
+            )
+        ),
+        None,
+    )
     if found is None:
-        raise RuntimeError(f"PostgreSQL's {name} was not found: apt-get install postgresql (make setup-test installs it)")
+        raise RuntimeError(
+            f"PostgreSQL's {name} was not found: apt-get install postgresql (make setup-test installs it)"
+        )
     return found
 
 
-def _wait_http(url: str, timeout_s: float, stack: Stack, name: str, method: str = "GET", nonempty: bool = False) -> None:
+def _wait_http(
+    url: str, timeout_s: float, stack: Stack, name: str, method: str = "GET", nonempty: bool = False
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if status(stack)[name] is None:
             raise RuntimeError(f"stack {name} exited while starting; see {stack.home / (name + '.log')}")
         try:
-            req = urllib.request.Request(url, method=method, data=b"{}" if method == "POST" else None, headers={"Content-Type": "application/json"})
+            req = urllib.request.Request(
+                url,
+                method=method,
+                data=b"{}" if method == "POST" else None,
+                headers={"Content-Type": "application/json"},
+            )
             with urllib.request.urlopen(req, timeout=5) as resp:
                 if resp.status == 200 and (not nonempty or resp.read().strip() not in (b"[]", b"")):
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         time.sleep(0.5)
-    raise TimeoutError(f"stack {name} did not answer at {url} within {timeout_s:.0f} s; see {stack.home / (name + '.log')}")
+    raise TimeoutError(
+        f"stack {name} did not answer at {url} within {timeout_s:.0f} s; see {stack.home / (name + '.log')}"
+    )
 
 
 def _port_free(port: int) -> bool:

@@ -1,6 +1,6 @@
 """Trajectory-level advantage estimators: LOOP, GRPO, Dr.GRPO, RLOO and REINFORCE++-baseline.
 
-ALGORITHMS.md §1.3–1.4 (LOOP) and §4 items 1, 2, 5 (the verl baselines), with the group conventions of
+docs/algorithms.md §1.3–1.4 (LOOP) and §4 items 1, 2, 5 (the verl baselines), with the group conventions of
 §0.4. Every estimator reads ``episode_return`` only (one return R_j per trajectory; the per-step
 ``reward`` is ignored), computes group statistics over TRAJECTORIES (one value per ``traj_id``, never
 per row) and broadcasts the trajectory's advantage to all its rows.
@@ -96,7 +96,7 @@ def _keep_by_threshold(adv: np.ndarray, threshold: float, pos_adv_only: bool = F
 
 @dataclass(frozen=True)
 class LOOParams:
-    """LOOP advantage and filter (ALGORITHMS.md §1.3–1.4; ml-loop ``conf/rl/params/default.yaml``)."""
+    """LOOP advantage and filter (docs/algorithms.md §1.3–1.4; ml-loop ``conf/rl/params/default.yaml``)."""
 
     baseline: Literal["leave_one_out", "leave_none_out"] = "leave_one_out"  # A = R − LOO mean, or R − mean
     normalize_std: bool = False  # divide by the group's population std, floored at 1e-7
@@ -113,7 +113,7 @@ class LOOParams:
 
 @ADVANTAGES.register("loo", LOOParams)
 def loo_advantage(batch: StepBatch, params: LOOParams, state: object | None = None) -> AdvantageResult:
-    """LOOP: A_k = R_k − (1/(K−1)) Σ_{i≠k} R_i = K/(K−1)·(R_k − mean R)  (ALGORITHMS.md §1.3).
+    """LOOP: A_k = R_k − (1/(K−1)) Σ_{i≠k} R_i = K/(K−1)·(R_k − mean R)  (docs/algorithms.md §1.3).
 
     ``baseline="leave_none_out"`` gives A_k = R_k − mean R. With ``normalize_std`` A is divided by the
     group's population std floored at 1e-7; then ``kl_lambda`` is added. keep = |A| ≥ threshold (or
@@ -121,7 +121,7 @@ def loo_advantage(batch: StepBatch, params: LOOParams, state: object | None = No
     to a multiple of the world size; with a single learner process that step is the identity and is
     not done here.
 
-    Groups of size 1 (undefined: the released code asserts K ≥ 2): the ALGORITHMS.md §6.8 default,
+    Groups of size 1 (undefined: the released code asserts K ≥ 2): the docs/algorithms.md §6.8 default,
     advantage 0 and keep=False, whatever ``kl_lambda`` is.
 
     Args:
@@ -149,7 +149,7 @@ def loo_advantage(batch: StepBatch, params: LOOParams, state: object | None = No
 
 @dataclass(frozen=True)
 class GRPOParams:
-    """GRPO outcome advantage (ALGORITHMS.md §4.1; verl ``compute_grpo_outcome_advantage``)."""
+    """GRPO outcome advantage (docs/algorithms.md §4.1; verl ``compute_grpo_outcome_advantage``)."""
 
     norm_by_std: bool = True  # divide by the unbiased group std + eps (False is Dr.GRPO)
     eps: float = 1e-6  # added to the std
@@ -169,7 +169,7 @@ def _grpo(traj: _Trajectories, norm_by_std: bool, eps: float) -> np.ndarray:
 
 @ADVANTAGES.register("grpo", GRPOParams)
 def grpo_advantage(batch: StepBatch, params: GRPOParams, state: object | None = None) -> AdvantageResult:
-    """GRPO: A_i = (R_i − mean_g R) / (std_g^unbiased R + ε)  (ALGORITHMS.md §4.1, §0.4).
+    """GRPO: A_i = (R_i − mean_g R) / (std_g^unbiased R + ε)  (docs/algorithms.md §4.1, §0.4).
 
     A size-1 group keeps verl's mechanism (mean 0, std 1): A = R / (1 + ε), the "raw score" up to a
     relative 1e-6 (§7.1). ``norm_by_std=False`` drops the division (Dr.GRPO; size-1 gives A = R).
@@ -189,14 +189,14 @@ def grpo_advantage(batch: StepBatch, params: GRPOParams, state: object | None = 
 
 @dataclass(frozen=True)
 class DrGRPOParams:
-    """Dr.GRPO outcome advantage (ALGORITHMS.md §4.1; verl ``norm_adv_by_std_in_grpo = false``)."""
+    """Dr.GRPO outcome advantage (docs/algorithms.md §4.1; verl ``norm_adv_by_std_in_grpo = false``)."""
 
     abs_adv_threshold: float = 0.0  # keep when |A| ≥ this; 0 keeps every row
 
 
 @ADVANTAGES.register("drgrpo", DrGRPOParams)
 def drgrpo_advantage(batch: StepBatch, params: DrGRPOParams, state: object | None = None) -> AdvantageResult:
-    """Dr.GRPO: A_i = R_i − mean_g R; a size-1 group gives A = R  (ALGORITHMS.md §4.1).
+    """Dr.GRPO: A_i = R_i − mean_g R; a size-1 group gives A = R  (docs/algorithms.md §4.1).
 
     Args:
         batch: rows (N,); reads ``traj_id``, ``group_id``, ``episode_return``.
@@ -213,14 +213,14 @@ def drgrpo_advantage(batch: StepBatch, params: DrGRPOParams, state: object | Non
 
 @dataclass(frozen=True)
 class RLOOParams:
-    """RLOO outcome advantage (ALGORITHMS.md §4.2; verl ``compute_rloo_outcome_advantage``)."""
+    """RLOO outcome advantage (docs/algorithms.md §4.2; verl ``compute_rloo_outcome_advantage``)."""
 
     abs_adv_threshold: float = 0.0  # keep when |A| ≥ this; 0 keeps every row
 
 
 @ADVANTAGES.register("rloo", RLOOParams)
 def rloo_advantage(batch: StepBatch, params: RLOOParams, state: object | None = None) -> AdvantageResult:
-    """RLOO: A_i = R_i − (1/(G−1)) Σ_{j≠i} R_j = G/(G−1)·(R_i − mean_g R)  (ALGORITHMS.md §4.2).
+    """RLOO: A_i = R_i − (1/(G−1)) Σ_{j≠i} R_j = G/(G−1)·(R_i − mean_g R)  (docs/algorithms.md §4.2).
 
     A size-1 group gives A = R, as verl's loop version (§4.2), not its vectorized one (§7.6). Unlike
     "loo" there is no default filter.
@@ -242,7 +242,7 @@ def rloo_advantage(batch: StepBatch, params: RLOOParams, state: object | None = 
 
 @dataclass(frozen=True)
 class ReinforcePPBaselineParams:
-    """REINFORCE++-baseline (ALGORITHMS.md §4.5; verl ``compute_reinforce_plus_plus_baseline_...``)."""
+    """REINFORCE++-baseline (docs/algorithms.md §4.5; verl ``compute_reinforce_plus_plus_baseline_...``)."""
 
     eps: float = 1e-8  # inside the square root of the whitening, as verl's ``masked_whiten``
     abs_adv_threshold: float = 0.0  # keep when |A| ≥ this; 0 keeps every row
@@ -252,7 +252,7 @@ class ReinforcePPBaselineParams:
 def reinforce_pp_baseline_advantage(
     batch: StepBatch, params: ReinforcePPBaselineParams, state: object | None = None
 ) -> AdvantageResult:
-    """REINFORCE++-baseline: a_i = R_i − mean_g R, then A = (a − μ)/sqrt(σ² + eps)  (ALGORITHMS.md §4.5).
+    """REINFORCE++-baseline: a_i = R_i − mean_g R, then A = (a − μ)/sqrt(σ² + eps)  (docs/algorithms.md §4.5).
 
     μ and σ² are the mean and the unbiased (Bessel) variance over all policy TOKENS of the batch: row n
     weighs ``n_tokens[n]`` (verl's ``masked_whiten`` over the response mask). A size-1 group has

@@ -1,4 +1,4 @@
-"""Loss aggregation modes (ALGORITHMS.md 0.3) and the record every policy loss returns.
+"""Loss aggregation modes (docs/algorithms.md §0.3) and the record every policy loss returns.
 
 Tensors are padded (B, T): B rows of a minibatch (or micro-batch), T token positions.
 """
@@ -36,7 +36,7 @@ def aggregate(
     * ``token-mean``: sum(m*l) / n_tokens_div, where n_tokens_div defaults to sum(m) of this call;
       pass the minibatch's token count when the minibatch is split into micro-batches.
     * ``seq-mean-token-mean``: sum_i (sum_t m*l / sum_t m) / n_rows_div. LOOP passes its fixed
-      minibatch size (32) as n_rows_div, so a short last minibatch is down-weighted (ALGORITHMS.md 1.5).
+      minibatch size (32) as n_rows_div, so a short last minibatch is down-weighted (docs/algorithms.md §1.5).
       Rows with no policy token contribute 0 and are not counted in the default divisor.
     * ``seq-mean-token-sum``: sum_i sum_t m*l / n_rows_div.
     * ``seq-mean-token-sum-norm`` (Dr.GRPO): sum(m*l) / (n_rows_div * max_len_norm).

@@ -1,4 +1,4 @@
-"""APPO: branching score, branch-point selection and the dual-group advantage (ALGORITHMS.md §3.2–3.6).
+"""APPO: branching score, branch-point selection and the dual-group advantage (docs/algorithms.md §3.2–3.6).
 
 Branching runs per initial rollout on arrays over its T_i policy tokens (BS = Z(H)·Z(Ω), §3.2), then
 per task group (strict → fallback → cyclic, §3.3). The advantage normalises initial rollouts and branches
@@ -8,8 +8,9 @@ as separate groups and maps each branch's Â onto its parent's prefix (§3.5). T
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -40,9 +41,7 @@ def entropy_zscore(entropy: np.ndarray) -> np.ndarray:
     return zscore(entropy)
 
 
-def future_value(
-    logp_cur: np.ndarray, logp_roll: np.ndarray, gamma: float = 1.0, eps_omega: float = 0.2
-) -> np.ndarray:
+def future_value(logp_cur: np.ndarray, logp_roll: np.ndarray, gamma: float = 1.0, eps_omega: float = 0.2) -> np.ndarray:
     """Ω_t = clip(exp(clamp(Σ_{k≥t} γ^{k−t} (logp_cur − logp_roll)_k, −20, 20)), 1 − ε_Ω, 1 + ε_Ω) (§3.2).
 
     ``logp_cur`` (T,) is the actor's recomputed log π_cur, ``logp_roll`` (T,) the sampler's; returns

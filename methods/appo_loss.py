@@ -1,4 +1,4 @@
-"""APPO procedure-level advantage scaling in the loss: the "future_kl" (FIPO) policy loss (ALGORITHMS.md §3.7).
+"""APPO procedure-level advantage scaling in the loss: the "future_kl" (FIPO) policy loss (docs/algorithms.md §3.7).
 
 Tensors are padded (B, T): B rows of a minibatch, T token positions; ``mask`` is the policy (loss) mask.
 Every advantage is reweighted by a factor built from the discounted KL of the *future* tokens of its row:
@@ -126,9 +126,7 @@ def future_kl(
     return discounted_suffix_sum(work, params.gamma_f, params.chunk, positions)
 
 
-def influence_factor(
-    fkl: torch.Tensor, adv: torch.Tensor, ratio: torch.Tensor, params: FutureKLParams
-) -> torch.Tensor:
+def influence_factor(fkl: torch.Tensor, adv: torch.Tensor, ratio: torch.Tensor, params: FutureKLParams) -> torch.Tensor:
     """f_t = clip(exp(FutureKL_t), lower, 1 + clip_high), detached, with the safety clamp (§3.7 steps 4–5).
 
     Where A_t < 0 and ρ_t > safety_thresh, f_t is clamped to [0.8, 1.0] (so f = 1 with high-only clipping).
@@ -183,7 +181,7 @@ def appo_future_kl_loss(
     n_tokens_div: float | None = None,
     positions: torch.Tensor | None = None,
 ) -> LossTerms:
-    """APPO future-KL policy loss (ALGORITHMS.md §3.7; ``core_algos.py::compute_policy_loss_future_kl``).
+    """APPO future-KL policy loss (docs/algorithms.md §3.7; ``core_algos.py::compute_policy_loss_future_kl``).
 
     Args:
         logp: (B, T) log π_θ of the sampled tokens (with grad).

@@ -1,4 +1,4 @@
-"""BLPO: Beyond-Local Policy Optimization (arXiv 2611.03005, ``Tdadada/BLPO``; ALGORITHMS.md 2, 7.3).
+"""BLPO: Beyond-Local Policy Optimization (arXiv 2611.03005, ``Tdadada/BLPO``; docs/algorithms.md §2, §7.3).
 
 Per step row n (one scalar; the caller broadcasts it over the row's action tokens):
 
@@ -52,7 +52,7 @@ LAYERS = (("exact",), ("exact", "role"))  # the Exact layer is always on; "stage
 
 @dataclass(frozen=True)
 class BLPOParams:
-    """BLPO settings; defaults are ALFWorld's (ALGORITHMS.md 2.10; WebShop sets role_current_batch_center)."""
+    """BLPO settings; defaults are ALFWorld's (docs/algorithms.md §2.10; WebShop sets role_current_batch_center)."""
 
     gamma: float = 0.95  # discount of the step returns G_n (2.2)
     mode: str = "mean_std_norm"  # or "mean_norm" (no std division anywhere; A^P = c_a)

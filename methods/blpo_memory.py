@@ -1,4 +1,4 @@
-"""BLPO's global progress memory and its per-role read (ALGORITHMS.md 2.7 (d)-(g), 7.3).
+"""BLPO's global progress memory and its per-role read (docs/algorithms.md §2.7 (d)-(g), 7.3).
 
 The memory maps (role, abstract action) to a moment record (W, S, Q, R, last_update, children), where
 children maps a stable hash of a concrete context id to its support weight. Records decay lazily:
@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import mul
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -170,8 +171,16 @@ class BLPOMemory:
             "half_life": self.half_life,
             "update_index": self.update_index,
             "records": [
-                {"role": role, "action": action, "W": r.W, "S": r.S, "Q": r.Q, "R": r.R,
-                 "last_update": r.last_update, "children": {c: r.children[c] for c in sorted(r.children)}}
+                {
+                    "role": role,
+                    "action": action,
+                    "W": r.W,
+                    "S": r.S,
+                    "Q": r.Q,
+                    "R": r.R,
+                    "last_update": r.last_update,
+                    "children": {c: r.children[c] for c in sorted(r.children)},
+                }
                 for (role, action), r in sorted(self._records.items())
             ],  # fmt: skip
         }
@@ -190,7 +199,11 @@ class BLPOMemory:
             raise ValueError(f"BLPO memory half-life mismatch: stored {stored}, configured {half_life}")
         records = {
             (str(d["role"]), str(d["action"])): MomentRecord(
-                float(d["W"]), float(d["S"]), float(d["Q"]), float(d["R"]), int(d["last_update"]),
+                float(d["W"]),
+                float(d["S"]),
+                float(d["Q"]),
+                float(d["R"]),
+                int(d["last_update"]),
                 {str(k): float(v) for k, v in sorted(d["children"].items())},
             )
             for d in payload["records"]

@@ -1,4 +1,4 @@
-"""GiGPO: group-in-group policy optimization (arXiv 2505.10978; ALGORITHMS.md 4.3, 0.4, 7.1, 7.4).
+"""GiGPO: group-in-group policy optimization (arXiv 2505.10978; docs/algorithms.md §4.3, §0.4, §7.1, §7.4).
 
 A_n = A^E_n + w * A^S_n, one scalar per step row (the caller broadcasts it over the row's tokens):
 
@@ -34,7 +34,7 @@ from methods.types import AdvantageResult, StepBatch
 
 @dataclass(frozen=True)
 class GiGPOParams:
-    """GiGPO settings (ALGORITHMS.md 4.3).
+    """GiGPO settings (docs/algorithms.md §4.3).
 
     ``mode`` defaults to ``mean_std_norm``, the verl-agent fork's yaml; recent verl-agent run scripts
     use ``mean_norm``. 6.7 asks every experiment to name its choice, so configs should set it.

@@ -1,6 +1,6 @@
 """PPO clipped policy losses over padded token tensors, registered in ``LOSSES``.
 
-ALGORITHMS.md §0.2 (clipped surrogate and dual clip), §0.3 (aggregation modes), §1.5 (LOOP per-token,
+docs/algorithms.md §0.2 (clipped surrogate and dual clip), §0.3 (aggregation modes), §1.5 (LOOP per-token,
 per-turn and per-trajectory ratios; no-clip REINFORCE), §1.6 (trajectory KL early stop) and §4.1 (verl
 KL loss to a reference).
 
@@ -24,7 +24,7 @@ LOG_RATIO_CLAMP = 20.0  # |log ρ| bound before exp
 
 @dataclass(frozen=True)
 class PPOLossParams:
-    """Clipped-surrogate settings (ALGORITHMS.md §0.2, §1.5, §4.1). Defaults are LOOP's (§1.7)."""
+    """Clipped-surrogate settings (docs/algorithms.md §0.2, §1.5, §4.1). Defaults are LOOP's (§1.7)."""
 
     clip_mode: Literal["loop", "asymmetric"] = "loop"  # [1/(1+eps), 1+eps] or [1−eps_low, 1+eps_high]
     eps: float = 0.1  # LOOP ε (``ppo_epsilon``)
@@ -213,7 +213,7 @@ def _check_inputs(logp, old_logp, adv, mask, turn_id, ref_logp, params: PPOLossP
 
 
 def trajectory_kl_estimate(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> float:
-    """KL ≈ −mean_j Σ_{t∈O_j}(log π_θ − log π_old), LOOP's early-stop statistic (ALGORITHMS.md §1.6).
+    """KL ≈ −mean_j Σ_{t∈O_j}(log π_θ − log π_old), LOOP's early-stop statistic (docs/algorithms.md §1.6).
 
     Args:
         logp: (B, T) float, log π_θ.

@@ -18,8 +18,9 @@ raises, and so does a params class that lacks an attribute its registry requires
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,9 @@ class Registry:
         self.requires = requires
         self._entries: dict[str, Entry] = {}
 
-    def register(self, name: str, params_cls: type, load_state: Callable[[dict, Any], Any] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def register(
+        self, name: str, params_cls: type, load_state: Callable[[dict, Any], Any] | None = None
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
             if name in self._entries:
                 raise ValueError(f"{self.kind} {name!r} is already registered")

@@ -1,4 +1,4 @@
-"""Step-level helpers shared by GiGPO and BLPO (Layout S, ALGORITHMS.md 0.1, 0.4, 2.2, 4.3, 7.2).
+"""Step-level helpers shared by GiGPO and BLPO (Layout S, docs/algorithms.md §0.1, §0.4, §2.2, §4.3, §7.2).
 
 Rows are decision steps, contiguous per trajectory and in turn order. Groups are integer codes
 0..G-1 (one per distinct key), so every per-group statistic is a ``np.bincount`` over the rows, and
@@ -263,7 +263,18 @@ def step_keys(batch: StepBatch) -> StepKeys:
     first = group_first(key, n_key)
     context, context_values = factorize(batch.context_id)
     return StepKeys(
-        uid, len(uid_values), exact, n_exact, action, n_action, key, role[first], abstract[first],
-        [str(v) for v in role_values], [str(v) for v in abstract_values], context, context_values,
+        uid,
+        len(uid_values),
+        exact,
+        n_exact,
+        action,
+        n_action,
+        key,
+        role[first],
+        abstract[first],
+        [str(v) for v in role_values],
+        [str(v) for v in abstract_values],
+        context,
+        context_values,
         np.asarray(batch.shareable, dtype=bool),
     )

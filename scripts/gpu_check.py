@@ -27,25 +27,32 @@ DEADLINE_S = 8 * 60
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--episodes", type=int, default=64, help="rollouts collected (tasks x 4), the generation batch")
-    ap.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank instead of all weights (0: full)")
+    ap.add_argument(
+        "--lora-rank", type=int, default=0, help="train LoRA adapters of this rank instead of all weights (0: full)"
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        print("gpu_check needs a CUDA GPU and a CUDA build of torch; this machine has none (torch.cuda.is_available() is False).\n"
-              "The CPU paths are covered by `make test`; see README 'GPU and cluster set-ups'.", file=sys.stderr)
+        print(
+            "gpu_check needs a CUDA GPU and a CUDA build of torch; this machine has none (torch.cuda.is_available() is False).\n"
+            "The CPU paths are covered by `make test`; see docs/deploy.md, 'GPU'.",
+            file=sys.stderr,
+        )
         return 2
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     import methods
     from horizonrl import store
     from horizonrl.config import LoraConfig, ModelConfig
     from horizonrl.engines.hf import TransformersEngine
     from horizonrl.envs.household import HouseholdSuite
-    from horizonrl.lora import attach
-    from horizonrl.models import resolve_dtype, train_word_tokenizer
-    from horizonrl.prompting import ChatFormat
-    from horizonrl.rollout import SamplingSettings, collect
-    from horizonrl.sequences import train_rows
-    from horizonrl.trainer import UpdateSettings, ppo_update
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from horizonrl.models.loading import resolve_dtype
+    from horizonrl.models.lora import attach
+    from horizonrl.models.tokenizers import train_word_tokenizer
+    from horizonrl.rollout.loop import SamplingSettings, collect
+    from horizonrl.rollout.prompting import ChatFormat
+    from horizonrl.training.sequences import train_rows
+    from horizonrl.training.trainer import UpdateSettings, ppo_update
 
     t_start = time.perf_counter()
     device = torch.device("cuda")
@@ -56,9 +63,18 @@ def main() -> int:
     tokenizer = train_word_tokenizer(suite.corpus(200))
     fmt = ChatFormat.for_tokenizer(tokenizer)
     config = Qwen2Config(  # Qwen2.5-0.5B's architecture; the vocabulary stays full size for a realistic LM head
-        vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-        num_key_value_heads=2, max_position_embeddings=32_768, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, attn_implementation="sdpa",
+        vocab_size=151_936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32_768,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        attn_implementation="sdpa",
     )
     torch.manual_seed(0)
     with torch.device(device):
@@ -67,20 +83,33 @@ def main() -> int:
         model = attach(model, LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank), seed=0)
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(f"model: {n_params / 1e9:.3f} B parameters ({n_train / 1e6:.1f} M trained), built in {time.perf_counter() - t_start:.1f} s")
+    print(
+        f"model: {n_params / 1e9:.3f} B parameters ({n_train / 1e6:.1f} M trained), built in {time.perf_counter() - t_start:.1f} s"
+    )
 
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id], str(device))
     n_tasks = max(1, args.episodes // 4)
-    warm = collect(suite, suite.tasks("train", "easy", 2), 2, engine, fmt, SamplingSettings("admissible", "full", 2, 2, 24, 1.0, 1))  # kernels, allocator
+    warm = collect(
+        suite, suite.tasks("train", "easy", 2), 2, engine, fmt, SamplingSettings("admissible", "full", 2, 2, 24, 1.0, 1)
+    )  # kernels, allocator
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    records = collect(suite, suite.tasks("train", "easy", n_tasks), 4, engine, fmt, SamplingSettings("admissible", "full", 2, 8, 24, 1.0, 0))
+    records = collect(
+        suite,
+        suite.tasks("train", "easy", n_tasks),
+        4,
+        engine,
+        fmt,
+        SamplingSettings("admissible", "full", 2, 8, 24, 1.0, 0),
+    )
     torch.cuda.synchronize()
     t_gen = time.perf_counter() - t0
     gen_tokens = sum(len(t.gen.token_ids) for r in records for t in r.turns)
     turns = sum(len(r.turns) for r in records)
-    print(f"generation (admissible, full context, {len(records)} episodes, {turns} turns): {gen_tokens} action tokens in {t_gen:.1f} s "
-          f"= {gen_tokens / t_gen:.0f} tokens/s (environment steps included)")
+    print(
+        f"generation (admissible, full context, {len(records)} episodes, {turns} turns): {gen_tokens} action tokens in {t_gen:.1f} s "
+        f"= {gen_tokens / t_gen:.0f} tokens/s (environment steps included)"
+    )
 
     prompts = [r.turns[0].prompt_ids for r in records]
     torch.cuda.synchronize()
@@ -89,7 +118,9 @@ def main() -> int:
     torch.cuda.synchronize()
     t_free = time.perf_counter() - t0
     free_tokens = sum(len(g.token_ids) for g in free)
-    print(f"generation (free decoding, batch {len(prompts)}, up to 64 new tokens): {free_tokens} tokens in {t_free:.1f} s = {free_tokens / t_free:.0f} tokens/s")
+    print(
+        f"generation (free decoding, batch {len(prompts)}, up to 64 new tokens): {free_tokens} tokens in {t_free:.1f} s = {free_tokens / t_free:.0f} tokens/s"
+    )
     del warm, free
 
     rows = [r for r in train_rows(store.turns_table(records), "full") if r.positions]
@@ -98,7 +129,9 @@ def main() -> int:
         r.adv = [float(torch.randint(0, 2, (1,), generator=gen)) * 2 - 1] * len(r.positions)
     loss_name = "ppo_clip"
     params = methods.LOSSES.get(loss_name).params_cls(clip_mode="asymmetric", eps_low=0.2, eps_high=0.2)
-    settings = UpdateSettings(loss_name, params, 1, max(1, len(rows) // 2), False, 1.0, 1e9, 1.0, 16_384, tokenizer.pad_token_id)
+    settings = UpdateSettings(
+        loss_name, params, 1, max(1, len(rows) // 2), False, 1.0, 1e9, 1.0, 16_384, tokenizer.pad_token_id
+    )
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -106,13 +139,18 @@ def main() -> int:
         stats = ppo_update(model, optimizer, rows, settings, seed=0).stats
     except RuntimeError as err:
         if "device" in str(err):
-            print("update failed on a device mismatch: the learner (horizonrl/trainer.py) must build its tensors on the model's device", file=sys.stderr)
+            print(
+                "update failed on a device mismatch: the learner (horizonrl/training/trainer.py) must build its tensors on the model's device",
+                file=sys.stderr,
+            )
         raise
     torch.cuda.synchronize()
     t_upd = time.perf_counter() - t0
     real = sum(len(r.input_ids) for r in rows)
-    print(f"update (1 epoch, {int(stats['steps'])} optimizer steps, {len(rows)} trajectories, {real} tokens incl. pi_old recompute): "
-          f"{t_upd:.1f} s, trainer-reported {stats['tokens_per_s']:.0f} tokens/s, peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    print(
+        f"update (1 epoch, {int(stats['steps'])} optimizer steps, {len(rows)} trajectories, {real} tokens incl. pi_old recompute): "
+        f"{t_upd:.1f} s, trainer-reported {stats['tokens_per_s']:.0f} tokens/s, peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+    )
     total = time.perf_counter() - t_start
     print(f"total {total:.0f} s (budget {DEADLINE_S} s)")
     return 0 if total < DEADLINE_S else 1

@@ -1,4 +1,4 @@
-"""How household episodes fail, won against lost, from a run's stored rollouts (README, "Warm start and the study").
+"""How household episodes fail, won against lost, from a run's stored rollouts (docs/study.md).
 
     .venv/bin/python scripts/household_failures.py data/<experiment>/<run> 1 30
 
@@ -24,18 +24,31 @@ def episode_figures(actions: list[str], target: str) -> dict[str, float]:
     """One episode: does it take an object of a type other than ``target``, first or at all; how often it repeats itself."""
     taken = [kind_of(obj) for verb, obj, _ in map(parse_command, (a or "" for a in actions)) if verb == "take"]
     repeats = sum(a in actions[:i] for i, a in enumerate(actions))
-    return {"takes": len(taken), "wrong_take": any(t != target for t in taken),
-            "first_take_wrong": bool(taken) and taken[0] != target, "repeat_share": repeats / max(len(actions), 1)}
+    return {
+        "takes": len(taken),
+        "wrong_take": any(t != target for t in taken),
+        "first_take_wrong": bool(taken) and taken[0] != target,
+        "repeat_share": repeats / max(len(actions), 1),
+    }
 
 
 def iteration_figures(run: Path, iteration: int) -> pd.DataFrame:
     """Means over won and lost episodes of one iteration's collected rollouts."""
     folder = run / f"iter={iteration:05d}"
-    turns = store.read_table(str(folder / "turns.parquet"), "turns", columns=["rollout_id", "turn", "action"]).to_pandas()
-    episodes = store.read_table(str(folder / "episodes.parquet"), "episodes", columns=["rollout_id", "won", "tier", "task_seed"]).to_pandas()
+    turns = store.read_table(
+        str(folder / "turns.parquet"), "turns", columns=["rollout_id", "turn", "action"]
+    ).to_pandas()
+    episodes = store.read_table(
+        str(folder / "episodes.parquet"), "episodes", columns=["rollout_id", "won", "tier", "task_seed"]
+    ).to_pandas()
     target = {e.rollout_id: generate_layout(e.task_seed, TIERS[e.tier]).goal.target for e in episodes.itertuples()}
-    rows = {rid: episode_figures(list(g["action"]), target[rid]) for rid, g in turns.sort_values(["rollout_id", "turn"]).groupby("rollout_id")}
-    by_outcome = pd.DataFrame.from_dict(rows, orient="index").join(episodes.set_index("rollout_id")["won"]).groupby("won")
+    rows = {
+        rid: episode_figures(list(g["action"]), target[rid])
+        for rid, g in turns.sort_values(["rollout_id", "turn"]).groupby("rollout_id")
+    }
+    by_outcome = (
+        pd.DataFrame.from_dict(rows, orient="index").join(episodes.set_index("rollout_id")["won"]).groupby("won")
+    )
     return by_outcome.mean().assign(episodes=by_outcome.size())
 
 

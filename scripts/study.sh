@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The study (README, "Warm start and the study") as a user runs it: the local stack on PostgreSQL, the warm
+# The study (docs/study.md) as a user runs it: the local stack on PostgreSQL, the warm
 # start through its deployment, every cell of configs/sweeps/study_household_medium.yaml through the sweep
 # deployment (concurrency from the sweep file), then docs/results.md. Run it again to resume: a finished
 # warm start registers nothing new, finished cells are skipped, a killed cell resumes from its checkpoint.

@@ -14,14 +14,13 @@ from prefect.cache_policies import NONE
 
 import methods
 from horizonrl import faults, store
-from horizonrl.checkpoint import CheckpointRef, read_estimator_state
-from horizonrl.config import estimator_of
-from horizonrl.sequences import step_batch
+from horizonrl.training.checkpoint import CheckpointRef, read_estimator_state
+from horizonrl.training.sequences import step_batch
+from methods.presets import estimator_of
 from methods.types import StepBatch
 from tasks.collect import RolloutRef
 from tasks.context import RunContext
 from tasks.tracking import log_stage, trace_training
-
 
 # Figures every estimator reports under the same name; the rest are logged as advantage/<method>/<name>.
 SHARED_FIGURES = {"zero_group_fraction", "kept_fraction", "adv_mean", "adv_abs_mean", "groups", "trajectories"}
@@ -34,7 +33,9 @@ class AdvantageRef:
     state: str | None  # estimator state after this batch (JSON), None for stateless estimators
 
 
-def compute_advantages(rollouts: RolloutRef, name: str, params: object, state_in: dict | None, update_index: int) -> tuple[pa.Table, dict | None, dict[str, float]]:
+def compute_advantages(
+    rollouts: RolloutRef, name: str, params: object, state_in: dict | None, update_index: int
+) -> tuple[pa.Table, dict | None, dict[str, float]]:
     """Run estimator ``name`` over one iteration's stored rollouts. Pure apart from reading Parquet.
 
     Episodes that ended in an environment error are left out of the estimate (their return says nothing
@@ -42,17 +43,23 @@ def compute_advantages(rollouts: RolloutRef, name: str, params: object, state_in
     and ``keep=False``."""
     turns = store.read_table(rollouts.turns, "turns")
     episodes = store.read_table(rollouts.episodes, "episodes")
-    errored = pc.is_in(turns["rollout_id"], value_set=episodes.filter(pc.equal(episodes["status"], "error"))["rollout_id"])
+    errored = pc.is_in(
+        turns["rollout_id"], value_set=episodes.filter(pc.equal(episodes["status"], "error"))["rollout_id"]
+    )
     left_out = turns.filter(errored)
     turns = turns.filter(pc.invert(errored))
     batch = step_batch(episodes, turns, update_index)
     entry = methods.ADVANTAGES.get(name)
     state = methods.state_from_json(name, state_in, params)
     result = entry.fn(batch, params, state)
-    table = store.advantages_table(batch.traj_id, batch.turn, result.adv, result.keep, result.adv_tokens, batch.n_tokens)
+    table = store.advantages_table(
+        batch.traj_id, batch.turn, result.adv, result.keep, result.adv_tokens, batch.n_tokens
+    )
     if left_out.num_rows:
         n = left_out.num_rows
-        left = store.advantages_table(left_out["rollout_id"].to_numpy(), left_out["turn"].to_numpy(), np.zeros(n), np.zeros(n, dtype=bool))
+        left = store.advantages_table(
+            left_out["rollout_id"].to_numpy(), left_out["turn"].to_numpy(), np.zeros(n), np.zeros(n, dtype=bool)
+        )
         table = pa.concat_tables([table, left])
     return table, methods.state_to_json(result.state), {**shared_figures(batch, result.adv), **result.stats}
 
@@ -62,9 +69,13 @@ def shared_figures(batch: StepBatch, adv: np.ndarray) -> dict[str, float]:
     rows' mean and mean absolute advantage, trajectories, groups, the share of groups whose rows all
     have advantage 0 (no signal)."""
     zero = pd.Series(adv == 0).groupby(batch.group_id).all() if len(adv) else pd.Series(dtype=bool)
-    return {"adv_mean": float(adv.mean()) if len(adv) else 0.0, "adv_abs_mean": float(np.abs(adv).mean()) if len(adv) else 0.0,
-            "trajectories": float(len(np.unique(batch.traj_id))), "groups": float(len(zero)),
-            "zero_group_fraction": float(zero.mean()) if len(zero) else 0.0}
+    return {
+        "adv_mean": float(adv.mean()) if len(adv) else 0.0,
+        "adv_abs_mean": float(np.abs(adv).mean()) if len(adv) else 0.0,
+        "trajectories": float(len(np.unique(batch.traj_id))),
+        "groups": float(len(zero)),
+        "zero_group_fraction": float(zero.mean()) if len(zero) else 0.0,
+    }
 
 
 def shared_names(stats: dict[str, float], method: str) -> dict[str, float]:
@@ -84,14 +95,18 @@ def advantages(ctx: RunContext, iteration: int, rollouts: RolloutRef, policy: Ch
     kept = table["keep"].to_numpy(zero_copy_only=False)
     stats.setdefault("kept_fraction", float(kept.mean()) if len(kept) else 0.0)
     stats = shared_names(stats, cfg.method)
-    log_stage(ctx, "advantage", stats, iteration, inputs={f"iter={iteration}/advantages-{cfg.method}": (str(path), digest)})
+    log_stage(
+        ctx, "advantage", stats, iteration, inputs={f"iter={iteration}/advantages-{cfg.method}": (str(path), digest)}
+    )
     trace_training(ctx, iteration, rollouts.episodes, rollouts.turns, table)
     get_run_logger().info("iteration %d advantage (%s): kept %.2f of rows", iteration, name, stats["kept_fraction"])
     return AdvantageRef(iteration, str(path), str(state_path) if state_path else None)
 
 
 @task(name="recompute-advantage", cache_policy=NONE)
-def recompute_iteration(iteration_dir: str, method: str, params: dict, state_in: dict | None) -> tuple[str, dict | None, dict[str, float]]:
+def recompute_iteration(
+    iteration_dir: str, method: str, params: dict, state_in: dict | None
+) -> tuple[str, dict | None, dict[str, float]]:
     """Advantages of ``method`` over one stored iteration, written next to the original rollouts as
     ``advantages-<method>.parquet`` (other methods' tables are left alone). Returns (path, state, stats)."""
     d = Path(iteration_dir)

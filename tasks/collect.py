@@ -1,6 +1,6 @@
 """Stage 1: play the iteration's rollouts with the current policy and store them as Parquet.
 
-The iteration's tasks are split into ``rollout.shards`` fixed shards (``horizonrl.rollout.split_shards``),
+The iteration's tasks are split into ``rollout.shards`` fixed shards (``horizonrl.rollout.loop.split_shards``),
 each played by the ``collect-shard`` task: one after another in this process (``rollout.runner: local``;
 a single local shard plays in the collect task itself) or in parallel on a Ray cluster through prefect-ray's task runner (``ray``), where each Ray worker keeps
 its own policy and environments in its ``RUNTIME``. The shards' records are joined in order, so the
@@ -16,14 +16,16 @@ import pyarrow.compute as pc
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
-from horizonrl import faults, store, tracking
-from horizonrl.branching import collect_branches, plan_branches
-from horizonrl.checkpoint import CheckpointRef
-from horizonrl.records import EpisodeRecord
-from horizonrl.rollout import SamplingSettings, Shard, collect, split_shards
-from horizonrl.rollout_metrics import branch_metrics, episode_metrics
-from horizonrl.runtime import sample_tasks
+from horizonrl import faults, store
+from horizonrl.files import file_digest
+from horizonrl.rollout.branching import collect_branches, plan_branches
+from horizonrl.rollout.loop import SamplingSettings, Shard, collect, split_shards
+from horizonrl.rollout.metrics import branch_metrics, episode_metrics
+from horizonrl.rollout.records import EpisodeRecord
+from horizonrl.run.runtime import sample_tasks
 from horizonrl.seeding import derive_seed
+from horizonrl.tracking import mlflow_runs
+from horizonrl.training.checkpoint import CheckpointRef
 from tasks.context import RUNTIME, RunContext
 from tasks.tracking import log_stage
 
@@ -45,39 +47,55 @@ def collect_rollouts(ctx: RunContext, iteration: int, policy: CheckpointRef) -> 
     d = store.iteration_dir(cfg.data_dir, cfg.experiment, cfg.run_name, iteration)
     ref = RolloutRef(iteration, str(d / "episodes.parquet"), str(d / "turns.parquet"))
     if (d / "episodes.parquet").is_file() and (d / "turns.parquet").is_file():
-        digests = {"turns": store.file_digest(ref.turns), "episodes": store.file_digest(ref.episodes)}
+        digests = {"turns": file_digest(ref.turns), "episodes": file_digest(ref.episodes)}
         _check_recorded(ctx, iteration, ref, digests)
         get_run_logger().info("iteration %d: rollouts already stored, reused", iteration)
     else:
         records = _play(ctx, iteration, policy)
         digests = {"turns": store.write_table(store.turns_table(records), ref.turns, "turns")}
         faults.kill_point("collect", iteration)
-        digests["episodes"] = store.write_table(store.episodes_table(records, cfg.run_name, iteration, policy.iteration), ref.episodes, "episodes")
+        digests["episodes"] = store.write_table(
+            store.episodes_table(records, cfg.run_name, iteration, policy.iteration), ref.episodes, "episodes"
+        )
     episodes = store.read_table(ref.episodes, "episodes")
     metrics = episode_metrics(episodes)
     if cfg.preset.branches:
         metrics.update(branch_metrics(episodes))
     turns = store.read_table(ref.turns, "turns", columns=["gen_s", "env_s", "format_valid", "finished"])
-    metrics.update(gen_s=float(pc.sum(turns["gen_s"]).as_py() or 0.0), env_s=float(pc.sum(turns["env_s"]).as_py() or 0.0))
+    metrics.update(
+        gen_s=float(pc.sum(turns["gen_s"]).as_py() or 0.0), env_s=float(pc.sum(turns["env_s"]).as_py() or 0.0)
+    )
     if turns.num_rows:  # generation faults: no parsable action, or cut at the token budget
-        metrics.update(format_invalid_rate=1.0 - float(pc.mean(turns["format_valid"].cast("float64")).as_py()),
-                       unfinished_action_rate=1.0 - float(pc.mean(turns["finished"].cast("float64")).as_py()))
-    inputs = {f"iter={iteration}/{name}": (path, digests[name]) for name, path in (("turns", ref.turns), ("episodes", ref.episodes))}
+        metrics.update(
+            format_invalid_rate=1.0 - float(pc.mean(turns["format_valid"].cast("float64")).as_py()),
+            unfinished_action_rate=1.0 - float(pc.mean(turns["finished"].cast("float64")).as_py()),
+        )
+    inputs = {
+        f"iter={iteration}/{name}": (path, digests[name])
+        for name, path in (("turns", ref.turns), ("episodes", ref.episodes))
+    }
     log_stage(ctx, "collect", metrics, iteration, inputs=inputs)
-    get_run_logger().info("iteration %d collect: success %.3f, mixed groups %.2f", iteration, metrics["success_rate"], metrics["mixed_group_fraction"])
+    get_run_logger().info(
+        "iteration %d collect: success %.3f, mixed groups %.2f",
+        iteration,
+        metrics["success_rate"],
+        metrics["mixed_group_fraction"],
+    )
     return ref
 
 
 def _check_recorded(ctx: RunContext, iteration: int, ref: RolloutRef, digests: dict[str, str]) -> None:
     """Stored rollouts are reused only as they were written: a file whose digest differs from the one the
     run recorded for it in MLflow (its dataset input) is named, never taken for the original."""
-    recorded = tracking.recorded_digests(ctx.mlflow(), ctx.mlflow_run_id)
+    recorded = mlflow_runs.recorded_digests(ctx.mlflow(), ctx.mlflow_run_id)
     for name, path in (("turns", ref.turns), ("episodes", ref.episodes)):
         want = recorded.get(f"iter={iteration}/{name}")
         if want is not None and not digests[name].startswith(want):
-            raise store.StoreError(f"{path}: sha256 {digests[name][:12]}... differs from the digest recorded when it was written "
-                                   f"({want[:12]}..., MLflow run {ctx.mlflow_run_id}); the file was changed since. Move iteration "
-                                   f"{iteration}'s folder away to collect its rollouts again")
+            raise store.StoreError(
+                f"{path}: sha256 {digests[name][:12]}... differs from the digest recorded when it was written "
+                f"({want[:12]}..., MLflow run {ctx.mlflow_run_id}); the file was changed since. Move iteration "
+                f"{iteration}'s folder away to collect its rollouts again"
+            )
 
 
 @task(name="collect-shard", task_run_name="collect-shard-{shard.index}", cache_policy=NONE)
@@ -94,8 +112,16 @@ def _shard_records(ctx: RunContext, policy: CheckpointRef, shard: Shard) -> list
     cfg = ctx.cfg
     loaded, envs = RUNTIME.get(cfg, policy), RUNTIME.episodes(cfg)
     settings = SamplingSettings.from_config(cfg, RUNTIME.suite(cfg), shard.seed)
-    return collect(envs, shard.tasks, cfg.rollout.group_size, loaded.engine, loaded.fmt, settings,
-                   first_rollout_id=shard.first_rollout_id, first_group_id=shard.first_group_id)
+    return collect(
+        envs,
+        shard.tasks,
+        cfg.rollout.group_size,
+        loaded.engine,
+        loaded.fmt,
+        settings,
+        first_rollout_id=shard.first_rollout_id,
+        first_group_id=shard.first_group_id,
+    )
 
 
 def _play(ctx: RunContext, iteration: int, policy: CheckpointRef) -> list[EpisodeRecord]:
@@ -103,7 +129,9 @@ def _play(ctx: RunContext, iteration: int, policy: CheckpointRef) -> list[Episod
     planned over them and played in one batch in this process."""
     cfg = ctx.cfg
     seed = derive_seed(cfg.seed, "collect", iteration)
-    tasks = sample_tasks(RUNTIME.task_pool(cfg, "train", cfg.env.train_pool), cfg.rollout.tasks_per_iteration, cfg.seed, iteration)
+    tasks = sample_tasks(
+        RUNTIME.task_pool(cfg, "train", cfg.env.train_pool), cfg.rollout.tasks_per_iteration, cfg.seed, iteration
+    )
     shards = split_shards(tasks, cfg.rollout.shards, cfg.rollout.group_size, seed)
     records = [r for part in _play_shards(ctx, policy, shards) for r in part]
     branching = cfg.branching()
@@ -122,7 +150,11 @@ def _play_shards(ctx: RunContext, policy: CheckpointRef, shards: list[Shard]) ->
     kept until ``finish_run``; the task runner only submits to it. One local shard is the collect task
     itself: it plays in it, without a task run of its own (one less per iteration for the API server)."""
     if ctx.cfg.rollout.runner == "local":
-        return [_shard_records(ctx, policy, shards[0])] if len(shards) == 1 else [play_shard(ctx, policy, shard) for shard in shards]
+        return (
+            [_shard_records(ctx, policy, shards[0])]
+            if len(shards) == 1
+            else [play_shard(ctx, policy, shard) for shard in shards]
+        )
     from prefect_ray import RayTaskRunner  # the optional "ray" extra
 
     RUNTIME.ray_cluster(ctx.cfg)

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from horizonrl.config import TrainConfig
-from horizonrl.runtime import PolicyRuntime
-from horizonrl.tracking import client
+from horizonrl.run.runtime import PolicyRuntime
+from horizonrl.tracking.mlflow_runs import client
 
 # The one heavy-object holder of this process (model, optimizer, engine); tasks ask it for a checkpoint.
 RUNTIME = PolicyRuntime()

@@ -6,18 +6,20 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from horizonrl import faults
-from horizonrl.checkpoint import CheckpointRef
-from horizonrl.rollout_metrics import episode_metrics, sample_episodes
-from horizonrl.store import episodes_table
-from horizonrl.records import EpisodeRecord
-from horizonrl.rollout import SamplingSettings, collect
+from horizonrl.rollout.loop import SamplingSettings, collect
+from horizonrl.rollout.metrics import episode_metrics, sample_episodes
+from horizonrl.rollout.records import EpisodeRecord
 from horizonrl.seeding import derive_seed
-from horizonrl.tracking import log_table
+from horizonrl.store import episodes_table
+from horizonrl.tracking.mlflow_runs import log_table
+from horizonrl.training.checkpoint import CheckpointRef
 from tasks.context import RUNTIME, RunContext
 from tasks.tracking import log_stage, log_success_by_env_steps, logged, trace_evaluation
 
 
-def play(ctx: RunContext, policy: CheckpointRef, n_tasks: int, samples: int, greedy: bool, seed: int) -> list[EpisodeRecord]:
+def play(
+    ctx: RunContext, policy: CheckpointRef, n_tasks: int, samples: int, greedy: bool, seed: int
+) -> list[EpisodeRecord]:
     cfg = ctx.cfg
     loaded = RUNTIME.get(cfg, policy)
     tasks = RUNTIME.task_pool(cfg, cfg.eval.split, n_tasks)
@@ -39,12 +41,20 @@ def evaluate(ctx: RunContext, policy: CheckpointRef, iteration: int, end: bool =
     if cfg.eval.greedy:
         greedy = play(ctx, policy, n_tasks, 1, True, derive_seed(cfg.seed, "eval-greedy", iteration))
         greedy_metrics = episode_metrics(episodes_table(greedy, cfg.run_name, iteration, policy.iteration))
-        metrics.update({f"greedy_{k}": greedy_metrics[k] for k in ("success_rate", "mean_return", "mean_turns", "invalid_rate")})
+        metrics.update(
+            {f"greedy_{k}": greedy_metrics[k] for k in ("success_rate", "mean_return", "mean_turns", "invalid_rate")}
+        )
     faults.kill_point("evaluate", iteration)
     if not logged(ctx, "eval/success_rate", iteration):
         log_table(ctx.mlflow(), ctx.mlflow_run_id, sample_episodes(sampled), f"episodes/eval_iter_{iteration:05d}.json")
     trace_evaluation(ctx, iteration, sampled, policy.iteration)
     log_success_by_env_steps(ctx, iteration, metrics["success_rate"])
     log_stage(ctx, "eval", metrics, iteration)
-    get_run_logger().info("iteration %d eval: success %.3f (greedy %.3f) on %d held-out episodes", iteration, metrics["success_rate"], metrics.get("greedy_success_rate", float("nan")), len(sampled))
+    get_run_logger().info(
+        "iteration %d eval: success %.3f (greedy %.3f) on %d held-out episodes",
+        iteration,
+        metrics["success_rate"],
+        metrics.get("greedy_success_rate", float("nan")),
+        len(sampled),
+    )
     return metrics

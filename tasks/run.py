@@ -13,14 +13,20 @@ from prefect.cache_policies import NONE
 from prefect.client.schemas.objects import FlowRun, State
 from prefect.settings import PREFECT_HOME
 
-from horizonrl import runlock, tracking
-from horizonrl.store import remove_stale_temporaries
-from horizonrl.checkpoint import CheckpointDamaged, CheckpointRef, read_state, resume_checkpoint, save_checkpoint
 from horizonrl.config import CONFIG_FILE, TrainConfig, run_dir, train_config
-from horizonrl.models import load_policy
+from horizonrl.models.loading import load_policy
+from horizonrl.run import runlock
+from horizonrl.store import remove_stale_temporaries
+from horizonrl.tracking import mlflow_runs
+from horizonrl.training.checkpoint import (
+    CheckpointDamaged,
+    CheckpointRef,
+    read_state,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from tasks.context import RUNTIME, RunContext
 from tasks.tracking import log_stage
-
 
 ITERATION_TAG = "horizonrl.iteration"  # on the logged policy model: the checkpoint it packs
 
@@ -37,7 +43,7 @@ class RunStart:
 def start_run(cfg: TrainConfig, killed_holder: dict[str, Any] | None = None) -> RunStart:
     """Resume from the newest checkpoint that verifies if this run name has one, else start fresh.
 
-    Called under the run folder's lock (``horizonrl.runlock``). ``killed_holder`` is what a previous
+    Called under the run folder's lock (``horizonrl.run.runlock``). ``killed_holder`` is what a previous
     process that died holding the lock recorded: its Prefect flow run is marked crashed. Temporary Prefect
     servers left by killed processes, of this run or another, are stopped."""
     log = get_run_logger()
@@ -52,34 +58,70 @@ def start_run(cfg: TrainConfig, killed_holder: dict[str, Any] | None = None) -> 
     for ref, problem in damaged:
         log.warning("checkpoint %s fails verification: %s; it is not used", ref.path, problem)
     if damaged and policy is None:
-        raise CheckpointDamaged(f"no checkpoint of run {cfg.run_name!r} verifies ({'; '.join(f'{r.path}: {p}' for r, p in damaged)}); "
-                                f"to start the run again from its initial weights, move {d / 'checkpoints'} away")
+        raise CheckpointDamaged(
+            f"no checkpoint of run {cfg.run_name!r} verifies ({'; '.join(f'{r.path}: {p}' for r, p in damaged)}); "
+            f"to start the run again from its initial weights, move {d / 'checkpoints'} away"
+        )
     if damaged:
-        log.warning("falling back to checkpoint %s, the newest that verifies: iterations %d to %d are replayed from it "
-                    "(stored rollouts are reused, logged figures are not logged again)", policy.path, policy.iteration + 1, damaged[0][0].iteration)
-    uri = tracking.tracking_uri(cfg.tracking_uri)
-    c = tracking.client(uri)
-    commit = tracking.git_commit()
-    tags = {"method": cfg.method, "env": cfg.env.name, "tier": cfg.env.tier, "seed": str(cfg.seed), "context": cfg.rollout.context,
-            "git_commit": commit, tracking.COMMITS_TAG: commit, **tracking.lineage_tags(c, cfg.model.path)}
-    run_id, resumed = tracking.find_or_create_run(c, cfg.experiment, cfg.run_name, tags)
+        log.warning(
+            "falling back to checkpoint %s, the newest that verifies: iterations %d to %d are replayed from it "
+            "(stored rollouts are reused, logged figures are not logged again)",
+            policy.path,
+            policy.iteration + 1,
+            damaged[0][0].iteration,
+        )
+    uri = mlflow_runs.tracking_uri(cfg.tracking_uri)
+    c = mlflow_runs.client(uri)
+    commit = mlflow_runs.git_commit()
+    tags = {
+        "method": cfg.method,
+        "env": cfg.env.name,
+        "tier": cfg.env.tier,
+        "seed": str(cfg.seed),
+        "context": cfg.rollout.context,
+        "git_commit": commit,
+        mlflow_runs.COMMITS_TAG: commit,
+        **mlflow_runs.lineage_tags(c, cfg.model.path),
+    }
+    run_id, resumed = mlflow_runs.find_or_create_run(c, cfg.experiment, cfg.run_name, tags)
     if resumed and not c.get_run(run_id).data.params:  # created ahead by a sweep, to nest it in the UI
-        tracking.set_tags(c, run_id, tags)
+        mlflow_runs.set_tags(c, run_id, tags)
         resumed = False
     if resumed:
-        tracking.record_commit(c, run_id, commit)
+        mlflow_runs.record_commit(c, run_id, commit)
     else:
-        tracking.log_params(c, run_id, cfg.flat())
+        mlflow_runs.log_params(c, run_id, cfg.flat())
     (d / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=True))
     c.log_artifact(run_id, str(d / CONFIG_FILE))  # the run's config as it ran: the evaluate flow reloads it
     ctx = RunContext(cfg, str(d), uri, run_id)
     if policy is None:
         model, tokenizer = load_policy(RUNTIME.initial_model_dir(cfg))
-        policy = save_checkpoint(d, 0, model, tokenizer, None, {"nonfinite_steps": 0, "elapsed_s": 0.0, "mlflow_run_id": run_id, "seed": cfg.seed, "config_digest": cfg.digest()})
+        policy = save_checkpoint(
+            d,
+            0,
+            model,
+            tokenizer,
+            None,
+            {
+                "nonfinite_steps": 0,
+                "elapsed_s": 0.0,
+                "mlflow_run_id": run_id,
+                "seed": cfg.seed,
+                "config_digest": cfg.digest(),
+            },
+        )
         RUNTIME.drop()
     state = read_state(policy)
-    log_stage(ctx, "update", state.get("update_stats", {}), policy.iteration)  # if a crash came between checkpoint and log
-    log.info("run %s (MLflow %s): %s at iteration %d", cfg.run_name, run_id, "resumed" if policy.iteration else "starting", policy.iteration)
+    log_stage(
+        ctx, "update", state.get("update_stats", {}), policy.iteration
+    )  # if a crash came between checkpoint and log
+    log.info(
+        "run %s (MLflow %s): %s at iteration %d",
+        cfg.run_name,
+        run_id,
+        "resumed" if policy.iteration else "starting",
+        policy.iteration,
+    )
     return RunStart(ctx, policy, float(state.get("elapsed_s", 0.0)), resumed or policy.iteration > 0)
 
 
@@ -99,8 +141,19 @@ def _mark_crashed(holder: dict[str, Any]) -> None:
         except ObjectNotFound:  # recorded by another Prefect API
             return
         if flow_run.state is not None and not flow_run.state.is_final():
-            client.set_flow_run_state(flow_run.id, Crashed(message=f"the process ({runlock.describe(holder)}) ended without reporting; found by the next run"), force=True)
-            get_run_logger().warning("marked flow run %s (%s) crashed: its process, %s, was killed", flow_run.name, flow_run_id, runlock.describe(holder))
+            client.set_flow_run_state(
+                flow_run.id,
+                Crashed(
+                    message=f"the process ({runlock.describe(holder)}) ended without reporting; found by the next run"
+                ),
+                force=True,
+            )
+            get_run_logger().warning(
+                "marked flow run %s (%s) crashed: its process, %s, was killed",
+                flow_run.name,
+                flow_run_id,
+                runlock.describe(holder),
+            )
 
 
 @task(name="finish-run", retries=1, retry_delay_seconds=2, cache_policy=NONE)
@@ -108,8 +161,7 @@ def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
     """Stop the environment workers and leave the Ray cluster; log the final policy as an MLflow model and
     the headline numbers; close the run."""
     import mlflow
-
-    from horizonrl.policy_model import SIGNATURE, PolicyModel
+    from horizonrl.tracking.policy_model import SIGNATURE, PolicyModel
 
     RUNTIME.close_episodes()
     RUNTIME.close_ray()
@@ -117,18 +169,32 @@ def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
     history = c.get_metric_history(ctx.mlflow_run_id, "eval/success_rate")
     by_step = {m.step: m.value for m in history}
     first, last = (by_step[min(by_step)], by_step[max(by_step)]) if by_step else (float("nan"), float("nan"))
-    summary = {"initial_success_rate": first, "final_success_rate": last, "improvement": last - first, "iterations": float(policy.iteration)}
+    summary = {
+        "initial_success_rate": first,
+        "final_success_rate": last,
+        "improvement": last - first,
+        "iterations": float(policy.iteration),
+    }
     log_stage(ctx, "summary", summary, policy.iteration)  # once: a finished run run again logs nothing twice
     mlflow.set_tracking_uri(ctx.tracking_uri)
-    logged = mlflow.search_logged_models(experiment_ids=[c.get_run(ctx.mlflow_run_id).info.experiment_id],
-                                         filter_string=f"source_run_id = {tracking.quoted(ctx.mlflow_run_id)}", output_format="list")
+    logged = mlflow.search_logged_models(
+        experiment_ids=[c.get_run(ctx.mlflow_run_id).info.experiment_id],
+        filter_string=f"source_run_id = {mlflow_runs.quoted(ctx.mlflow_run_id)}",
+        output_format="list",
+    )
     if not any(m.name == "policy" and m.tags.get(ITERATION_TAG) == str(policy.iteration) for m in logged):
         with mlflow.start_run(run_id=ctx.mlflow_run_id):
             state_file = Path(policy.path) / "estimator_state.json"
             if state_file.is_file():  # BLPO memory: load with methods.state_from_json, inspect with .records()
                 mlflow.log_artifact(str(state_file), artifact_path="estimator_state")
-            mlflow.pyfunc.log_model(name="policy", python_model=PolicyModel(), artifacts={"policy": policy.path}, signature=SIGNATURE,
-                                    pip_requirements=["torch", "transformers", "safetensors"], tags={ITERATION_TAG: str(policy.iteration)})
+            mlflow.pyfunc.log_model(
+                name="policy",
+                python_model=PolicyModel(),
+                artifacts={"policy": policy.path},
+                signature=SIGNATURE,
+                pip_requirements=["torch", "transformers", "safetensors"],
+                tags={ITERATION_TAG: str(policy.iteration)},
+            )
     c.set_terminated(ctx.mlflow_run_id, "FINISHED")
     get_run_logger().info("run %s finished: held-out success %.3f -> %.3f", ctx.cfg.run_name, first, last)
     return summary
@@ -147,11 +213,11 @@ def end_failed_run(flow: object, flow_run: FlowRun, state: State) -> None:
         return
     if runlock.held_elsewhere(run_dir(cfg)):  # refused because another process runs it: not ours to mark
         return
-    uri = tracking.tracking_uri(cfg.tracking_uri)
+    uri = mlflow_runs.tracking_uri(cfg.tracking_uri)
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
         return  # stopped before its store was created: nothing to mark, and no store to create now
-    c = tracking.client(uri)
-    run = tracking.find_run(c, cfg.experiment, cfg.run_name)
+    c = mlflow_runs.client(uri)
+    run = mlflow_runs.find_run(c, cfg.experiment, cfg.run_name)
     if run is not None and run.info.status == "RUNNING":
         c.set_terminated(run.info.run_id, "FAILED")
         get_run_logger().warning("MLflow run %s (%s) marked FAILED: %s", run.info.run_id, cfg.run_name, state.message)

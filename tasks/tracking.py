@@ -1,5 +1,5 @@
 """Logging a stage's figures to the run's MLflow run (names ``<stage>/<name>``, step = iteration), and
-its episodes as MLflow traces (``horizonrl.traces``).
+its episodes as MLflow traces (``horizonrl.tracking.traces``).
 
 Logging is idempotent per (stage, iteration): a resumed or retried stage whose figures are already in
 MLflow logs nothing, so metric histories never hold a step twice; a trace already in the store is not
@@ -13,10 +13,12 @@ import sys
 
 import pyarrow as pa
 
-from horizonrl import report, store, traces, tracking
-from horizonrl.records import EpisodeRecord
-from horizonrl.rollout_metrics import episode_metrics
+from horizonrl import store
+from horizonrl.files import file_digest
+from horizonrl.rollout.metrics import episode_metrics
+from horizonrl.rollout.records import EpisodeRecord
 from horizonrl.seeding import derive_seed
+from horizonrl.tracking import mlflow_runs, report, traces
 from tasks.context import RunContext
 
 
@@ -24,13 +26,19 @@ def logged(ctx: RunContext, key: str, iteration: int) -> bool:
     return any(m.step == iteration for m in ctx.mlflow().get_metric_history(ctx.mlflow_run_id, key))
 
 
-def log_stage(ctx: RunContext, stage: str, metrics: dict[str, float], iteration: int, inputs: dict[str, tuple[str, str]] | None = None) -> None:
+def log_stage(
+    ctx: RunContext,
+    stage: str,
+    metrics: dict[str, float],
+    iteration: int,
+    inputs: dict[str, tuple[str, str]] | None = None,
+) -> None:
     if not metrics or logged(ctx, f"{stage}/{sorted(metrics)[0]}", iteration):
         return
     c = ctx.mlflow()
-    tracking.log_metrics(c, ctx.mlflow_run_id, stage, metrics, iteration)
+    mlflow_runs.log_metrics(c, ctx.mlflow_run_id, stage, metrics, iteration)
     for name, (path, digest) in (inputs or {}).items():
-        tracking.log_parquet_input(c, ctx.mlflow_run_id, name, path, digest)
+        mlflow_runs.log_parquet_input(c, ctx.mlflow_run_id, name, path, digest)
 
 
 def _target(ctx: RunContext) -> traces.TraceTarget:
@@ -47,7 +55,9 @@ def trace_training(ctx: RunContext, iteration: int, episodes_path: str, turns_pa
     chosen = traces.training_sample(episodes, ctx.cfg.trace.train_random, derive_seed(ctx.cfg.seed, "trace", iteration))
     episodes = store.select_rollouts(episodes, chosen)
     turns = store.read_table(turns_path, "turns", columns=traces.TURN_COLUMNS)
-    stats = traces.log_episodes(_target(ctx), "train", iteration, episodes, turns, advantages, store.file_digest(episodes_path))
+    stats = traces.log_episodes(
+        _target(ctx), "train", iteration, episodes, turns, advantages, file_digest(episodes_path)
+    )
     log_stage(ctx, "trace/train", stats, iteration)
 
 
@@ -67,10 +77,15 @@ def log_success_by_env_steps(ctx: RunContext, iteration: int, success: float) ->
     step (counted as the sweep report counts them), so the experiment's chart view plots every run's
     success against environment steps."""
     c = ctx.mlflow()
-    h = {k: {m.step: m.value for m in c.get_metric_history(ctx.mlflow_run_id, f"collect/{k}")} for k in ("episodes", "mean_turns")}
-    steps = int(report.at_iteration(report.env_steps(report.CellHistory("", 0, {}, h["episodes"], h["mean_turns"])), iteration))
+    h = {
+        k: {m.step: m.value for m in c.get_metric_history(ctx.mlflow_run_id, f"collect/{k}")}
+        for k in ("episodes", "mean_turns")
+    }
+    steps = int(
+        report.at_iteration(report.env_steps(report.CellHistory("", 0, {}, h["episodes"], h["mean_turns"])), iteration)
+    )
     if not logged(ctx, "eval/success_by_env_steps", steps):
-        tracking.log_metrics(c, ctx.mlflow_run_id, "eval", {"success_by_env_steps": success}, steps)
+        mlflow_runs.log_metrics(c, ctx.mlflow_run_id, "eval", {"success_by_env_steps": success}, steps)
 
 
 class Progress:
@@ -84,15 +99,21 @@ class Progress:
 
         self.total = ctx.cfg.iterations
         quiet = bool(os.environ.get("CI")) or not sys.stderr.isatty()
-        self.bar = tqdm(total=self.total, initial=done, desc=ctx.cfg.run_name, unit="it", disable=quiet, dynamic_ncols=True)
-        self.artifact = create_progress_artifact(100.0 * done / self.total, description=f"{ctx.cfg.run_name}: iterations done of {self.total}")
+        self.bar = tqdm(
+            total=self.total, initial=done, desc=ctx.cfg.run_name, unit="it", disable=quiet, dynamic_ncols=True
+        )
+        self.artifact = create_progress_artifact(
+            100.0 * done / self.total, description=f"{ctx.cfg.run_name}: iterations done of {self.total}"
+        )
 
     def advance(self, iteration: int, episodes_path: str) -> None:
         """After ``iteration``'s update: the line moves on by one, with the figures of its rollouts."""
         from prefect.artifacts import update_progress_artifact
 
         m = episode_metrics(store.read_table(episodes_path, "episodes"))
-        self.bar.set_postfix(success=f"{m.get('success_rate', 0.0):.3f}", mean_return=f"{m.get('mean_return', 0.0):.2f}", refresh=False)
+        self.bar.set_postfix(
+            success=f"{m.get('success_rate', 0.0):.3f}", mean_return=f"{m.get('mean_return', 0.0):.2f}", refresh=False
+        )
         self.bar.update(1)
         update_progress_artifact(self.artifact, 100.0 * iteration / self.total)
 

@@ -9,10 +9,10 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from horizonrl import faults, store
-from horizonrl.checkpoint import CheckpointRef, read_state, save_checkpoint
 from horizonrl.seeding import derive_seed
-from horizonrl.sequences import attach_advantages, train_rows
-from horizonrl.trainer import UpdateSettings, annealed_lr, ppo_update
+from horizonrl.training.checkpoint import CheckpointRef, read_state, save_checkpoint
+from horizonrl.training.sequences import attach_advantages, train_rows
+from horizonrl.training.trainer import UpdateSettings, annealed_lr, ppo_update
 from tasks.advantage import AdvantageRef
 from tasks.collect import RolloutRef
 from tasks.context import RUNTIME, RunContext
@@ -24,13 +24,18 @@ class TooManyNonFiniteSteps(RuntimeError):
 
 
 @task(name="update", cache_policy=NONE)
-def update(ctx: RunContext, iteration: int, rollouts: RolloutRef, adv: AdvantageRef, policy: CheckpointRef, elapsed_s: float) -> CheckpointRef:
+def update(
+    ctx: RunContext, iteration: int, rollouts: RolloutRef, adv: AdvantageRef, policy: CheckpointRef, elapsed_s: float
+) -> CheckpointRef:
     """Not retried: a half-applied update lives only in memory, so on failure the holder is dropped and
     the next attempt reloads ``policy`` from disk."""
     cfg = ctx.cfg
     loaded = RUNTIME.get(cfg, policy)
     try:
-        rows = attach_advantages(train_rows(store.read_table(rollouts.turns, "turns"), cfg.rollout.context), store.read_table(adv.table, "advantages"))
+        rows = attach_advantages(
+            train_rows(store.read_table(rollouts.turns, "turns"), cfg.rollout.context),
+            store.read_table(adv.table, "advantages"),
+        )
         # the rows were sampled by ``policy``, the checkpoint trained here, whether played in this call or
         # stored before a restart; so a resumed run takes the same pi_old path as one never stopped
         s = UpdateSettings.from_config(cfg, loaded.tokenizer.pad_token_id, sampled_here=True)
@@ -39,28 +44,60 @@ def update(ctx: RunContext, iteration: int, rollouts: RolloutRef, adv: Advantage
         for group in loaded.optimizer.param_groups:
             group["lr"] = lr
         with faults.nan_gradients(loaded.model, iteration):
-            result = ppo_update(loaded.model, loaded.optimizer, rows, s, derive_seed(cfg.seed, "update", iteration), ref_model) if rows else None
+            result = (
+                ppo_update(
+                    loaded.model, loaded.optimizer, rows, s, derive_seed(cfg.seed, "update", iteration), ref_model
+                )
+                if rows
+                else None
+            )
         faults.kill_point("update", iteration)
         prev = read_state(policy)
         nonfinite = prev.get("nonfinite_steps", 0) + (result.nonfinite_steps if result else 0)
         if nonfinite > cfg.update.max_nan_skips:
-            raise TooManyNonFiniteSteps(f"{nonfinite} optimizer steps had a non-finite loss or gradient (update.max_nan_skips = {cfg.update.max_nan_skips}); last good checkpoint: {policy.path}")
+            raise TooManyNonFiniteSteps(
+                f"{nonfinite} optimizer steps had a non-finite loss or gradient (update.max_nan_skips = {cfg.update.max_nan_skips}); last good checkpoint: {policy.path}"
+            )
         estimator_state = json.loads(Path(adv.state).read_text()) if adv.state else None
         stats = result.stats if result else {"steps": 0.0, "rows": 0.0}
-        state = {"update_stats": stats, "nonfinite_steps": nonfinite, "elapsed_s": elapsed_s, "mlflow_run_id": ctx.mlflow_run_id, "seed": cfg.seed, "config_digest": cfg.digest()}
-        ref = save_checkpoint(ctx.path, iteration, loaded.model, loaded.tokenizer, loaded.optimizer, state, estimator_state)
+        state = {
+            "update_stats": stats,
+            "nonfinite_steps": nonfinite,
+            "elapsed_s": elapsed_s,
+            "mlflow_run_id": ctx.mlflow_run_id,
+            "seed": cfg.seed,
+            "config_digest": cfg.digest(),
+        }
+        ref = save_checkpoint(
+            ctx.path, iteration, loaded.model, loaded.tokenizer, loaded.optimizer, state, estimator_state
+        )
     except BaseException:
         RUNTIME.drop()
         raise
     RUNTIME.advance(ref)
-    stats = {("kl_ref" if k == "kl_loss" else k): v for k, v in stats.items()}  # one name for the KL to the reference, every method
+    stats = {
+        ("kl_ref" if k == "kl_loss" else k): v for k, v in stats.items()
+    }  # one name for the KL to the reference, every method
     stats["skipped"] = float(not rows)
     stats["lr"] = lr
     if not rows:
-        get_run_logger().info("iteration %d update: skipped, no row to learn from (every row filtered: no mixed group)", iteration)
+        get_run_logger().info(
+            "iteration %d update: skipped, no row to learn from (every row filtered: no mixed group)", iteration
+        )
     if stats.get("pi_old_shortcut") == 0.0:
-        get_run_logger().warning("iteration %d update: stored sampling log-probs differ from the learner's by %.2g > update.pi_old_tol = %g on the checked rows; pi_old recomputed for every row",
-                                 iteration, stats["pi_old_max_diff"], cfg.update.pi_old_tol)
+        get_run_logger().warning(
+            "iteration %d update: stored sampling log-probs differ from the learner's by %.2g > update.pi_old_tol = %g on the checked rows; pi_old recomputed for every row",
+            iteration,
+            stats["pi_old_max_diff"],
+            cfg.update.pi_old_tol,
+        )
     log_stage(ctx, "update", stats, iteration)
-    get_run_logger().info("iteration %d update: %d steps, loss %.4f, clip %.3f, kl %.4f", iteration, stats.get("steps", 0), stats.get("loss", 0.0), stats.get("clip_frac", 0.0), stats.get("approx_kl", 0.0))
+    get_run_logger().info(
+        "iteration %d update: %d steps, loss %.4f, clip %.3f, kl %.4f",
+        iteration,
+        stats.get("steps", 0),
+        stats.get("loss", 0.0),
+        stats.get("clip_frac", 0.0),
+        stats.get("approx_kl", 0.0),
+    )
     return ref

@@ -11,13 +11,14 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from horizonrl import store
-from horizonrl.checkpoint import CheckpointRef, read_state, save_checkpoint
-from horizonrl.cloning import clone_epoch
 from horizonrl.config import TrainConfig
-from horizonrl.demonstrations import play_walkthroughs
+from horizonrl.files import file_digest
 from horizonrl.seeding import derive_seed
-from horizonrl.sequences import train_rows
-from horizonrl.trainer import annealed_lr
+from horizonrl.training.checkpoint import CheckpointRef, read_state, save_checkpoint
+from horizonrl.training.cloning import clone_epoch
+from horizonrl.training.demonstrations import play_walkthroughs
+from horizonrl.training.sequences import train_rows
+from horizonrl.training.trainer import annealed_lr
 from tasks.context import RUNTIME, RunContext
 from tasks.tracking import log_stage, logged
 
@@ -40,17 +41,39 @@ def record_demonstrations(ctx: RunContext, policy: CheckpointRef) -> Demonstrati
         suite = RUNTIME.suite(cfg)
         fmt = RUNTIME.get(cfg, policy).fmt
         tasks = suite.tasks("train", cfg.env.tier, ws.demonstrations)
-        records = play_walkthroughs(suite, tasks, fmt, action_mode=cfg.rollout.action_mode, context=cfg.rollout.context,
-                                    history_turns=cfg.rollout.history_turns, max_turns=cfg.env.max_turns or suite.max_turns(cfg.env.tier),
-                                    perturbed_share=ws.perturbed_share, seed=cfg.seed, expert=ws.expert)
+        records = play_walkthroughs(
+            suite,
+            tasks,
+            fmt,
+            action_mode=cfg.rollout.action_mode,
+            context=cfg.rollout.context,
+            history_turns=cfg.rollout.history_turns,
+            max_turns=cfg.env.max_turns or suite.max_turns(cfg.env.tier),
+            perturbed_share=ws.perturbed_share,
+            seed=cfg.seed,
+            expert=ws.expert,
+        )
         store.write_table(store.turns_table(records), ref.turns, "turns")
         store.write_table(store.episodes_table(records, cfg.run_name, 0, 0), ref.episodes, "episodes")
     episodes = store.read_table(ref.episodes, "episodes", columns=["won", "n_turns", "gen_tokens"])
-    stats = {"episodes": float(episodes.num_rows), "won_share": float(pc.mean(episodes["won"].cast("float64")).as_py()),
-             "mean_turns": float(pc.mean(episodes["n_turns"]).as_py()), "action_tokens": float(pc.sum(episodes["gen_tokens"]).as_py())}
-    inputs = {f"demonstrations/{name}": (path, store.file_digest(path)) for name, path in (("turns", ref.turns), ("episodes", ref.episodes))}
+    stats = {
+        "episodes": float(episodes.num_rows),
+        "won_share": float(pc.mean(episodes["won"].cast("float64")).as_py()),
+        "mean_turns": float(pc.mean(episodes["n_turns"]).as_py()),
+        "action_tokens": float(pc.sum(episodes["gen_tokens"]).as_py()),
+    }
+    inputs = {
+        f"demonstrations/{name}": (path, file_digest(path))
+        for name, path in (("turns", ref.turns), ("episodes", ref.episodes))
+    }
     log_stage(ctx, "demonstrations", stats, 0, inputs=inputs)
-    get_run_logger().info("%d demonstrations (%.0f%% won, %.1f turns on average) in %s", episodes.num_rows, 100 * stats["won_share"], stats["mean_turns"], ref.episodes)
+    get_run_logger().info(
+        "%d demonstrations (%.0f%% won, %.1f turns on average) in %s",
+        episodes.num_rows,
+        100 * stats["won_share"],
+        stats["mean_turns"],
+        ref.episodes,
+    )
     return ref
 
 
@@ -66,16 +89,32 @@ def clone(ctx: RunContext, epoch: int, demos: DemonstrationsRef, policy: Checkpo
         for group in loaded.optimizer.param_groups:
             group["lr"] = lr
         rows = train_rows(store.read_table(demos.turns, "turns"), cfg.rollout.context)
-        losses = clone_epoch(loaded.model, loaded.optimizer, rows, ws.minibatch_size, cfg.update.grad_clip,
-                             loaded.tokenizer.pad_token_id, derive_seed(cfg.seed, "clone", epoch))
-        state = {"clone_losses": losses, "elapsed_s": 0.0, "nonfinite_steps": 0, "mlflow_run_id": ctx.mlflow_run_id, "seed": cfg.seed, "config_digest": cfg.digest()}
+        losses = clone_epoch(
+            loaded.model,
+            loaded.optimizer,
+            rows,
+            ws.minibatch_size,
+            cfg.update.grad_clip,
+            loaded.tokenizer.pad_token_id,
+            derive_seed(cfg.seed, "clone", epoch),
+        )
+        state = {
+            "clone_losses": losses,
+            "elapsed_s": 0.0,
+            "nonfinite_steps": 0,
+            "mlflow_run_id": ctx.mlflow_run_id,
+            "seed": cfg.seed,
+            "config_digest": cfg.digest(),
+        }
         ref = save_checkpoint(ctx.path, epoch, loaded.model, loaded.tokenizer, loaded.optimizer, state)
     except BaseException:
         RUNTIME.drop()
         raise
     RUNTIME.advance(ref)
     log_losses(ctx, ref)
-    get_run_logger().info("epoch %d: %d steps at lr %.2g, loss %.4f -> %.4f", epoch, len(losses), lr, losses[0], losses[-1])
+    get_run_logger().info(
+        "epoch %d: %d steps at lr %.2g, loss %.4f -> %.4f", epoch, len(losses), lr, losses[0], losses[-1]
+    )
     return ref
 
 
@@ -89,7 +128,9 @@ def log_losses(ctx: RunContext, ref: CheckpointRef) -> None:
     metrics = [Metric("clone/loss", loss, now, first_step + k) for k, loss in enumerate(losses)]
     for i in range(0, len(metrics), 1000):  # MLflow's batch limit
         ctx.mlflow().log_batch(ctx.mlflow_run_id, metrics=metrics[i : i + 1000])
-    log_stage(ctx, "clone", {"epoch_loss": sum(losses) / len(losses), "lr": _clone_lr(ctx.cfg, ref.iteration)}, ref.iteration)
+    log_stage(
+        ctx, "clone", {"epoch_loss": sum(losses) / len(losses), "lr": _clone_lr(ctx.cfg, ref.iteration)}, ref.iteration
+    )
 
 
 def _clone_lr(cfg: TrainConfig, epoch: int) -> float:

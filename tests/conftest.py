@@ -48,7 +48,7 @@ def household_suite():
 def tiny_policy_dir(session_dir, household_suite):
     """The default tiny Qwen2 + word tokenizer for household, built once per session (~1 s)."""
     from horizonrl.config import ModelConfig
-    from horizonrl.models import tiny_model_dir
+    from horizonrl.models.loading import tiny_model_dir
 
     return tiny_model_dir(session_dir, "household", ModelConfig(), household_suite.corpus(50))
 
@@ -60,8 +60,8 @@ def tiny_policy(tiny_policy_dir):
     import torch
 
     from horizonrl.engines.hf import TransformersEngine
-    from horizonrl.models import load_policy
-    from horizonrl.prompting import ChatFormat
+    from horizonrl.models.loading import load_policy
+    from horizonrl.rollout.prompting import ChatFormat
 
     torch.set_num_threads(1)  # the machine is shared; tiny model, no gain from more threads
     model, tokenizer = load_policy(tiny_policy_dir)
@@ -77,7 +77,7 @@ def chat_tokenizer_cache():
     raises here: every test that needs them errors, none is skipped."""
     from pathlib import Path
 
-    from horizonrl.models import CHAT_TOKENIZERS, fetch_tokenizer
+    from horizonrl.models.tokenizers import CHAT_TOKENIZERS, fetch_tokenizer
 
     cache = Path(__file__).resolve().parents[1] / "data" / "tokenizers"
     for name in CHAT_TOKENIZERS:
@@ -95,10 +95,12 @@ def chat_model_dir(session_dir, chat_tokenizer_cache):
     genuine tokenizer, under ``<session_dir>/models`` (the key a train run with ``model.tiny: CHAT_TINY``
     computes); built once per session."""
     from horizonrl.config import ModelConfig
-    from horizonrl.models import tiny_model_dir
+    from horizonrl.models.loading import tiny_model_dir
 
     def build(name: str):
-        return tiny_model_dir(session_dir, "household", ModelConfig(tokenizer=name, tiny=CHAT_TINY), [], chat_tokenizer_cache)
+        return tiny_model_dir(
+            session_dir, "household", ModelConfig(tokenizer=name, tiny=CHAT_TINY), [], chat_tokenizer_cache
+        )
 
     return build
 
@@ -110,8 +112,8 @@ def chat_policy(request, chat_model_dir):
     import torch
 
     from horizonrl.engines.hf import TransformersEngine
-    from horizonrl.models import load_policy
-    from horizonrl.prompting import ChatFormat
+    from horizonrl.models.loading import load_policy
+    from horizonrl.rollout.prompting import ChatFormat
 
     torch.set_num_threads(1)
     model, tokenizer = load_policy(chat_model_dir(request.param))
@@ -140,7 +142,13 @@ def pytest_collection_modifyitems(config, items):
         if END_TO_END & set(getattr(item, "fixturenames", ())) or any(s in item.nodeid for s in SIMULATORS):
             item.add_marker(pytest.mark.slow)
     slow_files = {_file(item) for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: (LONGEST.index(_file(item)), 0) if _file(item) in LONGEST else (len(LONGEST), 0 if _file(item) in slow_files else 1))
+    items.sort(
+        key=lambda item: (
+            (LONGEST.index(_file(item)), 0)
+            if _file(item) in LONGEST
+            else (len(LONGEST), 0 if _file(item) in slow_files else 1)
+        )
+    )
 
 
 def _file(item: pytest.Item) -> str:

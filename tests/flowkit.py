@@ -9,9 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from horizonrl.tracking.mlflow_runs import RUN_NAME_TAG
 from mlflow import MlflowClient
-
-from horizonrl.tracking import RUN_NAME_TAG
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,7 +23,9 @@ def tiny_config(tmp_path: Path, tracking_uri: str, run_name: str = "e2e", iterat
         "method": "loop",
         "iterations": iterations,
         "env": {"name": "household", "tier": "easy", "max_turns": 4, "train_pool": 50},
-        "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1}},
+        "model": {
+            "tiny": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1}
+        },
         "rollout": {"tasks_per_iteration": 2, "group_size": 2},
         "update": {"minibatch_size": 2},
         "eval": {"every": 1, "n_tasks": 3},
@@ -42,7 +43,6 @@ def run_of(c: MlflowClient, name: str):
 
 def steps(c: MlflowClient, run_id: str, key: str) -> list[int]:
     return sorted(m.step for m in c.get_metric_history(run_id, key))
-
 
 
 def flat(d: dict, prefix: str = "") -> dict:
@@ -65,8 +65,17 @@ def deployed_sweep(root: Path, tracking_uri: str, name: str, iterations: int, **
         base.pop(key)
     (root / "base.yaml").write_text(yaml.safe_dump(base))
     path = root / "sweep.yaml"
-    path.write_text(yaml.safe_dump({"name": name, "base": "base.yaml", "grid": {"method": ["loop", "grpo"], "seed": [0, 1]},
-                                    "deployment": "train/train", **options}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": name,
+                "base": "base.yaml",
+                "grid": {"method": ["loop", "grpo"], "seed": [0, 1]},
+                "deployment": "train/train",
+                **options,
+            }
+        )
+    )
     return path
 
 
@@ -78,8 +87,14 @@ def free_port() -> int:
 
 def prefect_cli(env: dict[str, str], *args: str, timeout: float) -> subprocess.CompletedProcess:
     """``prefect <args>`` from the repository root (prefect.yaml's pull step runs flows in ``{{ $PWD }}``)."""
-    done = subprocess.run([str(Path(sys.executable).parent / "prefect"), "--no-prompt", *args], cwd=REPO, env={**env, "PWD": str(REPO)},
-                          capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "prefect"), "--no-prompt", *args],
+        cwd=REPO,
+        env={**env, "PWD": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert done.returncode == 0, f"prefect {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done
 
@@ -111,9 +126,22 @@ class Browser:
 
         browser = shutil.which("chromium")
         assert browser, "Debian's chromium is not installed: run `make setup-test` (or apt-get install -y chromium)"
-        self.proc = subprocess.Popen([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", f"--user-data-dir={profile}",
-                                      f"--window-size={width},{height}", "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0", "about:blank"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [
+                browser,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                f"--user-data-dir={profile}",
+                f"--window-size={width},{height}",
+                "--remote-debugging-address=127.0.0.1",
+                "--remote-debugging-port=0",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         port_file = profile / "DevToolsActivePort"
         for _ in range(300):
             if port_file.is_file() and port_file.read_text().strip():
@@ -121,7 +149,9 @@ class Browser:
             time.sleep(0.1)
         port = port_file.read_text().split()[0]
         pages = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10).read())
-        self.ws = connect(next(p for p in pages if p["type"] == "page")["webSocketDebuggerUrl"], max_size=None, open_timeout=30)
+        self.ws = connect(
+            next(p for p in pages if p["type"] == "page")["webSocketDebuggerUrl"], max_size=None, open_timeout=30
+        )
         self.next_id = 0
         self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
 
@@ -153,7 +183,9 @@ class Browser:
             missing = [t for t in texts if t not in page]
             if not missing:
                 return page
-            assert time.monotonic() < deadline, f"page does not show {missing} after {timeout:.0f} s; it shows:\n{page[:2000]}"
+            assert time.monotonic() < deadline, (
+                f"page does not show {missing} after {timeout:.0f} s; it shows:\n{page[:2000]}"
+            )
             time.sleep(0.5)
 
     def click(self, text: str) -> None:

@@ -11,7 +11,12 @@ import pytest
 
 from horizonrl.envs import SUITES, make_suite
 from horizonrl.envs.adapters import (
-    AlfworldSuite, AppworldSuite, MissingBenchmark, WebshopSuite, appworld_label, webshop_page,
+    AlfworldSuite,
+    AppworldSuite,
+    MissingBenchmark,
+    WebshopSuite,
+    appworld_label,
+    webshop_page,
 )
 from horizonrl.envs.base import Task
 
@@ -26,11 +31,14 @@ def nothing_installed(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in absent else real(name, *a))
 
 
-@pytest.mark.parametrize("name,words", [
-    ("alfworld", ["pip install alfworld", "alfworld-download", "ALFWORLD_DATA", "game.tw-pddl"]),
-    ("webshop", ["github.com/princeton-nlp/WebShop", "setup.sh", "items_shuffle", "PYTHONPATH", "web_agent_site"]),
-    ("appworld", ["pip install appworld", "appworld install", "appworld download data", "APPWORLD_ROOT"]),
-])
+@pytest.mark.parametrize(
+    "name,words",
+    [
+        ("alfworld", ["pip install alfworld", "alfworld-download", "ALFWORLD_DATA", "game.tw-pddl"]),
+        ("webshop", ["github.com/princeton-nlp/WebShop", "setup.sh", "items_shuffle", "PYTHONPATH", "web_agent_site"]),
+        ("appworld", ["pip install appworld", "appworld install", "appworld download data", "APPWORLD_ROOT"]),
+    ],
+)
 def test_a_missing_package_says_what_to_install_and_where_the_data_goes(nothing_installed, name, words):
     assert name in SUITES
     with pytest.raises(MissingBenchmark) as err:
@@ -55,11 +63,21 @@ def test_missing_data_names_the_missing_folders(tmp_path, monkeypatch):
 class RecordedGame:
     """A TextWorld env replaying recorded ALFWorld states (feedback, admissible commands, won)."""
 
-    ADMISSIBLE = ["go to countertop 1", "go to diningtable 1", "go to fridge 1", "go to sinkbasin 1", "inventory", "look"]
+    ADMISSIBLE = [
+        "go to countertop 1",
+        "go to diningtable 1",
+        "go to fridge 1",
+        "go to sinkbasin 1",
+        "inventory",
+        "look",
+    ]
     STATES = {
-        None: ("-= Welcome to TextWorld, ALFRED! =-\n\nYou are in the middle of a room. Looking quickly around you, "
-               "you see a countertop 1, a diningtable 1, a fridge 1, and a sinkbasin 1.\n\n"
-               "Your task is to: put a clean lettuce in diningtable.", False),
+        None: (
+            "-= Welcome to TextWorld, ALFRED! =-\n\nYou are in the middle of a room. Looking quickly around you, "
+            "you see a countertop 1, a diningtable 1, a fridge 1, and a sinkbasin 1.\n\n"
+            "Your task is to: put a clean lettuce in diningtable.",
+            False,
+        ),
         "go to countertop 1": ("You arrive at loc 5. On the countertop 1, you see a lettuce 1, and a knife 1.", False),
         "take lettuce 1 from countertop 1": ("You pick up the lettuce 1 from the countertop 1.", False),
         "go to sinkbasin 1": ("You arrive at loc 8. On the sinkbasin 1, you see nothing.", False),
@@ -68,16 +86,30 @@ class RecordedGame:
         "put lettuce 1 in/on diningtable 1": ("You put the lettuce 1 in/on the diningtable 1.", True),
         "jump": ("Nothing happens.", False),
     }
-    PLAN = ["go to countertop 1", "take lettuce 1 from countertop 1", "go to sinkbasin 1",
-            "clean lettuce 1 with sinkbasin 1", "go to diningtable 1", "put lettuce 1 in/on diningtable 1"]
+    PLAN = [
+        "go to countertop 1",
+        "take lettuce 1 from countertop 1",
+        "go to sinkbasin 1",
+        "clean lettuce 1 with sinkbasin 1",
+        "go to diningtable 1",
+        "put lettuce 1 in/on diningtable 1",
+    ]
 
     def __init__(self, path: str, oracle: bool = False) -> None:
         self.path, self.oracle, self.closed = path, oracle, False
 
     def _state(self, command):
         feedback, won = self.STATES[command]
-        follow = {"take lettuce 1 from countertop 1", "clean lettuce 1 with sinkbasin 1", "put lettuce 1 in/on diningtable 1"}
-        state = {"feedback": feedback, "won": won, "admissible_commands": list(reversed(self.ADMISSIBLE)) + sorted(follow)}
+        follow = {
+            "take lettuce 1 from countertop 1",
+            "clean lettuce 1 with sinkbasin 1",
+            "put lettuce 1 in/on diningtable 1",
+        }
+        state = {
+            "feedback": feedback,
+            "won": won,
+            "admissible_commands": list(reversed(self.ADMISSIBLE)) + sorted(follow),
+        }
         return state | ({"policy_commands": list(self.PLAN)} if self.oracle else {})
 
     def reset(self):
@@ -94,11 +126,13 @@ class RecordedGame:
 def _alfworld_data(root):
     """Three splits of hand-made game folders: one movable trial and one unsolvable game are skipped."""
     folders = {
-        "train": ["pick_clean_then_place_in_recep-Lettuce-None-DiningTable-17/trial_1",
-                  "pick_and_place_simple-Mug-None-Desk-3/trial_2",
-                  "pick_and_place_simple-Pen-None-Desk-3/trial_3",
-                  "pick_and_place_with_movable_recep-Pen-Bowl-Desk-3/trial_4",
-                  "look_at_obj_in_light-Book-None-DeskLamp-5/trial_5"],
+        "train": [
+            "pick_clean_then_place_in_recep-Lettuce-None-DiningTable-17/trial_1",
+            "pick_and_place_simple-Mug-None-Desk-3/trial_2",
+            "pick_and_place_simple-Pen-None-Desk-3/trial_3",
+            "pick_and_place_with_movable_recep-Pen-Bowl-Desk-3/trial_4",
+            "look_at_obj_in_light-Book-None-DeskLamp-5/trial_5",
+        ],
         "valid_seen": ["pick_and_place_simple-Cup-None-Shelf-1/trial_6"],
         "valid_unseen": ["pick_two_obj_and_place-Cd-None-Safe-2/trial_7"],
     }
@@ -114,7 +148,11 @@ def test_alfworld_splits_tiers_and_skipped_games(tmp_path):
     _alfworld_data(tmp_path)
     suite = AlfworldSuite(data_dir=tmp_path, start=RecordedGame)
     train = suite.tasks("train", "all", 10)
-    assert sorted(t.family for t in train) == ["look_at_obj_in_light", "pick_and_place_simple", "pick_clean_then_place_in_recep"]
+    assert sorted(t.family for t in train) == [
+        "look_at_obj_in_light",
+        "pick_and_place_simple",
+        "pick_clean_then_place_in_recep",
+    ]
     assert [t.family for t in suite.tasks("train", "pick_and_place_simple", 10)] == ["pick_and_place_simple"]
     assert [(t.split, t.family) for t in suite.tasks("test", "all", 10)] == [("test", "pick_two_obj_and_place")]
     paths = {s: {str(suite.games(s)[t.seed]) for t in suite.tasks(s, "all", 10)} for s in ("train", "dev", "test")}
@@ -133,7 +171,9 @@ def test_alfworld_maps_observations_actions_and_progress(tmp_path):
     assert observation.endswith("Your task is to : put a clean lettuce in diningtable .")
     assert env.goal() == info["goal"] == "put a clean lettuce in diningtable ."
     assert info["admissible_commands"] == sorted(info["admissible_commands"]) and info["score"] == 0.0
-    assert info["progress_key"] == "alfworld_v1|pick_clean_then_place_in_recep|held_goal=0|at_goal=0|transformed=0|won=0"
+    assert (
+        info["progress_key"] == "alfworld_v1|pick_clean_then_place_in_recep|held_goal=0|at_goal=0|transformed=0|won=0"
+    )
     assert env.walkthrough() == RecordedGame.PLAN
     observation, reward, done, info = env.step("jump")
     assert (observation, reward, done, info["valid"]) == ("Nothing happens .", 0.0, False, False)
@@ -144,9 +184,12 @@ def test_alfworld_maps_observations_actions_and_progress(tmp_path):
         keys.append(info["progress_key"].split("|", 2)[2])
     assert labels == ["GO_TO_OTHER", "TAKE_GOAL", "GO_TO_OTHER", "CLEAN_GOAL", "GO_TO_GOAL", "PUT_GOAL"]
     assert keys == [
-        "held_goal=0|at_goal=0|transformed=0|won=0", "held_goal=1|at_goal=0|transformed=0|won=0",
-        "held_goal=1|at_goal=0|transformed=0|won=0", "held_goal=1|at_goal=0|transformed=1|won=0",
-        "held_goal=1|at_goal=1|transformed=1|won=0", "held_goal=0|at_goal=1|transformed=1|won=1",
+        "held_goal=0|at_goal=0|transformed=0|won=0",
+        "held_goal=1|at_goal=0|transformed=0|won=0",
+        "held_goal=1|at_goal=0|transformed=0|won=0",
+        "held_goal=1|at_goal=0|transformed=1|won=0",
+        "held_goal=1|at_goal=1|transformed=1|won=0",
+        "held_goal=0|at_goal=1|transformed=1|won=1",
     ]
     assert (reward, done, info["won"], info["score"]) == (1.0, True, True, 1.0)
     env.close()
@@ -159,16 +202,38 @@ ITEM = ["back to search", "< prev", "description", "features", "reviews", "buy n
 PAGES = {  # action -> (text observation, has_search_bar, clickables, reward, done)
     None: (f"WebShop [SEP] Instruction: [SEP] {INSTRUCTION} [SEP] Search", True, ["search"], 0.0, False),
     "search[red cotton t-shirt]": (
-        f"Back to Search [SEP] Page 1 (Total results: 50) [SEP] Next > [SEP] B09ABC1234 [SEP] Red Cotton Tee [SEP] "
-        f"$19.99 [SEP] B08XYZ9876 [SEP] Blue Shirt [SEP] $25.00", False,
-        ["back to search", "next >", "b09abc1234", "b08xyz9876"], 0.0, False),
-    "click[b09abc1234]": ("Back to Search [SEP] < Prev [SEP] color [SEP] red [SEP] blue [SEP] size [SEP] small [SEP] "
-                          "large [SEP] Red Cotton Tee [SEP] Price: $19.99 [SEP] Buy Now", False, ITEM, 0.0, False),
+        "Back to Search [SEP] Page 1 (Total results: 50) [SEP] Next > [SEP] B09ABC1234 [SEP] Red Cotton Tee [SEP] "
+        "$19.99 [SEP] B08XYZ9876 [SEP] Blue Shirt [SEP] $25.00",
+        False,
+        ["back to search", "next >", "b09abc1234", "b08xyz9876"],
+        0.0,
+        False,
+    ),
+    "click[b09abc1234]": (
+        "Back to Search [SEP] < Prev [SEP] color [SEP] red [SEP] blue [SEP] size [SEP] small [SEP] "
+        "large [SEP] Red Cotton Tee [SEP] Price: $19.99 [SEP] Buy Now",
+        False,
+        ITEM,
+        0.0,
+        False,
+    ),
     "click[red]": ("You have clicked red .", False, ITEM, 0.0, False),
     "click[large]": ("You have clicked large .", False, ITEM, 0.0, False),
-    "click[description]": ("Back to Search [SEP] < Prev [SEP] A soft red tee .", False, ["back to search", "< prev"], 0.0, False),
+    "click[description]": (
+        "Back to Search [SEP] < Prev [SEP] A soft red tee .",
+        False,
+        ["back to search", "< prev"],
+        0.0,
+        False,
+    ),
     "click[< prev]": ("Back to Search [SEP] < Prev [SEP] Buy Now", False, ITEM, 0.0, False),
-    "click[buy now]": ("Thank you for shopping with us! [SEP] Your score (min 0.0, max 1.0) [SEP] 0.75", False, [], 0.75, True),
+    "click[buy now]": (
+        "Thank you for shopping with us! [SEP] Your score (min 0.0, max 1.0) [SEP] 0.75",
+        False,
+        [],
+        0.75,
+        True,
+    ),
 }
 
 
@@ -208,8 +273,15 @@ def test_webshop_maps_pages_actions_and_progress():
     assert shop.sessions == [7] and observation.splitlines()[:2] == ["WebShop", "Instruction :"]
     assert info["admissible_commands"] == [f"search[{INSTRUCTION}]"] and info["goal"] == INSTRUCTION
     assert info["progress_key"] == "webshop_v1|page=search|options=0"
-    script = ["search[red cotton t-shirt]", "click[b09abc1234]", "click[red]", "click[large]", "click[description]",
-              "click[< prev]", "click[buy now]"]
+    script = [
+        "search[red cotton t-shirt]",
+        "click[b09abc1234]",
+        "click[red]",
+        "click[large]",
+        "click[description]",
+        "click[< prev]",
+        "click[buy now]",
+    ]
     labels, pages, valid = [], [], []
     for action in script:
         labels.append(env.abstract_action(action))
@@ -217,8 +289,15 @@ def test_webshop_maps_pages_actions_and_progress():
         pages.append(info["progress_key"].removeprefix("webshop_v1|"))
         valid.append(info["valid"])
     assert labels == ["SEARCH", "OPEN_ITEM", "OPTION_GOAL", "OPTION_OTHER", "INSPECT_ITEM", "NAVIGATE", "BUY"]
-    assert pages == ["page=results|options=0", "page=item|options=0", "page=item|options=1", "page=item|options=2",
-                     "page=detail|options=2", "page=item|options=2", "page=done|options=2"]
+    assert pages == [
+        "page=results|options=0",
+        "page=item|options=0",
+        "page=item|options=1",
+        "page=item|options=2",
+        "page=detail|options=2",
+        "page=item|options=2",
+        "page=done|options=2",
+    ]
     assert valid == [True] * 7  # a free-text search is valid on the search page
     assert (reward, done, info["won"], info["score"]) == (0.0, True, False, 0.75)  # bought, but not a match
     assert webshop_page({"has_search_bar": False, "clickables": ["back to search", "b0123456789"[:10]]}) == "results"
@@ -252,7 +331,9 @@ class RecordedWorld:
         return self.completed
 
     def evaluate(self):
-        return type("E", (), {"to_dict": lambda self: {"success": False, "passes": ["a", "b", "c"], "failures": ["d"]}})()
+        return type(
+            "E", (), {"to_dict": lambda self: {"success": False, "passes": ["a", "b", "c"], "failures": ["d"]}}
+        )()
 
     def close(self):
         self.closed = True
@@ -278,9 +359,14 @@ def test_appworld_maps_code_outputs_completion_and_tests():
         observation, reward, done, info = env.step(code)
         rows.append((info["valid"], done, info["progress_key"].removeprefix("appworld_v1|")))
     assert labels == ["READ_DOCS", "SUPERVISOR", "CALL_GOAL", "CALL_OTHER", "CALL_GOAL", "COMPLETE"]
-    assert rows == [(True, False, "ok_calls=1|last_failed=0"), (True, False, "ok_calls=2|last_failed=0"),
-                    (True, False, "ok_calls=3|last_failed=0"), (False, False, "ok_calls=3|last_failed=1"),
-                    (True, False, "ok_calls=4|last_failed=0"), (True, True, "ok_calls=5|last_failed=0")]
+    assert rows == [
+        (True, False, "ok_calls=1|last_failed=0"),
+        (True, False, "ok_calls=2|last_failed=0"),
+        (True, False, "ok_calls=3|last_failed=0"),
+        (False, False, "ok_calls=3|last_failed=1"),
+        (True, False, "ok_calls=4|last_failed=0"),
+        (True, True, "ok_calls=5|last_failed=0"),
+    ]
     assert (reward, info["won"], info["score"]) == (0.0, False, 0.75)  # 3 of 4 tests passed
     assert appworld_label(frozenset(), "x = 1") == "CODE"
     env.reset(task)

@@ -1,4 +1,4 @@
-"""Trajectory-level advantage estimators (methods/advantages.py; ALGORITHMS.md §1.3–1.4, §4, §7).
+"""Trajectory-level advantage estimators (methods/advantages.py; docs/algorithms.md §1.3–1.4, §4, §7).
 
 Exact vectors with arithmetic in comments, a per-group Python loop reference compared with the
 vectorized code on random batches, and invariance checks. Tolerance 1e-12 absolute unless stated; the
@@ -204,7 +204,9 @@ def test_reinforce_pp_baseline_vector():
     expected = np.array([0.0, -1.0, 1.5]) / math.sqrt(1.5 + 1e-8)
     np.testing.assert_allclose(_run("reinforce_pp_baseline", batch).adv, expected, rtol=0, atol=ATOL)
     # one policy token in the batch: no unbiased variance, so no signal (A = 0, not an error)
-    np.testing.assert_array_equal(_run("reinforce_pp_baseline", _batch([1, 1], [0, 1], [1.0, 0.0], n_tokens=[1, 0])).adv, 0.0)
+    np.testing.assert_array_equal(
+        _run("reinforce_pp_baseline", _batch([1, 1], [0, 1], [1.0, 0.0], n_tokens=[1, 0])).adv, 0.0
+    )
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -267,8 +269,13 @@ def test_rows_of_one_trajectory_share_one_value(name):
 @pytest.mark.parametrize("name", OWN_ESTIMATORS)
 def test_per_step_reward_is_ignored(name):
     batch = _random_batch(4)
-    noisy = _batch(batch.group_id, batch.traj_id, batch.episode_return, batch.n_tokens,
-                   reward=np.random.default_rng(1).normal(size=len(batch)) * 100)
+    noisy = _batch(
+        batch.group_id,
+        batch.traj_id,
+        batch.episode_return,
+        batch.n_tokens,
+        reward=np.random.default_rng(1).normal(size=len(batch)) * 100,
+    )
     np.testing.assert_array_equal(_run(name, noisy).adv, _run(name, batch).adv)
 
 

@@ -1,4 +1,4 @@
-"""APPO: branching score, selection, dual-group advantage, M and the future-KL loss (ALGORITHMS.md §3)."""
+"""APPO: branching score, selection, dual-group advantage, M and the future-KL loss (docs/algorithms.md §3)."""
 
 from __future__ import annotations
 
@@ -41,17 +41,26 @@ def make_batch(trajs: list[dict], turn_tokens: dict[int, list[int]] | None = Non
 
     ``turn_tokens[id]`` splits a trajectory's tokens over several turns (rows); default one row.
     """
-    cols: dict[str, list] = {k: [] for k in ("group_id", "traj_id", "turn", "reward", "ret", "n", "kind",
-                                             "parent", "split", "score")}
+    cols: dict[str, list] = {
+        k: [] for k in ("group_id", "traj_id", "turn", "reward", "ret", "n", "kind", "parent", "split", "score")
+    }
     for tr in trajs:
         per_turn = (turn_tokens or {}).get(tr["id"], [tr["tokens"]])
         assert sum(per_turn) == tr["tokens"]
         for turn, n in enumerate(per_turn):
             last = turn == len(per_turn) - 1
-            for key, value in (("group_id", tr["group"]), ("traj_id", tr["id"]), ("turn", turn),
-                               ("reward", tr["R"] if last else 0.0), ("ret", tr["R"]), ("n", n),
-                               ("kind", tr["kind"]), ("parent", tr.get("parent", -1)),
-                               ("split", tr.get("split", -1)), ("score", tr.get("score", 0.0))):
+            for key, value in (
+                ("group_id", tr["group"]),
+                ("traj_id", tr["id"]),
+                ("turn", turn),
+                ("reward", tr["R"] if last else 0.0),
+                ("ret", tr["R"]),
+                ("n", n),
+                ("kind", tr["kind"]),
+                ("parent", tr.get("parent", -1)),
+                ("split", tr.get("split", -1)),
+                ("score", tr.get("score", 0.0)),
+            ):
                 cols[key].append(value)
     return StepBatch(
         group_id=np.array(cols["group_id"], np.int64),
@@ -74,18 +83,22 @@ def spec_trajs(init_R=(1.0, 0.0, 0.0, 0.0), branch_R=(1.0, 1.0, 0.0, 0.0)) -> li
     """
     inits = [dict(id=i, group=0, kind=0, R=r, tokens=8) for i, r in enumerate(init_R)]
     parents, splits = (1, 1, 2, 2), (5, 2, 4, 4)
-    branches = [dict(id=4 + b, group=0, kind=1, R=r, parent=parents[b], split=splits[b], tokens=6)
-                for b, r in enumerate(branch_R)]
+    branches = [
+        dict(id=4 + b, group=0, kind=1, R=r, parent=parents[b], split=splits[b], tokens=6)
+        for b, r in enumerate(branch_R)
+    ]
     return inits + branches
 
 
-SPEC_TOKENS = np.concatenate([
-    [1.732] * 8,
-    [0.423] * 6 + [-0.577] * 2,  # tokens 0–2: −0.577 + mean(1, 1); 3–5: −0.577 + 1; 6–7: no branch
-    [-1.577] * 5 + [-0.577] * 3,  # tokens 0–4: −0.577 + mean(−1, −1)
-    [-0.577] * 8,
-    [0.0] * 24,  # branch rows
-])
+SPEC_TOKENS = np.concatenate(
+    [
+        [1.732] * 8,
+        [0.423] * 6 + [-0.577] * 2,  # tokens 0–2: −0.577 + mean(1, 1); 3–5: −0.577 + 1; 6–7: no branch
+        [-1.577] * 5 + [-0.577] * 3,  # tokens 0–4: −0.577 + mean(−1, −1)
+        [-0.577] * 8,
+        [0.0] * 24,  # branch rows
+    ]
+)
 
 
 def test_spec_vector_one_row_per_trajectory():
@@ -93,12 +106,14 @@ def test_spec_vector_one_row_per_trajectory():
     assert res.adv_tokens.shape == (56,) and res.adv.shape == (8,) and res.keep.shape == (8,)
     np.testing.assert_allclose(res.adv_tokens, SPEC_TOKENS, atol=1e-3)
     np.testing.assert_array_equal(res.keep, [True] * 4 + [False] * 4)
-    np.testing.assert_allclose(res.adv[:4], [1.732, (6 * 0.423 - 2 * 0.577) / 8, (-5 * 1.577 - 3 * 0.577) / 8,
-                                             -0.577], atol=1e-3)
+    np.testing.assert_allclose(
+        res.adv[:4], [1.732, (6 * 0.423 - 2 * 0.577) / 8, (-5 * 1.577 - 3 * 0.577) / 8, -0.577], atol=1e-3
+    )
     np.testing.assert_array_equal(res.adv[4:], 0.0)
     assert res.state is None
     assert res.stats == pytest.approx(
-        {"branches": 4.0, "groups": 1.0, "branch_credit_fraction": 11 / 32, "zero_group_fraction": 0.0})
+        {"branches": 4.0, "groups": 1.0, "branch_credit_fraction": 11 / 32, "zero_group_fraction": 0.0}
+    )
 
 
 def test_spec_vector_two_turns_same_flat_tokens():
@@ -108,8 +123,9 @@ def test_spec_vector_two_turns_same_flat_tokens():
     np.testing.assert_allclose(res.adv_tokens, SPEC_TOKENS, atol=1e-3)
     assert res.adv.shape == (12,)
     # per-row means: init 1 turns [0.423 x3], [0.423 x3, -0.577 x2]; init 2 [-1.577 x3], [-1.577 x2, -0.577 x3]
-    np.testing.assert_allclose(res.adv[2:6], [0.423, (3 * 0.423 - 2 * 0.577) / 5, -1.577,
-                                              (-2 * 1.577 - 3 * 0.577) / 5], atol=1e-3)
+    np.testing.assert_allclose(
+        res.adv[2:6], [0.423, (3 * 0.423 - 2 * 0.577) / 5, -1.577, (-2 * 1.577 - 3 * 0.577) / 5], atol=1e-3
+    )
     np.testing.assert_array_equal(res.keep, [True] * 8 + [False] * 4)
 
 
@@ -140,8 +156,10 @@ def test_identical_branch_rewards_give_no_credit():
 
 def test_group_of_size_one_gives_zero():
     """§3.11: one initial rollout and one branch: population std 0 → Â = 0, all tokens exactly 0."""
-    trajs = [dict(id=0, group=3, kind=0, R=1.0, tokens=4),
-             dict(id=1, group=3, kind=1, R=0.0, parent=0, split=2, tokens=3)]
+    trajs = [
+        dict(id=0, group=3, kind=0, R=1.0, tokens=4),
+        dict(id=1, group=3, kind=1, R=0.0, parent=0, split=2, tokens=3),
+    ]
     res = appo_advantage(make_batch(trajs), APPOParams(), None)
     np.testing.assert_array_equal(res.adv_tokens, np.zeros(7))
     assert res.stats["zero_group_fraction"] == 1.0 and res.stats["branch_credit_fraction"] == 0.75
@@ -155,15 +173,17 @@ def test_norm_by_std_false_is_centred_return():
 
 def test_two_groups_are_normalised_separately_and_order_invariant():
     """Invariance: reordering whole trajectories (§3.11 batch reordering) changes nothing per trajectory."""
-    trajs = spec_trajs() + [dict(t, id=t["id"] + 10, group=1, R=2 * t["R"],
-                                 parent=t.get("parent", -1) + 10 if t["kind"] else -1) for t in spec_trajs()]
+    trajs = spec_trajs() + [
+        dict(t, id=t["id"] + 10, group=1, R=2 * t["R"], parent=t.get("parent", -1) + 10 if t["kind"] else -1)
+        for t in spec_trajs()
+    ]
     res = appo_advantage(make_batch(trajs), APPOParams(), None)
     np.testing.assert_allclose(res.adv_tokens[:56], SPEC_TOKENS, atol=1e-3)
     np.testing.assert_allclose(res.adv_tokens[56:], SPEC_TOKENS, atol=1e-3)  # scale-free z-score
     order = [11, 5, 0, 14, 2, 15, 3, 10, 9, 1, 7, 13, 4, 12, 6, 8]
     shuffled = appo_advantage(make_batch([trajs[k] for k in order]), APPOParams(), None)
     starts = np.cumsum([0] + [t["tokens"] for t in trajs])
-    expected = np.concatenate([res.adv_tokens[starts[k]:starts[k + 1]] for k in order])
+    expected = np.concatenate([res.adv_tokens[starts[k] : starts[k + 1]] for k in order])
     np.testing.assert_array_equal(shuffled.adv_tokens, expected)
 
 
@@ -215,9 +235,12 @@ def test_reward_scale_M_at_the_last_token_scales_the_return():
 
     R = [2, 1, 0] instead of [1, 1, 0].
     """
-    trajs = [dict(id=0, group=0, kind=0, R=1.0, tokens=4), dict(id=1, group=0, kind=0, R=1.0, tokens=4),
-             dict(id=2, group=0, kind=0, R=0.0, tokens=4),
-             dict(id=3, group=0, kind=1, R=0.0, parent=0, split=3, tokens=2, score=2.0)]
+    trajs = [
+        dict(id=0, group=0, kind=0, R=1.0, tokens=4),
+        dict(id=1, group=0, kind=0, R=1.0, tokens=4),
+        dict(id=2, group=0, kind=0, R=0.0, tokens=4),
+        dict(id=3, group=0, kind=1, R=0.0, parent=0, split=3, tokens=2, score=2.0),
+    ]
     scaled = appo_advantage(make_batch(trajs), APPOParams(reward_scale_M=True), None)
     z = 1.0 / (math.sqrt(2 / 3) + 1e-6)  # [2, 1, 0]: mean 1, population std √(2/3); the branch group has size 1
     np.testing.assert_allclose(scaled.adv_tokens[:12], [z] * 4 + [0.0] * 4 + [-z] * 4, atol=1e-12)
@@ -225,8 +248,9 @@ def test_reward_scale_M_at_the_last_token_scales_the_return():
     np.testing.assert_allclose(plain.adv_tokens[0], (1 / 3) / (math.sqrt(2 / 9) + 1e-6), atol=1e-12)
     no_scores = make_batch(trajs)
     no_scores.extras.clear()  # no branch_score: M = 1
-    np.testing.assert_array_equal(appo_advantage(no_scores, APPOParams(reward_scale_M=True), None).adv_tokens,
-                                  plain.adv_tokens)
+    np.testing.assert_array_equal(
+        appo_advantage(no_scores, APPOParams(reward_scale_M=True), None).adv_tokens, plain.adv_tokens
+    )
 
 
 def test_scale_token_advantages_by_M():
@@ -236,8 +260,9 @@ def test_scale_token_advantages_by_M():
     res = appo_advantage(make_batch(trajs), APPOParams(scale_token_advantages_by_M=True), None).adv_tokens
     m1 = (reward_scale_M(5, 1.0, 8) + reward_scale_M(2, 1.0, 8)) / 2  # init 1: splits 5 and 2
     m2 = reward_scale_M(4, 1.0, 8)  # init 2: two splits at 4
-    np.testing.assert_allclose(m1[:3], [((1 + 0.9 ** 5) + (1 + 0.9 ** 2)) / 2, (2 + 0.9 ** 4 + 0.9) / 2,
-                                        (2 + 0.9 ** 3 + 1) / 2], atol=1e-12)
+    np.testing.assert_allclose(
+        m1[:3], [((1 + 0.9**5) + (1 + 0.9**2)) / 2, (2 + 0.9**4 + 0.9) / 2, (2 + 0.9**3 + 1) / 2], atol=1e-12
+    )
     np.testing.assert_allclose(res, plain * np.concatenate([np.ones(8), m1, m2, np.ones(32)]), atol=1e-12)
 
 
@@ -247,18 +272,25 @@ def test_reward_scale_M_counts_observation_tokens_between_turns():
     flat token 3 (position 7) with BS/max = 1, κ = 0.9: M = 1 + 0.9^(7 − pos) for t ≤ 3, so
     [1 + 0.9^7, 1 + 0.9^6, 1 + 0.9^5, 2, 1] = [1.4782969, 1.531441, 1.59049, 2, 1] (flat tokens would give
     1 + 0.9^3, 1 + 0.9^2, 1 + 0.9 for the first three)."""
-    trajs = [dict(id=0, group=0, kind=0, R=1.0, tokens=5), dict(id=1, group=0, kind=0, R=0.0, tokens=4),
-             dict(id=2, group=0, kind=1, R=1.0, parent=0, split=3, tokens=2, score=1.0),
-             dict(id=3, group=0, kind=1, R=0.0, parent=1, split=0, tokens=2, score=1.0)]
+    trajs = [
+        dict(id=0, group=0, kind=0, R=1.0, tokens=5),
+        dict(id=1, group=0, kind=0, R=0.0, tokens=4),
+        dict(id=2, group=0, kind=1, R=1.0, parent=0, split=3, tokens=2, score=1.0),
+        dict(id=3, group=0, kind=1, R=0.0, parent=1, split=0, tokens=2, score=1.0),
+    ]
     batch = make_batch(trajs, turn_tokens={0: [3, 2], 1: [2, 2]})
-    batch = dataclasses.replace(batch, gap_tokens=np.array([0, 4, 0, 6, 0, 0], np.int64))  # rows: 0/0, 0/1, 1/0, 1/1, 2, 3
+    batch = dataclasses.replace(
+        batch, gap_tokens=np.array([0, 4, 0, 6, 0, 0], np.int64)
+    )  # rows: 0/0, 0/1, 1/0, 1/1, 2, 3
     plain = appo_advantage(batch, APPOParams(), None).adv_tokens
     scaled = appo_advantage(batch, APPOParams(scale_token_advantages_by_M=True), None).adv_tokens
     M0 = np.array([1 + 0.9**7, 1 + 0.9**6, 1 + 0.9**5, 2.0, 1.0])
     np.testing.assert_allclose(M0, [1.4782969, 1.531441, 1.59049, 2.0, 1.0], atol=1e-12)
     np.testing.assert_allclose(scaled[:5], plain[:5] * M0, atol=1e-12)
     np.testing.assert_allclose(reward_scale_M(3, 1.0, 5, 0.9, np.array([0, 1, 2, 7, 8])), M0, atol=1e-12)
-    without_gaps = appo_advantage(dataclasses.replace(batch, gap_tokens=None), APPOParams(scale_token_advantages_by_M=True), None)
+    without_gaps = appo_advantage(
+        dataclasses.replace(batch, gap_tokens=None), APPOParams(scale_token_advantages_by_M=True), None
+    )
     np.testing.assert_allclose(without_gaps.adv_tokens[:5], plain[:5] * reward_scale_M(3, 1.0, 5, 0.9), atol=1e-12)
 
 
@@ -312,8 +344,12 @@ def test_constant_omega_without_fallback_picks_earliest():
     for sc in scores:
         assert np.all(sc.z_omega == 0.0) and np.all(sc.bs == 0.0) and not sc.omega_fallback
     sel = select_branch_points(scores, [np.ones(3, bool), np.ones(4, bool)], budget=4)
-    assert [(p.rollout, p.split, p.how) for p in sel.points] == [(0, 0, "fallback"), (0, 1, "fallback"),
-                                                                 (0, 2, "fallback"), (1, 0, "fallback")]
+    assert [(p.rollout, p.split, p.how) for p in sel.points] == [
+        (0, 0, "fallback"),
+        (0, 1, "fallback"),
+        (0, 2, "fallback"),
+        (1, 0, "fallback"),
+    ]
     assert sel.counts["strict"] == 0
 
 
@@ -350,12 +386,16 @@ def test_strict_top_b_pooled_over_rollouts_then_fallback():
     scores = [_score([0.5, 2.0, -1.0]), _score([3.0, 0.1, 0.0], z_omega=[1.0, -1.0, 1.0])]
     cands = [np.ones(3, bool), np.ones(3, bool)]
     sel = select_branch_points(scores, cands, budget=2)
-    assert [(p.rollout, p.split, p.score, p.how) for p in sel.points] == [(1, 0, 3.0, "strict"),
-                                                                          (0, 1, 2.0, "strict")]
+    assert [(p.rollout, p.split, p.score, p.how) for p in sel.points] == [(1, 0, 3.0, "strict"), (0, 1, 2.0, "strict")]
     sel = select_branch_points(scores, cands, budget=5)
     # strict: 3.0, 2.0, 0.5; fallback by BS: (1,1) 0.1 (Z(Ω) < 0), then (1,2) 0.0 (BS not > 0)
     assert [(p.rollout, p.split, p.how) for p in sel.points] == [
-        (1, 0, "strict"), (0, 1, "strict"), (0, 0, "strict"), (1, 1, "fallback"), (1, 2, "fallback")]
+        (1, 0, "strict"),
+        (0, 1, "strict"),
+        (0, 0, "strict"),
+        (1, 1, "fallback"),
+        (1, 2, "fallback"),
+    ]
     assert sel.counts == {"strict": 3, "fallback": 2, "cyclic": 0, "dropped": 0}
 
 
@@ -363,15 +403,19 @@ def test_whitespace_tokens_never_selected():
     scores = [_score([9.0, 1.0, 8.0]), _score([7.0])]
     cands = [np.array([False, True, False]), np.array([False])]
     sel = select_branch_points(scores, cands, budget=3)
-    assert [(p.rollout, p.split, p.how) for p in sel.points] == [(0, 1, "strict"), (0, 1, "cyclic"),
-                                                                 (0, 1, "cyclic")]
+    assert [(p.rollout, p.split, p.how) for p in sel.points] == [(0, 1, "strict"), (0, 1, "cyclic"), (0, 1, "cyclic")]
     assert select_branch_points(scores, [np.zeros(3, bool), np.zeros(1, bool)], budget=3).points == []
 
 
 def test_cyclic_duplication_in_selection_order():
     sel = select_branch_points([_score([1.0, 2.0])], [np.ones(2, bool)], budget=5)
-    assert [(p.split, p.how) for p in sel.points] == [(1, "strict"), (0, "strict"), (1, "cyclic"), (0, "cyclic"),
-                                                      (1, "cyclic")]
+    assert [(p.split, p.how) for p in sel.points] == [
+        (1, "strict"),
+        (0, "strict"),
+        (1, "cyclic"),
+        (0, "cyclic"),
+        (1, "cyclic"),
+    ]
     assert sel.counts == {"strict": 2, "fallback": 0, "cyclic": 3, "dropped": 0}
 
 
@@ -411,8 +455,7 @@ def _loop_suffix_sum(x: torch.Tensor, gamma: float) -> torch.Tensor:
 @pytest.mark.parametrize("gamma", [1.0, 0.98923, 0.5])
 def test_blocked_suffix_sum_equals_loop(length, chunk, gamma):
     x = torch.randn(3, length, dtype=torch.float64, generator=torch.Generator().manual_seed(length))
-    torch.testing.assert_close(discounted_suffix_sum(x, gamma, chunk), _loop_suffix_sum(x, gamma),
-                               rtol=0, atol=1e-10)
+    torch.testing.assert_close(discounted_suffix_sum(x, gamma, chunk), _loop_suffix_sum(x, gamma), rtol=0, atol=1e-10)
 
 
 def test_future_kl_hand_computed():
@@ -427,12 +470,14 @@ def test_future_kl_hand_computed():
     fkl = future_kl(delta, mask, params)
     torch.testing.assert_close(fkl, torch.tensor([[0.0375, -0.125, 0.15, 0.3]], dtype=torch.float64))
     f = influence_factor(fkl, torch.ones(1, 4, dtype=torch.float64), delta.exp(), params)
-    torch.testing.assert_close(f, torch.tensor([[1.038212, 1.0, 1.161834, 1.2]], dtype=torch.float64),
-                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        f, torch.tensor([[1.038212, 1.0, 1.161834, 1.2]], dtype=torch.float64), rtol=0, atol=1e-6
+    )
     masked = future_kl(delta, torch.tensor([[True, True, True, False]]), params)  # Δ_3 off the mask
     torch.testing.assert_close(masked, torch.tensor([[0.0, -0.2, 0.0, 0.0]], dtype=torch.float64))
-    two_sided = influence_factor(fkl, torch.ones(1, 4, dtype=torch.float64), delta.exp(),
-                                 FutureKLParams(decay_rate=1.0, clip_high_only=False))
+    two_sided = influence_factor(
+        fkl, torch.ones(1, 4, dtype=torch.float64), delta.exp(), FutureKLParams(decay_rate=1.0, clip_high_only=False)
+    )
     assert float(two_sided[0, 1]) == pytest.approx(math.exp(-0.125), abs=1e-12)
 
 
@@ -453,11 +498,16 @@ def test_blocked_suffix_sum_at_positions_equals_loop(length, chunk):
     gen = torch.Generator().manual_seed(length)
     x = torch.randn(3, length, dtype=torch.float64, generator=gen)
     pos = torch.cumsum(torch.randint(1, 9, (3, length), generator=gen), dim=1).to(torch.float64)  # gaps 1..8
-    torch.testing.assert_close(discounted_suffix_sum(x, 0.98923, chunk, pos), _loop_suffix_sum_at(x, pos, 0.98923),
-                               rtol=0, atol=1e-10)
+    torch.testing.assert_close(
+        discounted_suffix_sum(x, 0.98923, chunk, pos), _loop_suffix_sum_at(x, pos, 0.98923), rtol=0, atol=1e-10
+    )
     consecutive = torch.arange(length, dtype=torch.float64).expand(3, length)
-    torch.testing.assert_close(discounted_suffix_sum(x, 0.98923, chunk, consecutive),
-                               discounted_suffix_sum(x, 0.98923, chunk), rtol=0, atol=1e-10)
+    torch.testing.assert_close(
+        discounted_suffix_sum(x, 0.98923, chunk, consecutive),
+        discounted_suffix_sum(x, 0.98923, chunk),
+        rtol=0,
+        atol=1e-10,
+    )
 
 
 def test_future_kl_counts_observation_positions_hand_computed():
@@ -478,19 +528,28 @@ def test_future_kl_counts_observation_positions_hand_computed():
     mask = torch.ones(1, 4, dtype=torch.bool)
     positions = torch.tensor([[5, 6, 10, 11]])
     fkl = future_kl(delta, mask, params, positions)
-    torch.testing.assert_close(fkl, torch.tensor([[0.215625, 0.23125, 0.5, 0.4]], dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        fkl, torch.tensor([[0.215625, 0.23125, 0.5, 0.4]], dtype=torch.float64), rtol=0, atol=1e-12
+    )
     torch.testing.assert_close(future_kl(delta, mask, params)[0, 0], torch.tensor(0.325, dtype=torch.float64))
     f = influence_factor(fkl, torch.ones(1, 4, dtype=torch.float64), delta.exp(), params)
-    torch.testing.assert_close(f, torch.tensor([[1.2406371, 1.2601742, 1.6487213, 1.4918247]], dtype=torch.float64),
-                               rtol=0, atol=1e-7)
+    torch.testing.assert_close(
+        f, torch.tensor([[1.2406371, 1.2601742, 1.6487213, 1.4918247]], dtype=torch.float64), rtol=0, atol=1e-7
+    )
     old = torch.full((1, 4), -1.0, dtype=torch.float64)
-    terms = appo_future_kl_loss(old + delta, old, torch.ones(1, 4, dtype=torch.float64), mask, None, params,
-                                positions=positions)
+    terms = appo_future_kl_loss(
+        old + delta, old, torch.ones(1, 4, dtype=torch.float64), mask, None, params, positions=positions
+    )
     assert terms.extra["mean_scale"] == pytest.approx(2.4103393, abs=1e-7)
     padded = appo_future_kl_loss(  # the same row padded to 6 entries (padding positions are 0): same figures
-        torch.cat([old + delta, torch.zeros(1, 2, dtype=torch.float64)], dim=1), torch.cat([old, torch.zeros(1, 2, dtype=torch.float64)], dim=1),
-        torch.cat([torch.ones(1, 4), torch.zeros(1, 2)], dim=1).double(), torch.tensor([[True] * 4 + [False] * 2]), None, params,
-        positions=torch.tensor([[5, 6, 10, 11, 0, 0]]))
+        torch.cat([old + delta, torch.zeros(1, 2, dtype=torch.float64)], dim=1),
+        torch.cat([old, torch.zeros(1, 2, dtype=torch.float64)], dim=1),
+        torch.cat([torch.ones(1, 4), torch.zeros(1, 2)], dim=1).double(),
+        torch.tensor([[True] * 4 + [False] * 2]),
+        None,
+        params,
+        positions=torch.tensor([[5, 6, 10, 11, 0, 0]]),
+    )
     assert padded.extra["mean_scale"] == pytest.approx(2.4103393, abs=1e-7)
     assert float(padded.loss) == pytest.approx(float(terms.loss), abs=1e-12)
 
@@ -526,10 +585,12 @@ def test_safety_clamp_and_dual_clip():
     fkl = future_kl(delta, mask, params)
     assert float(fkl[0, 0]) == pytest.approx(params.gamma_f * 1.0, abs=1e-12)
     neg, pos = -torch.ones(1, 2, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64)
-    torch.testing.assert_close(influence_factor(fkl, neg, delta.exp(), params),
-                               torch.tensor([[1.0, 1.2]], dtype=torch.float64))
-    torch.testing.assert_close(influence_factor(fkl, pos, delta.exp(), params),
-                               torch.tensor([[1.2, 1.2]], dtype=torch.float64))
+    torch.testing.assert_close(
+        influence_factor(fkl, neg, delta.exp(), params), torch.tensor([[1.0, 1.2]], dtype=torch.float64)
+    )
+    torch.testing.assert_close(
+        influence_factor(fkl, pos, delta.exp(), params), torch.tensor([[1.2, 1.2]], dtype=torch.float64)
+    )
     terms = appo_future_kl_loss(logp, old, neg, mask, None, params)
     assert float(terms.loss) == pytest.approx((6.0 + 2.2 * math.e) / 2, abs=1e-9)
     assert terms.extra["dual_clip_frac"] == 0.5 and terms.extra["rows_dropped"] == 0.0

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mlflow import MlflowClient
-
 from flowkit import run_of, steps, tiny_config
+
 from horizonrl import store
-from horizonrl.branching import BranchStart, collect_branches, plan_branches
 from horizonrl.envs.household import HouseholdSuite
-from horizonrl.rollout import SamplingSettings, collect
+from horizonrl.rollout.branching import collect_branches, plan_branches
+from horizonrl.rollout.loop import SamplingSettings, collect
 from methods.appo import BranchingParams
+from mlflow import MlflowClient
 
 
 def _flat_tokens(ep) -> list[int]:
@@ -22,7 +22,15 @@ def _flat_tokens(ep) -> list[int]:
 def test_branch_replays_its_source_up_to_the_split(tiny_policy, context):
     model, tokenizer, fmt, engine = tiny_policy
     suite = HouseholdSuite(0)
-    sampling = SamplingSettings(action_mode="admissible", context=context, history_turns=2, max_turns=5, max_action_tokens=24, temperature=1.0, seed=11)
+    sampling = SamplingSettings(
+        action_mode="admissible",
+        context=context,
+        history_turns=2,
+        max_turns=5,
+        max_action_tokens=24,
+        temperature=1.0,
+        seed=11,
+    )
     initial = collect(suite, suite.tasks("train", "easy", 2), 3, engine, fmt, sampling)
     starts, scores, stats = plan_branches(initial, 3, BranchingParams(), tokenizer)
     assert len(starts) == 6 and stats["branches_per_group"] == 3.0
@@ -33,7 +41,11 @@ def test_branch_replays_its_source_up_to_the_split(tiny_policy, context):
         assert b.kind == "branch" and b.parent_rollout == parent.rollout_id and b.branch_token == start.split
         assert b.group_id == parent.group_id
         assert _flat_tokens(b)[: start.split + 1] == _flat_tokens(parent)[: start.split + 1]
-        split_turn = next(t for t in range(len(parent.turns)) if sum(len(x.gen.token_ids) for x in parent.turns[: t + 1]) > start.split)
+        split_turn = next(
+            t
+            for t in range(len(parent.turns))
+            if sum(len(x.gen.token_ids) for x in parent.turns[: t + 1]) > start.split
+        )
         for t in range(split_turn + 1):
             assert b.turns[t].observation == parent.turns[t].observation, "replayed state differs from the source"
         assert len(b.turns) <= 5
@@ -42,7 +54,9 @@ def test_branch_replays_its_source_up_to_the_split(tiny_policy, context):
 def test_branch_split_is_never_the_last_token_of_an_action(tiny_policy):
     model, tokenizer, fmt, engine = tiny_policy
     suite = HouseholdSuite(0)
-    initial = collect(suite, suite.tasks("train", "easy", 3), 2, engine, fmt, SamplingSettings("admissible", "full", 2, 4, 24, 1.0, 5))
+    initial = collect(
+        suite, suite.tasks("train", "easy", 3), 2, engine, fmt, SamplingSettings("admissible", "full", 2, 4, 24, 1.0, 5)
+    )
     starts, _, _ = plan_branches(initial, 4, BranchingParams(), tokenizer)
     for s in starts:
         ends, total = set(), 0
@@ -61,15 +75,23 @@ def test_appo_run_through_the_flow(prefect_harness, tmp_path, tracking_uri):
     train(config=cfg)
     c = MlflowClient(tracking_uri)
     run = run_of(c, "appo")
-    for key in ("collect/appo/branches_per_group", "collect/appo/branch_strict", "collect/appo/omega_fallback_fraction",
-                "collect/appo/mean_branching_score", "collect/branch_token_share", "advantage/appo/branch_credit_fraction",
-                "update/mean_scale"):
+    for key in (
+        "collect/appo/branches_per_group",
+        "collect/appo/branch_strict",
+        "collect/appo/omega_fallback_fraction",
+        "collect/appo/mean_branching_score",
+        "collect/branch_token_share",
+        "advantage/appo/branch_credit_fraction",
+        "update/mean_scale",
+    ):
         assert steps(c, run.info.run_id, key) == [1, 2], key
     d = store.iteration_dir(tmp_path / "data", "test", "appo", 1)
     episodes = store.read_table(d / "episodes.parquet", "episodes").to_pandas()
     branches = episodes[episodes.kind == "branch"]
     assert len(branches) == 4 and (episodes.kind == "initial").sum() == 6
-    lineage = branches.merge(episodes[episodes.kind == "initial"], left_on="parent_rollout", right_on="rollout_id", suffixes=("", "_parent"))
+    lineage = branches.merge(
+        episodes[episodes.kind == "initial"], left_on="parent_rollout", right_on="rollout_id", suffixes=("", "_parent")
+    )
     assert len(lineage) == len(branches) and (lineage.group_id == lineage.group_id_parent).all()
     assert (lineage.branch_token < lineage.gen_tokens_parent).all()
     assert (branches.branch_score > 0).any(), "strict branch points carry their (positive) branching score"
@@ -87,21 +109,35 @@ def _replay_on(suite, tmp_path, n_tasks: int, tier: str, max_turns: int) -> None
     replayed observation and raises on divergence)."""
     from horizonrl.config import ModelConfig, TinyModelConfig
     from horizonrl.engines.hf import TransformersEngine
-    from horizonrl.models import load_policy, tiny_model_dir
-    from horizonrl.prompting import ChatFormat
+    from horizonrl.models.loading import load_policy, tiny_model_dir
+    from horizonrl.rollout.prompting import ChatFormat
 
     tiny = TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
-    model, tokenizer = load_policy(tiny_model_dir(tmp_path, suite.name, ModelConfig(tiny=tiny), suite.corpus(n_tasks=n_tasks)))
+    model, tokenizer = load_policy(
+        tiny_model_dir(tmp_path, suite.name, ModelConfig(tiny=tiny), suite.corpus(n_tasks=n_tasks))
+    )
     fmt = ChatFormat.for_tokenizer(tokenizer)
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id])
-    sampling = SamplingSettings(action_mode="admissible", context="full", history_turns=2, max_turns=max_turns, max_action_tokens=32, temperature=1.0, seed=2)
+    sampling = SamplingSettings(
+        action_mode="admissible",
+        context="full",
+        history_turns=2,
+        max_turns=max_turns,
+        max_action_tokens=32,
+        temperature=1.0,
+        seed=2,
+    )
     initial = collect(suite, suite.tasks("train", tier, n_tasks), 2, engine, fmt, sampling)
     starts, _, _ = plan_branches(initial, 2, BranchingParams(), tokenizer)
     branches = collect_branches(suite, starts, engine, fmt, sampling, first_rollout_id=10)
     assert len(branches) == 2 * n_tasks
     for b, start in zip(branches, starts):
         assert _flat_tokens(b)[: start.split + 1] == _flat_tokens(start.parent)[: start.split + 1]
-        turn = next(t for t in range(len(start.parent.turns)) if sum(len(x.gen.token_ids) for x in start.parent.turns[: t + 1]) > start.split)
+        turn = next(
+            t
+            for t in range(len(start.parent.turns))
+            if sum(len(x.gen.token_ids) for x in start.parent.turns[: t + 1]) > start.split
+        )
         assert [x.observation for x in b.turns[: turn + 1]] == [x.observation for x in start.parent.turns[: turn + 1]]
 
 

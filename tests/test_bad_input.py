@@ -12,34 +12,58 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from flowkit import tiny_config
+
 from flows.cli import main
 from horizonrl import store
-from horizonrl.checkpoint import latest_checkpoint
+from horizonrl.training.checkpoint import latest_checkpoint
 
 CONFIG = "config.yaml"
 
 
-@pytest.mark.parametrize("text,sets,names", [
-    ("method: loop\nrollout: [group_size: 8\n", [], ["config.yaml' is not valid YAML"]),
-    ("method: loop\ncolour: blue\n", [], ["colour", "Extra inputs are not permitted"]),
-    ("rollout:\n  group_size: many\n", [], ["rollout.group_size", "valid integer"]),
-    ("", ["update.lr=fast"], ["update.lr", "valid number"]),
-    ("method: ppo9\n", [], ["method", "unknown method 'ppo9'"]),
-    ("env:\n  name: minecraft\n", [], ["env.name = 'minecraft' is unknown"]),
-    ("method: loop\nrollout:\n  group_size: 1\n", [], ["rollout.group_size = 1", "'loop' needs at least 2"]),
-    ("model:\n  path: ./no-such-model\n", [], ["model.path", "'./no-such-model' does not exist"]),
-    ("env:\n  tier: nightmare\n", [], ["env.tier = 'nightmare' is not a tier of household; allowed: easy, medium, hard"]),
-    ("", ["run_name=adv'q"], ["run_name", "\"adv'q\" is not a plain name"]),
-    ("", ["run_name=../../escape"], ["run_name", "'../../escape' is not a plain name"]),
-    ("", ["experiment=a/b"], ["experiment", "'a/b' is not a plain name"]),
-    ("", ["update.lr=.inf"], ["update.lr", "finite number"]),
-    ("", ["advantage_params.kl_lambda=.nan"], ["advantage_params.kl_lambda = nan: numbers must be finite"]),
-    ("", ["seed=true"], ["seed", "True is not a valid integer"]),
-    ("", ["rollout.group_size=2.5"], ["rollout.group_size", "2.5 is not a valid integer"]),
-], ids=["malformed-yaml", "unknown-key", "wrong-type", "wrong-type-set", "unknown-method", "unknown-env", "group-too-small", "missing-model",
-        "unknown-tier", "quote-in-name", "path-traversal", "slash-in-experiment", "infinite-lr", "nan-param", "bool-seed", "float-int"])
+@pytest.mark.parametrize(
+    "text,sets,names",
+    [
+        ("method: loop\nrollout: [group_size: 8\n", [], ["config.yaml' is not valid YAML"]),
+        ("method: loop\ncolour: blue\n", [], ["colour", "Extra inputs are not permitted"]),
+        ("rollout:\n  group_size: many\n", [], ["rollout.group_size", "valid integer"]),
+        ("", ["update.lr=fast"], ["update.lr", "valid number"]),
+        ("method: ppo9\n", [], ["method", "unknown method 'ppo9'"]),
+        ("env:\n  name: minecraft\n", [], ["env.name = 'minecraft' is unknown"]),
+        ("method: loop\nrollout:\n  group_size: 1\n", [], ["rollout.group_size = 1", "'loop' needs at least 2"]),
+        ("model:\n  path: ./no-such-model\n", [], ["model.path", "'./no-such-model' does not exist"]),
+        (
+            "env:\n  tier: nightmare\n",
+            [],
+            ["env.tier = 'nightmare' is not a tier of household; allowed: easy, medium, hard"],
+        ),
+        ("", ["run_name=adv'q"], ["run_name", '"adv\'q" is not a plain name']),
+        ("", ["run_name=../../escape"], ["run_name", "'../../escape' is not a plain name"]),
+        ("", ["experiment=a/b"], ["experiment", "'a/b' is not a plain name"]),
+        ("", ["update.lr=.inf"], ["update.lr", "finite number"]),
+        ("", ["advantage_params.kl_lambda=.nan"], ["advantage_params.kl_lambda = nan: numbers must be finite"]),
+        ("", ["seed=true"], ["seed", "True is not a valid integer"]),
+        ("", ["rollout.group_size=2.5"], ["rollout.group_size", "2.5 is not a valid integer"]),
+    ],
+    ids=[
+        "malformed-yaml",
+        "unknown-key",
+        "wrong-type",
+        "wrong-type-set",
+        "unknown-method",
+        "unknown-env",
+        "group-too-small",
+        "missing-model",
+        "unknown-tier",
+        "quote-in-name",
+        "path-traversal",
+        "slash-in-experiment",
+        "infinite-lr",
+        "nan-param",
+        "bool-seed",
+        "float-int",
+    ],
+)
 def test_bad_config_names_the_problem_and_writes_nothing(tmp_path, monkeypatch, capsys, text, sets, names):
     """Run from an empty folder, so a ``data/`` or ``mlflow/`` created by mistake would show."""
     monkeypatch.chdir(tmp_path)
@@ -72,16 +96,24 @@ def test_recompute_param_without_equals_is_refused(tmp_path, capsys):
 
 def test_evaluate_unknown_source_is_one_line(tmp_path, monkeypatch, capsys):
     """An unknown run id or registered model is named in one line, before any flow starts or run is made."""
-    from horizonrl.tracking import client
+    from horizonrl.tracking.mlflow_runs import client
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     c = client(uri)  # an existing store, without the source
     capsys.readouterr()  # MLflow reports creating its tables
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    for source in ("0123456789abcdef0123456789abcdef", "runs:/0123456789abcdef0123456789abcdef", "models:/no-such-model/1"):
+    for source in (
+        "0123456789abcdef0123456789abcdef",
+        "runs:/0123456789abcdef0123456789abcdef",
+        "models:/no-such-model/1",
+    ):
         assert main(["evaluate", "--source", source]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"horizonrl: evaluate: source {source!r}: no ") and uri in err and len(err.strip().splitlines()) == 1, err
+        assert (
+            err.startswith(f"horizonrl: evaluate: source {source!r}: no ")
+            and uri in err
+            and len(err.strip().splitlines()) == 1
+        ), err
     assert c.search_runs([e.experiment_id for e in c.search_experiments()]) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db", "mlflow.db.lock"]
 
@@ -105,13 +137,21 @@ def _plant(d: Path, bad: str) -> Path:
         path.write_bytes(path.read_bytes()[:-100])
     else:  # the same table as written by a version of the code with another schema version
         table = pq.read_table(path)
-        pq.write_table(table.replace_schema_metadata({**table.schema.metadata, b"horizonrl.schema_version": b"0"}), path)
+        pq.write_table(
+            table.replace_schema_metadata({**table.schema.metadata, b"horizonrl.schema_version": b"0"}), path
+        )
     return path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bad,message", [("truncated", "not a readable Parquet file (truncated or corrupt)"), ("old-schema", "schema version '0'")], ids=["truncated", "old-schema"])
-def test_bad_stored_rollouts_fail_the_run_naming_the_file(prefect_harness, tmp_path, tracking_uri, caplog, bad, message):
+@pytest.mark.parametrize(
+    "bad,message",
+    [("truncated", "not a readable Parquet file (truncated or corrupt)"), ("old-schema", "schema version '0'")],
+    ids=["truncated", "old-schema"],
+)
+def test_bad_stored_rollouts_fail_the_run_naming_the_file(
+    prefect_harness, tmp_path, tracking_uri, caplog, bad, message
+):
     """Stored rollouts are reused on resume, so a bad stored file reaches the collect task: Prefect retries
     it, it fails again, the flow fails with the file's name in the error and the log, and nothing of
     iteration 1 is written (no advantages, no checkpoint, no metric) and the bad file is left as it was."""
@@ -157,16 +197,16 @@ def test_filter_values_are_quoted_and_artifacts_go_beside_the_store(tmp_path, mo
     """A name holding a quote is searched for, not parsed as filter syntax (names are validated, but
     every value put into a filter is quoted); a store given by URI keeps its artifacts beside it, not
     under whatever folder the process runs in."""
-    from horizonrl import tracking
+    from horizonrl.tracking import mlflow_runs
 
     work, store_dir = tmp_path / "cwd", tmp_path / "elsewhere"
     work.mkdir()
     monkeypatch.chdir(work)
-    c = tracking.client(f"sqlite:///{store_dir}/mlflow.db")
-    run_id = tracking.create_run(c, "test", "adv'q", {})
-    assert tracking.find_run(c, "test", "adv'q").info.run_id == run_id
-    assert tracking.find_run(c, "test", 'adv"q') is None
+    c = mlflow_runs.client(f"sqlite:///{store_dir}/mlflow.db")
+    run_id = mlflow_runs.create_run(c, "test", "adv'q", {})
+    assert mlflow_runs.find_run(c, "test", "adv'q").info.run_id == run_id
+    assert mlflow_runs.find_run(c, "test", 'adv"q') is None
     with pytest.raises(ValueError, match="both quote characters"):
-        tracking.find_run(c, "test", "a'b\"c")
+        mlflow_runs.find_run(c, "test", "a'b\"c")
     assert c.get_experiment_by_name("test").artifact_location == (store_dir / "artifacts").resolve().as_uri()
     assert list(work.iterdir()) == []

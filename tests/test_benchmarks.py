@@ -13,11 +13,28 @@ from benchmarks.__main__ import main
 FIGURES = {
     "advantages": [f"advantage/{m}_{k}" for m in ("loo", "grpo", "rloo", "gigpo", "blpo") for k in ("s", "speedup")],
     "store": ["store/write_MB_s", "store/read_MB_s", "store/jsonl_vs_parquet_size", "store/one_column_read_share"],
-    "rollout": ["rollout/batched_tokens_s", "rollout/vs_bare_replay", "rollout/vs_one_generate", "rollout/vs_one_at_a_time", "rollout/prefill_vs_new",
-                "rollout/naive_prefill_vs_new", "rollout/decode_padding", "rollout/qwen3_vocab_tokens_s"],
+    "rollout": [
+        "rollout/batched_tokens_s",
+        "rollout/vs_bare_replay",
+        "rollout/vs_one_generate",
+        "rollout/vs_one_at_a_time",
+        "rollout/prefill_vs_new",
+        "rollout/naive_prefill_vs_new",
+        "rollout/decode_padding",
+        "rollout/qwen3_vocab_tokens_s",
+    ],
     "update": ["update/ppo_tokens_s", "update/vs_bare_loop", "update/padding", "update/pi_old_max_diff"],
-    "pipeline": ["tracing/share_of_iteration", "tracing/flow_wait_share", "tracing/store_kb_per_iteration", "pipeline/flow_vs_plain", "pipeline/helper_cpu_s",
-                 "memory/peak_rss_mb", "memory/peak_tree_rss_mb", "startup/temporary_server_s", "startup/running_server_s"],
+    "pipeline": [
+        "tracing/share_of_iteration",
+        "tracing/flow_wait_share",
+        "tracing/store_kb_per_iteration",
+        "pipeline/flow_vs_plain",
+        "pipeline/helper_cpu_s",
+        "memory/peak_rss_mb",
+        "memory/peak_tree_rss_mb",
+        "startup/temporary_server_s",
+        "startup/running_server_s",
+    ],
 }
 
 
@@ -45,17 +62,22 @@ def test_quick_suite_pipeline_section(tmp_path, capsys):
 
 
 def test_publish_replaces_only_the_marked_block(tmp_path):
-    """`make bench` writes its table into the README between two markers: the rest of the page is kept, a
+    """`make bench` writes its table into docs/benchmarks.md between two markers: the rest of the page is kept, a
     second publish replaces the first, and a page without the markers is named before anything is written."""
     from benchmarks.report import PUBLISH_END, PUBLISH_START, Figure, publish
 
     page = tmp_path / "README.md"
     page.write_text(f"# Title\n\nbefore\n{PUBLISH_START}\nold table\n{PUBLISH_END}\nafter\n")
-    figures = [Figure("update/vs_bare_loop", 0.934, "x", ">= 0.95", False, "bare: 16,307 tok/s"), Figure("store/read_MB_s", 279.7, "MB/s", "", None)]
+    figures = [
+        Figure("update/vs_bare_loop", 0.934, "x", ">= 0.95", False, "bare: 16,307 tok/s"),
+        Figure("store/read_MB_s", 279.7, "MB/s", "", None),
+    ]
     publish(figures, {"quick": False}, page)
     publish(figures[:1], {"quick": False}, page)
     text = page.read_text()
-    assert text.startswith("# Title\n\nbefore\n") and text.endswith(f"{PUBLISH_END}\nafter\n") and "old table" not in text
+    assert (
+        text.startswith("# Title\n\nbefore\n") and text.endswith(f"{PUBLISH_END}\nafter\n") and "old table" not in text
+    )
     assert "| `update/vs_bare_loop` | 0.934 | x | >= 0.95 | **miss** | bare: 16,307 tok/s |" in text
     assert "store/read_MB_s" not in text and "0 of 1 targets met" in text and text.count(PUBLISH_START) == 1
     bare = tmp_path / "other.md"

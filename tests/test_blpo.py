@@ -1,4 +1,4 @@
-"""BLPO (methods/blpo.py, methods/blpo_memory.py; ALGORITHMS.md 2, 5, 7.3).
+"""BLPO (methods/blpo.py, methods/blpo_memory.py; docs/algorithms.md §2, §5, §7.3).
 
 The confidence example of section 5 (on memory records and through the full estimator), the edge
 cases of 2.12, decay (7.3: n_eff = 1.996 is inactive; a half-life halves W), the memory's JSON round

@@ -17,21 +17,32 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_sequences import RecordingEngine
 
 from horizonrl import store
 from horizonrl.engines.base import TokenTrie
-from horizonrl.prompting import ChatFormat
-from horizonrl.rollout import SamplingSettings, collect
-from horizonrl.sequences import train_rows
-from horizonrl.trainer import policy_logprobs
-from test_sequences import RecordingEngine
+from horizonrl.rollout.loop import SamplingSettings, collect
+from horizonrl.rollout.prompting import ChatFormat
+from horizonrl.training.sequences import train_rows
+from horizonrl.training.trainer import policy_logprobs
 
 TOL = 1e-5
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 # Commands where BPE's first token and digit splitting matter: a number alone, digits after a space,
 # a slash, a command that is a prefix of another (at text and at id level), non-ASCII text.
-TRICKY = ["2", "go to 10", "go to 1", "take apple 1 from countertop 12", "put mug 3 in/on shelf 1", "look", "look .",
-          "open drawer 1", "open drawer 11", "examine café", "inventory"]
+TRICKY = [
+    "2",
+    "go to 10",
+    "go to 1",
+    "take apple 1 from countertop 12",
+    "put mug 3 in/on shelf 1",
+    "look",
+    "look .",
+    "open drawer 1",
+    "open drawer 11",
+    "examine café",
+    "inventory",
+]
 
 
 def _states(suite, n_tasks: int = 4, steps: int = 3) -> list[tuple[str, str, list[str]]]:
@@ -59,12 +70,24 @@ def test_pieces_are_the_chat_templates_own_rendering(chat_policy):
     conversation (Qwen3 with thinking off keeps the empty block of the past turn: what was sampled after),
     and re-encoding that text gives the same ids: no BPE merge crosses a piece boundary."""
     name, _, tokenizer, _, _ = chat_policy
-    for thinking in ([False, True] if name == "qwen3" else [False]):
+    for thinking in [False, True] if name == "qwen3" else [False]:
         fmt = ChatFormat.for_tokenizer(tokenizer, enable_thinking=thinking)
-        goal, o1, a1, o2 = "Put a clean mug in the cabinet.", "You are in the kitchen. You see a mug 1.", "take mug 1", " It is  dark.\n"
+        goal, o1, a1, o2 = (
+            "Put a clean mug in the cabinet.",
+            "You are in the kitchen. You see a mug 1.",
+            "take mug 1",
+            " It is  dark.\n",
+        )
         ids = fmt.system(goal) + fmt.user(o1) + fmt.command(a1) + fmt.close(fmt.command(a1)) + fmt.user(o2)
-        conv = [{"role": "system", "content": goal}, {"role": "user", "content": o1}, {"role": "assistant", "content": a1}, {"role": "user", "content": o2}]
-        rendered = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
+        conv = [
+            {"role": "system", "content": goal},
+            {"role": "user", "content": o1},
+            {"role": "assistant", "content": a1},
+            {"role": "user", "content": o2},
+        ]
+        rendered = tokenizer.apply_chat_template(
+            conv, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+        )
         text = tokenizer.decode(ids)
         if name == "qwen3" and not thinking:
             assert text.count(EMPTY_THINK) == 2 and rendered.count(EMPTY_THINK) == 1  # off: the block is prompt
@@ -93,10 +116,16 @@ def test_trie_reaches_every_admissible_command_and_nothing_else(chat_policy, hou
         assert set(trie.texts.values()) == set(commands)
         head = fmt.system(goal) + fmt.user(obs)
         for c in commands:
-            conv = [{"role": "system", "content": goal}, {"role": "user", "content": obs}, {"role": "assistant", "content": c}]
+            conv = [
+                {"role": "system", "content": goal},
+                {"role": "user", "content": obs},
+                {"role": "assistant", "content": c},
+            ]
             rendered = fmt.encode(tokenizer.apply_chat_template(conv, tokenize=False, enable_thinking=False))
-            assert rendered[:len(head) + len(fmt.command(c))] == head + fmt.command(c), c
-            first_token_moves += fmt.encode(" " + c)[0] != fmt.command(c)[0] or fmt.encode("\n" + c)[0] != fmt.command(c)[0]
+            assert rendered[: len(head) + len(fmt.command(c))] == head + fmt.command(c), c
+            first_token_moves += (
+                fmt.encode(" " + c)[0] != fmt.command(c)[0] or fmt.encode("\n" + c)[0] != fmt.command(c)[0]
+            )
     assert first_token_moves > 0  # a leading space or newline would have changed the first token
 
 
@@ -104,8 +133,15 @@ def _play(chat_policy, suite, context: str, action_mode: str, fmt: ChatFormat | 
     """2 easy tasks x 2 rollouts, 3 turns, T = 0.7; returns (records, {(rollout_id, turn): (sequence, generation)})."""
     _, _, _, default_fmt, engine = chat_policy
     spy = RecordingEngine(engine)
-    settings = SamplingSettings(action_mode, context, history_turns=2, max_turns=3, max_action_tokens=12 if action_mode == "admissible" else 6,
-                                temperature=0.7, seed=seed)
+    settings = SamplingSettings(
+        action_mode,
+        context,
+        history_turns=2,
+        max_turns=3,
+        max_action_tokens=12 if action_mode == "admissible" else 6,
+        temperature=0.7,
+        seed=seed,
+    )
     records = collect(suite, suite.tasks("train", "easy", 2), 2, spy, fmt or default_fmt, settings)
     seen = {}
     for turn, call in enumerate(spy.calls):
@@ -118,7 +154,9 @@ def _play(chat_policy, suite, context: str, action_mode: str, fmt: ChatFormat | 
 
 @pytest.mark.parametrize("context", ["window", "full"])
 @pytest.mark.parametrize("action_mode", ["admissible", "free"])
-def test_learner_trains_on_the_sampled_ids_with_the_samplers_logprobs(chat_policy, household_suite, tmp_path, context, action_mode):
+def test_learner_trains_on_the_sampled_ids_with_the_samplers_logprobs(
+    chat_policy, household_suite, tmp_path, context, action_mode
+):
     """Through the Parquet turns table: every rebuilt row holds each engine call's sequence followed by the
     sampled ids (window: the row is that; full: each turn's is a prefix of the trajectory's row), policy
     positions point at them, and the learner's log-probs and entropies at T = 0.7 equal the sampler's
@@ -134,7 +172,7 @@ def test_learner_trains_on_the_sampled_ids_with_the_samplers_logprobs(chat_polic
         positions = []
         for t in turns:
             sequence, gen = seen[(row.rollout_id, t)]
-            assert row.input_ids[:len(sequence) + len(gen.token_ids)] == sequence + gen.token_ids
+            assert row.input_ids[: len(sequence) + len(gen.token_ids)] == sequence + gen.token_ids
             assert by_turn[(row.rollout_id, t)].gen.token_ids == gen.token_ids
             positions += [len(sequence) + j for j, m in enumerate(gen.policy_mask) if m]
         assert row.positions == positions
@@ -152,7 +190,13 @@ def test_learner_trains_on_the_sampled_ids_with_the_samplers_logprobs(chat_polic
     rows = [r for r in rows if r.positions]
     with torch.no_grad():
         logp, entropy = policy_logprobs(model, rows, 0.7, tokenizer.pad_token_id)
-    gen_entropy = [h for r in rows for t in sorted(set(r.turn_id)) for h, m in zip(by_turn[r.rollout_id, t].gen.entropy, by_turn[r.rollout_id, t].gen.policy_mask) if m]
+    gen_entropy = [
+        h
+        for r in rows
+        for t in sorted(set(r.turn_id))
+        for h, m in zip(by_turn[r.rollout_id, t].gen.entropy, by_turn[r.rollout_id, t].gen.policy_mask)
+        if m
+    ]
     sample_logp = np.asarray([lp for r in rows for lp in r.sample_logp])
     assert np.abs(logp.numpy() - sample_logp).max() <= TOL
     # the entropy (~11.9 nats) sums 152k float32 terms in a different order on each side: 1e-6 relative
@@ -168,7 +212,10 @@ def test_generation_stops_at_the_templates_end_of_turn_token(chat_policy, househ
     finished = [g for _, g in seen.values() if g.finished]
     assert finished and all(g.token_ids[-1] == fmt.end_id and fmt.end_id not in g.token_ids[:-1] for g in finished)
     assert tokenizer.decode(fmt.close(finished[0].token_ids)) == {"qwen3": "\n", "llama3": ""}[name]
-    assert tokenizer.decode(fmt.close(finished[0].token_ids[:-1])) == {"qwen3": "<|im_end|>\n", "llama3": "<|eot_id|>"}[name]
+    assert (
+        tokenizer.decode(fmt.close(finished[0].token_ids[:-1]))
+        == {"qwen3": "<|im_end|>\n", "llama3": "<|eot_id|>"}[name]
+    )
 
 
 def test_thinking_block_off_by_default_and_policy_tokens_when_on(chat_policy, household_suite):
@@ -182,12 +229,12 @@ def test_thinking_block_off_by_default_and_policy_tokens_when_on(chat_policy, ho
         return
     block = fmt.encode(EMPTY_THINK)
     _, seen_off = _play(chat_policy, household_suite, "window", "free")
-    assert all(seq[-len(block):] == block for seq, _ in seen_off.values())
+    assert all(seq[-len(block) :] == block for seq, _ in seen_off.values())
     on = ChatFormat.for_tokenizer(tokenizer, enable_thinking=True)
     records, seen_on = _play(chat_policy, household_suite, "window", "free", fmt=on)
     header = fmt.encode("<|im_start|>assistant\n")
     for seq, gen in seen_on.values():
-        assert seq[-len(header):] == header and seq[-len(block):] != block
+        assert seq[-len(header) :] == header and seq[-len(block) :] != block
         assert all(gen.policy_mask) and gen.allowed == [[] for _ in gen.token_ids]
     rows = train_rows(store.turns_table(records), "window")
     assert sum(len(r.positions) for r in rows) == sum(len(g.token_ids) for _, g in seen_on.values())
@@ -251,32 +298,46 @@ def test_thinking_in_admissible_mode_is_refused_naming_the_fields():
 
 
 TRAIN_RUNS = [  # (tokenizer, context, action_mode, method): each tokenizer in both contexts, each action mode twice
-    ("qwen3", "full", "admissible", "loop"), ("qwen3", "window", "free", "rloo"),
-    ("llama3", "full", "free", "rloo"), ("llama3", "window", "admissible", "loop"),
+    ("qwen3", "full", "admissible", "loop"),
+    ("qwen3", "window", "free", "rloo"),
+    ("llama3", "full", "free", "rloo"),
+    ("llama3", "window", "admissible", "loop"),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tokenizer,context,action_mode,method", TRAIN_RUNS)
-def test_two_iteration_train_run(prefect_harness, chat_model_dir, chat_tokenizer_cache, tmp_path, tracking_uri, tokenizer, context, action_mode, method):
+def test_two_iteration_train_run(
+    prefect_harness,
+    chat_model_dir,
+    chat_tokenizer_cache,
+    tmp_path,
+    tracking_uri,
+    tokenizer,
+    context,
+    action_mode,
+    method,
+):
     """The real train flow for 2 iterations around a genuine tokenizer: every stage logs, the stored
     prompts are rendered by the model's chat template, the update steps on the rows (admissible runs: the
     weights move; free runs use RLOO, which keeps the zero-advantage rows an untrained model's all-error
     replies give), and in free mode (ReAct, penalty 0.1) the logged format-error rate is the stored one
     and each error's reward carries the penalty."""
-    from mlflow import MlflowClient
-    from safetensors.torch import load_file
-
     from conftest import CHAT_TINY
     from flowkit import run_of, steps, tiny_config
+    from safetensors.torch import load_file
+
     from flows.train import train
-    from horizonrl.models import load_policy
+    from horizonrl.models.loading import load_policy
+    from mlflow import MlflowClient
 
     cfg = tiny_config(tmp_path, tracking_uri, f"{tokenizer}-{context}-{action_mode}")
     cfg["method"] = method
     cfg["env"]["max_turns"] = 3
     cfg["model"] = {"tokenizer": tokenizer, "tiny": CHAT_TINY}
-    cfg["rollout"].update(context=context, action_mode=action_mode, max_action_tokens=6, free_format="react", format_penalty=0.1)
+    cfg["rollout"].update(
+        context=context, action_mode=action_mode, max_action_tokens=6, free_format="react", format_penalty=0.1
+    )
     cfg["eval"] = {"every": 2, "n_tasks": 1}
     data = tmp_path / "data"
     data.mkdir()
@@ -292,12 +353,23 @@ def test_two_iteration_train_run(prefect_harness, chat_model_dir, chat_tokenizer
     assert sum(m.value for m in c.get_metric_history(run.info.run_id, "update/steps")) > 0
     ckpt = data / "test" / cfg["run_name"] / "checkpoints"
     model, tok = load_policy(ckpt / "iter=00002")
-    assert type(model).__name__ == {"qwen3": "Qwen3ForCausalLM", "llama3": "LlamaForCausalLM"}[tokenizer] and len(tok) > 128_000
+    assert (
+        type(model).__name__ == {"qwen3": "Qwen3ForCausalLM", "llama3": "LlamaForCausalLM"}[tokenizer]
+        and len(tok) > 128_000
+    )
     if action_mode == "admissible":
-        before, after = load_file(ckpt / "iter=00000" / "model.safetensors"), load_file(ckpt / "iter=00002" / "model.safetensors")
+        before, after = (
+            load_file(ckpt / "iter=00000" / "model.safetensors"),
+            load_file(ckpt / "iter=00002" / "model.safetensors"),
+        )
         assert any(not torch.equal(before[k], after[k]) for k in before)
-    turns = store.read_table(store.iteration_dir(data, "test", cfg["run_name"], 2) / "turns.parquet", "turns").to_pylist()
-    header = {"qwen3": "<|im_start|>system\n", "llama3": "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"}[tokenizer]
+    turns = store.read_table(
+        store.iteration_dir(data, "test", cfg["run_name"], 2) / "turns.parquet", "turns"
+    ).to_pylist()
+    header = {
+        "qwen3": "<|im_start|>system\n",
+        "llama3": "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n",
+    }[tokenizer]
     assert all(tok.decode(t["prompt_ids"]).startswith(header) for t in turns if t["turn"] == 0 or context == "window")
     invalid = [not t["format_valid"] for t in turns]
     logged = [m.value for m in c.get_metric_history(run.info.run_id, "collect/format_invalid_rate") if m.step == 2]

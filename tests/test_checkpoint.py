@@ -6,20 +6,27 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
-from mlflow import MlflowClient
+from flowkit import flat, run_of, tiny_config
 from safetensors.torch import load_file
 
-from flowkit import flat, run_of, tiny_config
 from horizonrl import store
-from horizonrl.checkpoint import MANIFEST, CheckpointRef, checkpoint_dir, latest_checkpoint, save_checkpoint, verify
+from horizonrl.training.checkpoint import (
+    MANIFEST,
+    CheckpointRef,
+    checkpoint_dir,
+    latest_checkpoint,
+    save_checkpoint,
+    verify,
+)
+from mlflow import MlflowClient
 
 
 def test_manifest_names_a_missing_resized_or_changed_file(tmp_path, tiny_policy):
@@ -96,7 +103,9 @@ def test_a_damaged_checkpoint_is_named_and_replayed_from_the_one_before(prefect_
         assert all(torch.equal(got[k], weights[k]) for k in weights), f"{part}: the replayed weights differ"
         replayed = torch.load(ck2 / "optimizer.pt", weights_only=True)["state"]
         for p, moments in optimizer["state"].items():
-            assert all(torch.equal(replayed[p][k], v) for k, v in moments.items()), f"{part}: optimizer state of parameter {p} differs"
+            assert all(torch.equal(replayed[p][k], v) for k, v in moments.items()), (
+                f"{part}: optimizer state of parameter {p} differs"
+            )
         assert (ck2 / "estimator_state.json").read_text() == memory, part
 
     c = MlflowClient(uri)
@@ -119,7 +128,9 @@ def test_a_damaged_checkpoint_is_named_and_replayed_from_the_one_before(prefect_
     assert not changed.equals(table)
     pq.write_table(changed, episodes)  # valid, same schema and metadata: only the digest tells
     (ck2 / "optimizer.pt").unlink()
-    with pytest.raises(store.StoreError, match=f"{episodes}: sha256 .* differs from the digest recorded when it was written"):
+    with pytest.raises(
+        store.StoreError, match=f"{episodes}: sha256 .* differs from the digest recorded when it was written"
+    ):
         train(config=cfg)
     assert pc.all(store.read_table(episodes, "episodes")["won"]).as_py(), "the changed file was replaced, not named"
     assert verify(CheckpointRef(str(ck2), 2)) == "optimizer.pt is missing"

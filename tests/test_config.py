@@ -12,12 +12,15 @@ import pytest
 import yaml
 
 from flows.sweep import load_sweep
-from horizonrl.config import METHODS, TrainConfig, estimator_of, load_config
-from horizonrl.trainer import UpdateSettings
+from horizonrl.config import TrainConfig, load_config
+from horizonrl.training.trainer import UpdateSettings
 from methods.appo import BranchingParams
+from methods.presets import METHODS, estimator_of
 
 CONFIG_DIR = Path(__file__).parents[1] / "configs"
-CONFIGS = sorted(p for p in CONFIG_DIR.rglob("*.y*ml") if "sweeps" not in p.relative_to(CONFIG_DIR).parts)  # train configs we ship (sweep files: test_sweep.py)
+CONFIGS = sorted(
+    p for p in CONFIG_DIR.rglob("*.y*ml") if "sweeps" not in p.relative_to(CONFIG_DIR).parts
+)  # train configs we ship (sweep files: test_sweep.py)
 
 
 def test_configs_folder_is_found():
@@ -37,8 +40,10 @@ def test_every_shipped_yaml_validates_and_sets_only_what_it_says(path):
 def _within(given: dict, dumped: dict) -> bool:
     """``given`` (from a file) is ``dumped`` (the validated config) up to the sections' unset defaults;
     the free-form params dictionaries must match exactly."""
-    return all(k in dumped and (v == dumped[k] if k.endswith("_params") or not isinstance(v, dict) else _within(v, dumped[k]))
-               for k, v in given.items())
+    return all(
+        k in dumped and (v == dumped[k] if k.endswith("_params") or not isinstance(v, dict) else _within(v, dumped[k]))
+        for k, v in given.items()
+    )
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
@@ -49,7 +54,9 @@ def test_every_method_validates_on_every_shipped_config(path, method):
     tuned = yaml.safe_load(path.read_text()).get("per_method", {}).get("loop", {}).get("loss_params", {})
     name, params = cfg.loss_spec()
     preset = METHODS[method]
-    assert name == preset.loss and all(getattr(params, k) == v for k, v in preset.loss_params.items() if method != "loop" or k != "eps")
+    assert name == preset.loss and all(
+        getattr(params, k) == v for k, v in preset.loss_params.items() if method != "loop" or k != "eps"
+    )
     assert cfg.advantage_spec()[0] == preset.advantage
     assert (cfg.branching() is not None) == preset.branches
     if method == "loop":  # the file's LOOP tuning (0.2 where it has one) over the preset's 0.1
@@ -58,7 +65,13 @@ def test_every_method_validates_on_every_shipped_config(path, method):
 
 def test_main_config_values_and_derived_values():
     cfg = load_config(CONFIG_DIR / "loop_household_easy.yaml")
-    assert (cfg.method, cfg.rollout.tasks_per_iteration, cfg.rollout.group_size, cfg.update.minibatch_size, cfg.update.lr) == ("loop", 32, 8, 64, 2e-3)
+    assert (
+        cfg.method,
+        cfg.rollout.tasks_per_iteration,
+        cfg.rollout.group_size,
+        cfg.update.minibatch_size,
+        cfg.update.lr,
+    ) == ("loop", 32, 8, 64, 2e-3)
     assert (cfg.iterations, cfg.time_budget_s) == (70, None)  # bounded by iterations, not the machine's speed
     name, params = cfg.loss_spec()
     assert name == "ppo_clip" and (params.clip_mode, params.eps) == ("loop", 0.2)  # file overrides the preset's 0.1
@@ -72,23 +85,26 @@ def _write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("override,names", [
-    ("method=ppo9", ["method", "unknown method 'ppo9'"]),
-    ("rollout.group_size=1", ["rollout.group_size = 1", "'loop' needs at least 2"]),
-    ("update.lr=-3e-4", ["update.lr", "greater than 0"]),
-    ("update.lr=0", ["update.lr", "greater than 0"]),
-    ("colour=blue", ["colour", "Extra inputs are not permitted"]),
-    ("rollout.beam=4", ["rollout.beam", "Extra inputs are not permitted"]),
-    ("rollout.group_size=many", ["rollout.group_size", "valid integer"]),
-    ("rollout.group_size=[4]", ["rollout.group_size", "valid integer"]),
-    ("rollout=3", ["rollout", "valid dictionary"]),
-    ("rollout.context=sliding", ["rollout.context", "'window' or 'full'"]),
-    ("advantage_params.temperature=2", ["advantage_params.temperature is not a field of LOOParams"]),
-    ("loss_params.clipping=0.3", ["loss_params.clipping is not a field of PPOLossParams"]),
-    ("loss_params.aggregation=sum", ["loss_params", "PPOLossParams.aggregation is invalid: 'sum'"]),
-    ("env.name=minecraft", ["env.name = 'minecraft' is unknown"]),
-    ("per_method.appo.loss_params.eps=0.2", ["per_method.appo.loss_params.eps is not a field of FutureKLParams"]),
-])
+@pytest.mark.parametrize(
+    "override,names",
+    [
+        ("method=ppo9", ["method", "unknown method 'ppo9'"]),
+        ("rollout.group_size=1", ["rollout.group_size = 1", "'loop' needs at least 2"]),
+        ("update.lr=-3e-4", ["update.lr", "greater than 0"]),
+        ("update.lr=0", ["update.lr", "greater than 0"]),
+        ("colour=blue", ["colour", "Extra inputs are not permitted"]),
+        ("rollout.beam=4", ["rollout.beam", "Extra inputs are not permitted"]),
+        ("rollout.group_size=many", ["rollout.group_size", "valid integer"]),
+        ("rollout.group_size=[4]", ["rollout.group_size", "valid integer"]),
+        ("rollout=3", ["rollout", "valid dictionary"]),
+        ("rollout.context=sliding", ["rollout.context", "'window' or 'full'"]),
+        ("advantage_params.temperature=2", ["advantage_params.temperature is not a field of LOOParams"]),
+        ("loss_params.clipping=0.3", ["loss_params.clipping is not a field of PPOLossParams"]),
+        ("loss_params.aggregation=sum", ["loss_params", "PPOLossParams.aggregation is invalid: 'sum'"]),
+        ("env.name=minecraft", ["env.name = 'minecraft' is unknown"]),
+        ("per_method.appo.loss_params.eps=0.2", ["per_method.appo.loss_params.eps is not a field of FutureKLParams"]),
+    ],
+)
 def test_bad_values_name_the_field(override, names):
     with pytest.raises(ValueError) as err:
         load_config(None, [override])
@@ -102,8 +118,13 @@ def test_group_size_one_is_fine_for_a_method_that_needs_one():
 
 @pytest.mark.parametrize("name", ["household", "scienceworld-boil", "alfworld"])
 def test_games_folder_is_only_for_textworld_suites(tmp_path, name):
-    with pytest.raises(ValueError, match=re.escape(f"env.games is only for the TextWorld suites (textworld-coin, textworld-treasure, "
-                                                   f"textworld-cooking); env.name = {name!r}")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"env.games is only for the TextWorld suites (textworld-coin, textworld-treasure, "
+            f"textworld-cooking); env.name = {name!r}"
+        ),
+    ):
         load_config(None, [f"env.name={name}", f"env.games={tmp_path}"])
 
 
@@ -113,9 +134,13 @@ def test_games_folder_is_checked_at_load_naming_it(tmp_path):
     empty.mkdir()
     with pytest.raises(ValueError, match=re.escape(f"env.games = {str(missing)!r}: no such folder")):
         load_config(None, ["env.name=textworld-cooking", f"env.games={missing}"])
-    with pytest.raises(ValueError, match=re.escape(f"env.games = {str(empty)!r}: the folder {empty} holds no game file")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"env.games = {str(empty)!r}: the folder {empty} holds no game file")
+    ):
         load_config(None, ["env.name=textworld-coin", f"env.games={empty}"])
-    with pytest.raises(ValueError, match=re.escape(f"env.games = {str(empty / '**/*.z8')!r}: the pattern matches no game file")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"env.games = {str(empty / '**/*.z8')!r}: the pattern matches no game file")
+    ):
         load_config(None, ["env.name=textworld-coin", f"env.games={empty / '**/*.z8'}"])
     assert load_config(None, ["env.name=textworld-coin"]).env.games is None  # unset: challenge games, as before
 
@@ -165,8 +190,19 @@ def test_set_into_a_value_that_is_not_a_section():
 
 def test_set_values_are_coerced_to_the_field_types(tmp_path):
     base = _write(tmp_path, "seed: 1\nupdate:\n  lr: 0.01\n  minibatch_size: 8\nloss_params:\n  eps: 0.3\n")
-    cfg = load_config(base, ["update.lr=3e-4", "rollout.group_size=4", "eval.greedy=false", "rollout.context=full",
-                             "time_budget_s=90", "loss_params.eps=2e-1", "advantage_params.kl_lambda=1e-2", "update.epochs=null"])
+    cfg = load_config(
+        base,
+        [
+            "update.lr=3e-4",
+            "rollout.group_size=4",
+            "eval.greedy=false",
+            "rollout.context=full",
+            "time_budget_s=90",
+            "loss_params.eps=2e-1",
+            "advantage_params.kl_lambda=1e-2",
+            "update.epochs=null",
+        ],
+    )
     assert type(cfg.update.lr) is float and cfg.update.lr == 3e-4
     assert type(cfg.rollout.group_size) is int and cfg.rollout.group_size == 4
     assert cfg.eval.greedy is False and cfg.rollout.context == "full" and cfg.update.epochs is None
@@ -195,27 +231,48 @@ def test_config_is_frozen():
 
 
 def test_per_method_sections_apply_only_to_their_method_and_top_level_wins(tmp_path):
-    base = _write(tmp_path, "per_method:\n  loop:\n    loss_params: {eps: 0.3}\n    advantage_params: {normalize_std: true}\n"
-                            "  appo:\n    loss_params: {weight_b: 0.5}\n    branching_params: {gamma: 0.9}\n")
+    base = _write(
+        tmp_path,
+        "per_method:\n  loop:\n    loss_params: {eps: 0.3}\n    advantage_params: {normalize_std: true}\n"
+        "  appo:\n    loss_params: {weight_b: 0.5}\n    branching_params: {gamma: 0.9}\n",
+    )
     loop = load_config(base)
-    assert loop.loss_spec()[1].eps == 0.3 and loop.advantage_spec()[1].normalize_std is True and loop.branching() is None
+    assert (
+        loop.loss_spec()[1].eps == 0.3 and loop.advantage_spec()[1].normalize_std is True and loop.branching() is None
+    )
     appo = load_config(base, ["method=appo"])
     assert appo.loss_spec()[1].weight_b == 0.5 and appo.branching() == BranchingParams(gamma=0.9)
     assert appo.loss_spec()[1].kl_coef == 0.001  # the preset's value under the section's
     grpo = load_config(base, ["method=grpo"])
-    assert grpo.loss_spec()[1] == load_config(None, ["method=grpo"]).loss_spec()[1]  # LOOP's and APPO's sections do not reach it
-    assert load_config(base, ["loss_params.eps=0.25"]).loss_spec()[1].eps == 0.25  # top level (a grid key, --set) over the section
+    assert (
+        grpo.loss_spec()[1] == load_config(None, ["method=grpo"]).loss_spec()[1]
+    )  # LOOP's and APPO's sections do not reach it
+    assert (
+        load_config(base, ["loss_params.eps=0.25"]).loss_spec()[1].eps == 0.25
+    )  # top level (a grid key, --set) over the section
 
 
-@pytest.mark.parametrize("text,names", [
-    ("per_method:\n  appo:\n    loss_params: {eps: 0.2}\n", ["per_method.appo.loss_params.eps is not a field of FutureKLParams"]),
-    ("per_method:\n  ppo9:\n    loss_params: {eps: 0.2}\n", ["per_method.ppo9: unknown method"]),
-    ("per_method:\n  loop:\n    branching_params: {gamma: 0.9}\n", ["per_method.loop.branching_params: method 'loop' does not branch"]),
-    ("per_method:\n  loop:\n    clip: 0.2\n", ["per_method.loop.clip", "Extra inputs are not permitted"]),
-    ("branching_params: {gamma: 0.9}\n", ["branching_params: method 'loop' does not branch"]),
-    ("method: appo\nbranching_params: {gama: 0.9}\n", ["branching_params.gama is not a field of BranchingParams"]),
-    ("method: appo\nbranching_params: {omega_fallback: sometimes}\n", ["branching_params", "unknown omega_fallback 'sometimes'"]),
-])
+@pytest.mark.parametrize(
+    "text,names",
+    [
+        (
+            "per_method:\n  appo:\n    loss_params: {eps: 0.2}\n",
+            ["per_method.appo.loss_params.eps is not a field of FutureKLParams"],
+        ),
+        ("per_method:\n  ppo9:\n    loss_params: {eps: 0.2}\n", ["per_method.ppo9: unknown method"]),
+        (
+            "per_method:\n  loop:\n    branching_params: {gamma: 0.9}\n",
+            ["per_method.loop.branching_params: method 'loop' does not branch"],
+        ),
+        ("per_method:\n  loop:\n    clip: 0.2\n", ["per_method.loop.clip", "Extra inputs are not permitted"]),
+        ("branching_params: {gamma: 0.9}\n", ["branching_params: method 'loop' does not branch"]),
+        ("method: appo\nbranching_params: {gama: 0.9}\n", ["branching_params.gama is not a field of BranchingParams"]),
+        (
+            "method: appo\nbranching_params: {omega_fallback: sometimes}\n",
+            ["branching_params", "unknown omega_fallback 'sometimes'"],
+        ),
+    ],
+)
 def test_bad_method_params_name_the_section_and_field(tmp_path, text, names):
     """Every ``per_method`` section is checked whichever method runs, so a typo fails every cell of a sweep."""
     with pytest.raises(ValueError) as err:
@@ -234,14 +291,30 @@ def test_presets_say_what_the_update_needs():
     """Reference model, row divisor and ratio level come from the preset's loss settings, never the name."""
     pad = 0
     loop = UpdateSettings.from_config(load_config(None, ["method=loop"]), pad, sampled_here=True)
-    assert (loop.needs_reference, loop.fixed_row_divisor, loop.loss_params.ratio_level, loop.epochs) == (False, True, "token", 2)
+    assert (loop.needs_reference, loop.fixed_row_divisor, loop.loss_params.ratio_level, loop.epochs) == (
+        False,
+        True,
+        "token",
+        2,
+    )
     appo = UpdateSettings.from_config(load_config(None, ["method=appo"]), pad, sampled_here=True)
     assert (appo.needs_reference, appo.fixed_row_divisor, appo.loss_params.ratio_level) == (True, False, "token")
     assert UpdateSettings.from_config(load_config(None, ["method=grpo"]), pad, sampled_here=True).needs_reference
-    assert not UpdateSettings.from_config(load_config(None, ["method=grpo", "loss_params.kl_coef=0"]), pad, sampled_here=True).needs_reference
+    assert not UpdateSettings.from_config(
+        load_config(None, ["method=grpo", "loss_params.kl_coef=0"]), pad, sampled_here=True
+    ).needs_reference
     rpp = UpdateSettings.from_config(load_config(None, ["method=reinforce_pp_baseline"]), pad, sampled_here=True)
-    assert (rpp.loss_name, rpp.loss_params.kl_kind, rpp.loss_params.kl_coef, rpp.loss_params.aggregation) == ("ppo_clip", "mse", 0.001, "token-mean")
-    assert estimator_of("reinforce_pp_baseline") == "reinforce_pp_baseline" and estimator_of("loop") == "loo" and estimator_of("loo") == "loo"
+    assert (rpp.loss_name, rpp.loss_params.kl_kind, rpp.loss_params.kl_coef, rpp.loss_params.aggregation) == (
+        "ppo_clip",
+        "mse",
+        0.001,
+        "token-mean",
+    )
+    assert (
+        estimator_of("reinforce_pp_baseline") == "reinforce_pp_baseline"
+        and estimator_of("loop") == "loo"
+        and estimator_of("loo") == "loo"
+    )
     with pytest.raises(ValueError, match=r"'ppo9' is neither a method \(appo, .*\) nor an estimator"):
         estimator_of("ppo9")
 
@@ -255,10 +328,17 @@ def _sweep(tmp_path: Path, grid: dict) -> list:
 def test_loop_ablations_are_grid_keys_on_the_main_config(tmp_path):
     """LOOP's ablations (ratio per token / turn / trajectory; advantage with and without std
     normalisation) as a sweep grid over the base config, reaching the loss, the estimator and the update."""
-    cells = _sweep(tmp_path, {"loss_params.ratio_level": ["token", "turn", "trajectory"], "advantage_params.normalize_std": [False, True]})
+    cells = _sweep(
+        tmp_path,
+        {"loss_params.ratio_level": ["token", "turn", "trajectory"], "advantage_params.normalize_std": [False, True]},
+    )
     got = {(c.config.loss_spec()[1].ratio_level, c.config.advantage_spec()[1].normalize_std) for c in cells}
     assert got == {(r, n) for r in ("token", "turn", "trajectory") for n in (False, True)}
-    assert {UpdateSettings.from_config(c.config, 0, sampled_here=True).loss_params.ratio_level for c in cells} == {"token", "turn", "trajectory"}
+    assert {UpdateSettings.from_config(c.config, 0, sampled_here=True).loss_params.ratio_level for c in cells} == {
+        "token",
+        "turn",
+        "trajectory",
+    }
     assert all(c.config.loss_spec()[1].eps == 0.2 for c in cells)  # the base's LOOP tuning stays
 
 

@@ -16,16 +16,33 @@ import torch
 from horizonrl import store
 from horizonrl.engines.base import TokenTrie
 from horizonrl.engines.hf import Session
-from horizonrl.rollout import SamplingSettings, collect
-from horizonrl.sequences import train_rows
-from horizonrl.trainer import policy_logprobs
+from horizonrl.rollout.loop import SamplingSettings, collect
+from horizonrl.training.sequences import train_rows
+from horizonrl.training.trainer import policy_logprobs
 
 TOL = 1e-4
 
 
-def _collect(tiny_policy, suite, *, action_mode="admissible", context="window", max_turns=4, temperature=1.0, max_action_tokens=12, seed=0):
+def _collect(
+    tiny_policy,
+    suite,
+    *,
+    action_mode="admissible",
+    context="window",
+    max_turns=4,
+    temperature=1.0,
+    max_action_tokens=12,
+    seed=0,
+):
     _, _, fmt, engine = tiny_policy
-    return collect(suite, suite.tasks("train", "easy", 2), 2, engine, fmt, SamplingSettings(action_mode, context, 2, max_turns, max_action_tokens, temperature, seed))
+    return collect(
+        suite,
+        suite.tasks("train", "easy", 2),
+        2,
+        engine,
+        fmt,
+        SamplingSettings(action_mode, context, 2, max_turns, max_action_tokens, temperature, seed),
+    )
 
 
 def _prompts(tiny_policy, suite, n: int = 3) -> tuple[list[list[int]], list[list[str]]]:
@@ -113,7 +130,9 @@ def test_greedy_picks_the_argmax_of_an_unbatched_uncached_forward(tiny_policy, h
         for j, tok in enumerate(gen.token_ids):
             logp = torch.log_softmax(_next_logits(model, prompt + gen.token_ids[:j]) / 0.7, -1)
             if gen.allowed[j]:
-                logp = torch.full_like(logp, -math.inf).index_copy(0, torch.tensor(gen.allowed[j]), logp[gen.allowed[j]])
+                logp = torch.full_like(logp, -math.inf).index_copy(
+                    0, torch.tensor(gen.allowed[j]), logp[gen.allowed[j]]
+                )
                 logp = torch.log_softmax(logp, -1)
             top2 = logp.topk(2).values if logp.isfinite().sum() > 1 else None
             assert top2 is None or top2[0] - top2[1] > TOL
@@ -128,7 +147,12 @@ def test_free_mode_produces_text_with_full_vocabulary_distributions(tiny_policy,
     log_v = math.log(len(tokenizer))
     for t in turns:
         assert t.gen.allowed == [[] for _ in t.gen.token_ids] and all(t.gen.policy_mask)
-        assert t.action == tokenizer.decode([i for i in t.gen.token_ids if i != tiny_policy[2].end_id], skip_special_tokens=True).strip()
+        assert (
+            t.action
+            == tokenizer.decode(
+                [i for i in t.gen.token_ids if i != tiny_policy[2].end_id], skip_special_tokens=True
+            ).strip()
+        )
     # the first token's distribution is the full softmax: entropy of all V ids, near log V for an untrained model
     r = records[0]
     logp = torch.log_softmax(_next_logits(model, r.turns[0].prompt_ids), -1)
@@ -142,13 +166,21 @@ def test_engine_logprobs_equal_learner_logprobs_on_rebuilt_rows(tiny_policy, hou
     """Sampler/learner consistency at T = 0.7, including the renormalisation over allowed ids:
     |log pi_engine - log pi_learner| <= 1e-4 and the same for the entropy, at every policy token."""
     model, tokenizer, _, _ = tiny_policy
-    records = _collect(tiny_policy, household_suite, action_mode=action_mode, context=context, temperature=0.7, max_action_tokens=6)
+    records = _collect(
+        tiny_policy, household_suite, action_mode=action_mode, context=context, temperature=0.7, max_action_tokens=6
+    )
     rows = [r for r in train_rows(store.turns_table(records), context) if r.positions]
     assert len({len(r.input_ids) for r in rows}) > 1  # right padding is exercised
     with torch.no_grad():
         logp, entropy = policy_logprobs(model, rows, 0.7, tokenizer.pad_token_id)  # flat (n,), in row order
     by_turn = {(rec.rollout_id, t.turn): t.gen for rec in records for t in rec.turns}
-    gen_entropy = [h for r in rows for t in sorted(set(r.turn_id)) for h, m in zip(by_turn[r.rollout_id, t].entropy, by_turn[r.rollout_id, t].policy_mask) if m]
+    gen_entropy = [
+        h
+        for r in rows
+        for t in sorted(set(r.turn_id))
+        for h, m in zip(by_turn[r.rollout_id, t].entropy, by_turn[r.rollout_id, t].policy_mask)
+        if m
+    ]
     assert logp.tolist() == pytest.approx([lp for r in rows for lp in r.sample_logp], abs=TOL)
     assert entropy.tolist() == pytest.approx(gen_entropy, abs=TOL)
 
@@ -161,7 +193,11 @@ def test_session_turns_equal_fresh_generation_on_the_whole_sequence(tiny_policy,
     prompts, commands = _prompts(tiny_policy, household_suite)
     trie = lambda cs: TokenTrie([fmt.command(c) for c in cs], cs) if admissible else None
     session, seq = engine.session(), {}
-    schedule = [([10, 11, 12], prompts), ([12, 10], [fmt.user("nothing happens ."), fmt.user("you see nothing .")]), ([10], [fmt.user("ok .")])]
+    schedule = [
+        ([10, 11, 12], prompts),
+        ([12, 10], [fmt.user("nothing happens ."), fmt.user("you see nothing .")]),
+        ([10], [fmt.user("ok .")]),
+    ]
     for slots, new_ids in schedule:
         tries = [trie(commands[s - 10]) for s in slots]
         gens = session.extend(slots, new_ids, tries, 5, 0.7, True, 0)
@@ -195,7 +231,9 @@ def test_sampling_draws_what_torch_multinomial_draws(tiny_policy, household_suit
     probs = torch.stack([torch.softmax(_next_logits(model, p), -1) for p in prompts])
     for seed in (0, 1, 2):
         expected = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)).squeeze(-1).tolist()
-        assert [g.token_ids[0] for g in engine.generate(prompts, [None] * len(prompts), 1, 1.0, False, seed)] == expected
+        assert [
+            g.token_ids[0] for g in engine.generate(prompts, [None] * len(prompts), 1, 1.0, False, seed)
+        ] == expected
 
 
 @pytest.mark.parametrize("admissible", [True, False])

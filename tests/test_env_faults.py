@@ -23,15 +23,30 @@ from flowkit import run_of, tiny_config
 from horizonrl import store
 from horizonrl.envs import SUITES
 from horizonrl.envs.pool import EnvPool
-from horizonrl.rollout import SamplingSettings, collect
-from horizonrl.rollout_metrics import episode_metrics
+from horizonrl.rollout.loop import SamplingSettings, collect
+from horizonrl.rollout.metrics import episode_metrics
 
-REASONS = {"raise": "ValueError: injected", "garbage": "step returned NoneType", "crash": "worker process died", "hang": "no answer within 2 s"}
+REASONS = {
+    "raise": "ValueError: injected",
+    "garbage": "step returned NoneType",
+    "crash": "worker process died",
+    "hang": "no answer within 2 s",
+}
 
 
 def _sampling(**kw) -> SamplingSettings:
-    return SamplingSettings(**dict(action_mode="admissible", context="window", history_turns=2, max_turns=3, max_action_tokens=12,
-                                   temperature=1.0, seed=5) | kw)
+    return SamplingSettings(
+        **dict(
+            action_mode="admissible",
+            context="window",
+            history_turns=2,
+            max_turns=3,
+            max_action_tokens=12,
+            temperature=1.0,
+            seed=5,
+        )
+        | kw
+    )
 
 
 def _without_timings(table):
@@ -48,13 +63,16 @@ def test_pool_and_in_process_play_identical_rollouts(tiny_policy, household_suit
         pids = pool.pids
     assert _without_timings(store.turns_table(pooled)).equals(_without_timings(store.turns_table(local)))
     assert store.episodes_table(pooled, "r", 1, 0).equals(store.episodes_table(local, "r", 1, 0))
-    assert not any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split(") ")[1][:1] for pid in pids)
+    assert not any(
+        Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split(") ")[1][:1]
+        for pid in pids
+    )
 
 
 def test_environment_faults_end_their_episodes_and_the_batch_goes_on(tiny_policy, household_suite, tmp_path):
+    from methods.advantages import LOOParams
     from tasks.advantage import compute_advantages
     from tasks.collect import RolloutRef
-    from methods.advantages import LOOParams
 
     _, _, fmt, engine = tiny_policy
     tasks = household_suite.tasks("train", "easy", 5)
@@ -79,7 +97,9 @@ def test_environment_faults_end_their_episodes_and_the_batch_goes_on(tiny_policy
     errors = episodes.filter(pc.equal(episodes["status"], "error"))["error"].to_pylist()
     assert len(errors) == 8 and all(any(reason in e for reason in REASONS.values()) for e in errors)
     # errored episodes are left out of the estimate: advantage 0, not kept; the healthy group is estimated
-    table, _, _ = compute_advantages(RolloutRef(1, str(d / "episodes.parquet"), str(d / "turns.parquet")), "loo", LOOParams(), None, 0)
+    table, _, _ = compute_advantages(
+        RolloutRef(1, str(d / "episodes.parquet"), str(d / "turns.parquet")), "loo", LOOParams(), None, 0
+    )
     bad = {r.rollout_id for r in records if r.status == "error"}
     rows = table.to_pylist()
     assert {(r["rollout_id"], r["turn"]) for r in rows} == {(e.rollout_id, t.turn) for e in records for t in e.turns}
@@ -120,7 +140,9 @@ def test_engine_faults_are_recorded_not_trained_on(tiny_policy, household_suite)
     assert "non-finite log-prob" in hit.error and len(hit.turns) == 2  # ended before its action was played
     assert sum(r.status == "error" for r in records) == 1
     # over the token budget (free decoding, one token): recorded per turn as not format-valid; the episode goes on
-    cut = collect(household_suite, tasks, 2, engine, fmt, _sampling(action_mode="free", max_action_tokens=1, max_turns=2))
+    cut = collect(
+        household_suite, tasks, 2, engine, fmt, _sampling(action_mode="free", max_action_tokens=1, max_turns=2)
+    )
     assert all(not t.format_valid and not t.gen.finished for r in cut for t in r.turns)
     assert all(r.status in ("truncated", "done") and len(r.turns) == 2 for r in cut)
 
@@ -130,9 +152,8 @@ def _faulty_household(seed: int) -> FaultySuite:
 
 
 def test_train_flow_counts_environment_errors_and_goes_on(prefect_harness, tmp_path, tracking_uri):
-    from mlflow import MlflowClient
-
     from flows.train import train
+    from mlflow import MlflowClient
 
     SUITES["household-faulty"] = _faulty_household  # in-process stepping: the raise and garbage faults
     try:
@@ -158,9 +179,8 @@ def test_train_flow_counts_environment_errors_and_goes_on(prefect_harness, tmp_p
 def test_train_flow_steps_environments_in_workers_and_leaves_none(prefect_harness, tmp_path, tracking_uri):
     """The whole train flow with a pool of two workers and generation overlapping stepping (collect and
     evaluation); the workers are gone when the run ends."""
-    from mlflow import MlflowClient
-
     from flows.train import train
+    from mlflow import MlflowClient
     from tasks.context import RUNTIME
 
     cfg = tiny_config(tmp_path, tracking_uri, "pooled", iterations=1)

@@ -1,4 +1,4 @@
-"""GiGPO (methods/gigpo.py; ALGORITHMS.md 4.3, 0.4, 7.1, 7.4).
+"""GiGPO (methods/gigpo.py; docs/algorithms.md §4.3, §0.4, §7.1, §7.4).
 
 A hand-computed batch in both modes (arithmetic in comments), the size-1 rules, a plain-loop reference
 (per-group Python, as verl-agent writes it) against the vectorized code on random batches, and the

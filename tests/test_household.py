@@ -13,7 +13,15 @@ import pytest
 from horizonrl.envs.base import Env, EnvSuite
 from horizonrl.envs.household import HouseholdEnv, HouseholdSuite, Tracker, abstract_action_label, progress_key
 from horizonrl.envs.household_world import (
-    FAMILIES, OBJECT_TYPES, RECEPTACLE_KINDS, TIERS, Goal, Layout, Receptacle, generate_layout, kind_of,
+    FAMILIES,
+    OBJECT_TYPES,
+    RECEPTACLE_KINDS,
+    TIERS,
+    Goal,
+    Layout,
+    Receptacle,
+    generate_layout,
+    kind_of,
 )
 
 INFO_KEYS = {"won", "admissible_commands", "valid", "score", "progress_key", "family", "goal"}
@@ -23,9 +31,12 @@ def _kitchen(goal: Goal, extra: tuple[tuple[str, str], ...] = ()) -> Layout:
     """Hand-built one-room layout: apple and mug on the counter, bread in an open cabinet, a closed fridge,
     a closed drawer, a microwave and a sidetable with the lamp."""
     receptacles = (
-        Receptacle("countertop 1", "kitchen"), Receptacle("fridge 1", "kitchen", False),
-        Receptacle("cabinet 1", "kitchen", True), Receptacle("drawer 1", "kitchen", False),
-        Receptacle("microwave 1", "kitchen", False), Receptacle("sidetable 1", "kitchen"),
+        Receptacle("countertop 1", "kitchen"),
+        Receptacle("fridge 1", "kitchen", False),
+        Receptacle("cabinet 1", "kitchen", True),
+        Receptacle("drawer 1", "kitchen", False),
+        Receptacle("microwave 1", "kitchen", False),
+        Receptacle("sidetable 1", "kitchen"),
     )
     placements = (("apple 1", "countertop 1"), ("mug 1", "countertop 1"), ("bread 1", "cabinet 1")) + extra
     return Layout(goal, ("kitchen",), receptacles, placements, "sidetable 1")
@@ -35,8 +46,11 @@ def _bedroom(goal: Goal) -> Layout:
     """A different two-room world with the same reachable structure: pen and book on a desk, a closed
     drawer, a microwave in the kitchen."""
     receptacles = (
-        Receptacle("bed 1", "bedroom"), Receptacle("desk 1", "bedroom"), Receptacle("drawer 3", "bedroom", False),
-        Receptacle("shelf 2", "bedroom"), Receptacle("microwave 1", "kitchen", True),
+        Receptacle("bed 1", "bedroom"),
+        Receptacle("desk 1", "bedroom"),
+        Receptacle("drawer 3", "bedroom", False),
+        Receptacle("shelf 2", "bedroom"),
+        Receptacle("microwave 1", "kitchen", True),
         Receptacle("countertop 1", "kitchen"),
     )
     placements = (("pen 2", "desk 1"), ("book 1", "desk 1"), ("mug 3", "shelf 2"), ("cup 1", "countertop 1"))
@@ -232,14 +246,27 @@ def test_score_counts_goal_components():
     env = HouseholdEnv()
     extra = (("apple 2", "drawer 1"),)
     env.reset_layout(_kitchen(Goal("pick_two", "apple", "fridge"), extra), "medium")
-    scores = [step[3]["score"] for step in _play(env, [
-        "go to countertop 1", "take apple 1 from countertop 1", "go to fridge 1", "open fridge 1",
-        "put apple 1 in/on fridge 1", "go to drawer 1", "open drawer 1", "take apple 2 from drawer 1",
-        "go to fridge 1", "put apple 2 in/on fridge 1"])]
+    scores = [
+        step[3]["score"]
+        for step in _play(
+            env,
+            [
+                "go to countertop 1",
+                "take apple 1 from countertop 1",
+                "go to fridge 1",
+                "open fridge 1",
+                "put apple 1 in/on fridge 1",
+                "go to drawer 1",
+                "open drawer 1",
+                "take apple 2 from drawer 1",
+                "go to fridge 1",
+                "put apple 2 in/on fridge 1",
+            ],
+        )
+    ]
     assert scores == [0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5, 0.5, 1.0]
     env.reset_layout(_kitchen(Goal("look_at_obj_in_light", "mug", "")), "medium")
-    steps = _play(env, ["go to countertop 1", "take mug 1 from countertop 1", "go to sidetable 1",
-                        "use desklamp 1"])
+    steps = _play(env, ["go to countertop 1", "take mug 1 from countertop 1", "go to sidetable 1", "use desklamp 1"])
     assert [s[3]["score"] for s in steps] == [0.0, 0.5, 0.5, 1.0] and steps[-1][2]
 
 
@@ -247,15 +274,26 @@ def test_abstract_labels_pick_and_place():
     env = HouseholdEnv()
     env.reset_layout(_kitchen(Goal("pick_and_place", "apple", "fridge")), "medium")
     expected = {
-        "go to fridge 1": "NAVIGATE_DESTINATION", "go to countertop 1": "SEARCH_ENV",
-        "go to microwave 1": "SEARCH_ENV", "take apple 1 from countertop 1": "TAKE_TARGET",
-        "take mug 1 from countertop 1": "OTHER", "open fridge 1": "OPEN_DESTINATION",
-        "open drawer 1": "OPEN_SOURCE", "close cabinet 1": "SEARCH", "put apple 1 in/on fridge 1":
-        "PUT_TARGET_DESTINATION", "put apple 1 in/on microwave 1": "PUT_TARGET_OTHER",
-        "put apple 1 in/on countertop 1": "PUT_TARGET_OTHER", "put mug 1 in/on fridge 1": "OTHER",
-        "heat apple 1 with microwave 1": "TRANSFORM_TARGET", "use desklamp 1": "ACTIVATE_TOOL",
-        "examine apple 1": "OBSERVE_OTHER", "look": "OBSERVE_ENV", "inventory": "INVENTORY",
-        "go to kitchen": "NAVIGATE_ROOM", "dance": "OTHER", "go to moon 1": "OTHER",
+        "go to fridge 1": "NAVIGATE_DESTINATION",
+        "go to countertop 1": "SEARCH_ENV",
+        "go to microwave 1": "SEARCH_ENV",
+        "take apple 1 from countertop 1": "TAKE_TARGET",
+        "take mug 1 from countertop 1": "OTHER",
+        "open fridge 1": "OPEN_DESTINATION",
+        "open drawer 1": "OPEN_SOURCE",
+        "close cabinet 1": "SEARCH",
+        "put apple 1 in/on fridge 1": "PUT_TARGET_DESTINATION",
+        "put apple 1 in/on microwave 1": "PUT_TARGET_OTHER",
+        "put apple 1 in/on countertop 1": "PUT_TARGET_OTHER",
+        "put mug 1 in/on fridge 1": "OTHER",
+        "heat apple 1 with microwave 1": "TRANSFORM_TARGET",
+        "use desklamp 1": "ACTIVATE_TOOL",
+        "examine apple 1": "OBSERVE_OTHER",
+        "look": "OBSERVE_ENV",
+        "inventory": "INVENTORY",
+        "go to kitchen": "NAVIGATE_ROOM",
+        "dance": "OTHER",
+        "go to moon 1": "OTHER",
     }
     assert {action: env.abstract_action(action) for action in expected} == expected
 
@@ -283,17 +321,46 @@ def test_abstract_labels_transform_pick_two_and_look():
 
 
 KEY_PAIRS = [
-    (Goal("pick_and_place", "apple", "fridge"), Goal("pick_and_place", "pen", "drawer"),
-     ["go to countertop 1", "take apple 1 from countertop 1", "go to fridge 1", "open fridge 1",
-      "put apple 1 in/on fridge 1"],
-     ["go to desk 1", "take pen 2 from desk 1", "go to drawer 3", "open drawer 3", "put pen 2 in/on drawer 3"]),
-    (Goal("pick_heat_then_place", "mug", "fridge"), Goal("pick_heat_then_place", "mug", "drawer"),
-     ["go to sidetable 1", "go to countertop 1", "take mug 1 from countertop 1", "inventory",
-      "go to microwave 1", "heat mug 1 with microwave 1", "go to sidetable 1", "go to fridge 1", "open fridge 1",
-      "put mug 1 in/on fridge 1"],
-     ["go to desk 1", "go to shelf 2", "take mug 3 from shelf 2", "go to kitchen",
-      "go to microwave 1", "heat mug 3 with microwave 1", "go to bedroom", "go to drawer 3", "open drawer 3",
-      "put mug 3 in/on drawer 3"]),
+    (
+        Goal("pick_and_place", "apple", "fridge"),
+        Goal("pick_and_place", "pen", "drawer"),
+        [
+            "go to countertop 1",
+            "take apple 1 from countertop 1",
+            "go to fridge 1",
+            "open fridge 1",
+            "put apple 1 in/on fridge 1",
+        ],
+        ["go to desk 1", "take pen 2 from desk 1", "go to drawer 3", "open drawer 3", "put pen 2 in/on drawer 3"],
+    ),
+    (
+        Goal("pick_heat_then_place", "mug", "fridge"),
+        Goal("pick_heat_then_place", "mug", "drawer"),
+        [
+            "go to sidetable 1",
+            "go to countertop 1",
+            "take mug 1 from countertop 1",
+            "inventory",
+            "go to microwave 1",
+            "heat mug 1 with microwave 1",
+            "go to sidetable 1",
+            "go to fridge 1",
+            "open fridge 1",
+            "put mug 1 in/on fridge 1",
+        ],
+        [
+            "go to desk 1",
+            "go to shelf 2",
+            "take mug 3 from shelf 2",
+            "go to kitchen",
+            "go to microwave 1",
+            "heat mug 3 with microwave 1",
+            "go to bedroom",
+            "go to drawer 3",
+            "open drawer 3",
+            "put mug 3 in/on drawer 3",
+        ],
+    ),
 ]
 
 
@@ -317,8 +384,9 @@ def test_progress_key_ignores_unvisited_receptacles_and_depends_on_visited_ones(
     env = HouseholdEnv()
     goal = Goal("pick_and_place", "apple", "fridge")
     plain, moved = _kitchen(goal), _kitchen(goal, (("apple 2", "drawer 1"),))
-    moved = dataclasses.replace(moved, placements=tuple(
-        (obj, "drawer 1" if obj == "bread 1" else rec) for obj, rec in moved.placements))
+    moved = dataclasses.replace(
+        moved, placements=tuple((obj, "drawer 1" if obj == "bread 1" else rec) for obj, rec in moved.placements)
+    )
     route = ["go to countertop 1", "take apple 1 from countertop 1", "go to fridge 1", "open fridge 1"]
     keys = []
     for layout in (plain, moved):
@@ -341,8 +409,11 @@ def test_progress_key_ignores_moving_a_distractor_between_receptacles_the_walkth
         plan = env.walkthrough()
         visited = {a.removeprefix("go to ") for a in plan if a.startswith("go to ")}
         unvisited = [r.name for r in layout.receptacles if r.name not in visited]
-        movable = [i for i, (obj, rec) in enumerate(layout.placements)
-                   if rec in unvisited and kind_of(obj) != layout.goal.target]
+        movable = [
+            i
+            for i, (obj, rec) in enumerate(layout.placements)
+            if rec in unvisited and kind_of(obj) != layout.goal.target
+        ]
         if len(unvisited) < 2 or not movable:
             continue
         i = rng.choice(movable)
@@ -372,16 +443,19 @@ def test_labels_and_keys_are_pure_functions_of_goal_and_the_text_the_agent_saw()
     goal, tracker = Goal("pick_and_place", "apple", "fridge"), Tracker()
     tracker.update("go to countertop 1", "you arrive at countertop 1 . on the countertop 1 , you see a apple 1 .")
     assert progress_key(goal, tracker) == (
-        "role_v1|pick_and_place|place:role=unknown,held=0,near=0,seen=1,dest_seen=0,stage=1|done=0")
+        "role_v1|pick_and_place|place:role=unknown,held=0,near=0,seen=1,dest_seen=0,stage=1|done=0"
+    )
     tracker.update("take apple 1 from countertop 1", "you pick up the apple 1 from the countertop 1 .")
     assert abstract_action_label(goal, tracker, "go to fridge 1") == "NAVIGATE_DESTINATION"
     tracker.update("go to fridge 1", "you arrive at fridge 1 . the fridge 1 is closed .")
     assert progress_key(goal, tracker) == (
-        "role_v1|pick_and_place|place:role=held,held=1,near=1,seen=1,dest_seen=1,stage=2|done=0")
+        "role_v1|pick_and_place|place:role=held,held=1,near=1,seen=1,dest_seen=1,stage=2|done=0"
+    )
     tracker.update("open fridge 1", "you open the fridge 1 . the fridge 1 is open . in it , you see nothing .")
     tracker.update("put apple 1 in/on fridge 1", "you put the apple 1 in/on the fridge 1 .")
     assert progress_key(goal, tracker) == (
-        "role_v1|pick_and_place|place:role=at_target_recep,held=0,near=1,seen=1,dest_seen=1,stage=3|done=1")
+        "role_v1|pick_and_place|place:role=at_target_recep,held=0,near=1,seen=1,dest_seen=1,stage=3|done=1"
+    )
 
 
 def test_corpus_covers_every_word_of_an_unseen_random_episode():

@@ -20,6 +20,15 @@ def test_household_failure_figures_of_one_episode():
     module = _script()
     target = "bowl"  # the target of "look at bowl under the desklamp"
     actions = ["go to desk 1", "take pen 1 from desk 1", "go to desk 1", "take bowl 2 from shelf 1", "go to desk 1"]
-    assert module.episode_figures(actions, target) == {"takes": 2, "wrong_take": True, "first_take_wrong": True, "repeat_share": 2 / 5}
+    assert module.episode_figures(actions, target) == {
+        "takes": 2,
+        "wrong_take": True,
+        "first_take_wrong": True,
+        "repeat_share": 2 / 5,
+    }
     assert module.episode_figures(["take bowl 1 from desk 1", "use desklamp 1"], target) == {
-        "takes": 1, "wrong_take": False, "first_take_wrong": False, "repeat_share": 0.0}
+        "takes": 1,
+        "wrong_take": False,
+        "first_take_wrong": False,
+        "repeat_share": 0.0,
+    }

@@ -13,16 +13,15 @@ import torch
 from safetensors.torch import load_file
 
 from horizonrl import store
-from horizonrl.checkpoint import load_optimizer_state, save_checkpoint
 from horizonrl.config import LoraConfig, load_config
 from horizonrl.engines.hf import TransformersEngine
-from horizonrl.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, initial_adapter_dir
-from horizonrl.models import load_policy
-from horizonrl.prompting import ChatFormat
-from horizonrl.rollout import SamplingSettings, collect
-from horizonrl.sequences import train_rows
-from horizonrl.trainer import UpdateSettings, policy_logprobs, ppo_update
-
+from horizonrl.models.loading import initial_adapter_dir, load_policy
+from horizonrl.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from horizonrl.rollout.loop import SamplingSettings, collect
+from horizonrl.rollout.prompting import ChatFormat
+from horizonrl.training.checkpoint import load_optimizer_state, save_checkpoint
+from horizonrl.training.sequences import train_rows
+from horizonrl.training.trainer import UpdateSettings, policy_logprobs, ppo_update
 
 LORA = LoraConfig(rank=4, alpha=8.0)
 
@@ -40,7 +39,9 @@ def _rows(model, tokenizer, suite):
     """Rollouts sampled by the transformers engine from the LoRA-wrapped model (full context)."""
     fmt = ChatFormat.for_tokenizer(tokenizer)
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
-    records = collect(suite, suite.tasks("train", "easy", 2), 2, engine, fmt, SamplingSettings("admissible", "full", 2, 4, 8, 1.0, 0))
+    records = collect(
+        suite, suite.tasks("train", "easy", 2), 2, engine, fmt, SamplingSettings("admissible", "full", 2, 4, 8, 1.0, 0)
+    )
     return [r for r in train_rows(store.turns_table(records), "full") if r.positions]
 
 
@@ -48,7 +49,9 @@ def test_lora_trains_adapters_only_lowers_the_loss_and_round_trips_exactly(tiny_
     torch.manual_seed(0)
     adir = initial_adapter_dir(tmp_path, tiny_policy_dir, LORA, seed=0)
     assert (adir / ADAPTER_WEIGHTS).is_file() and not (adir / "model.safetensors").exists()
-    assert json.loads((adir / ADAPTER_CONFIG).read_text())["base_model_name_or_path"] == str(Path(tiny_policy_dir).resolve())
+    assert json.loads((adir / ADAPTER_CONFIG).read_text())["base_model_name_or_path"] == str(
+        Path(tiny_policy_dir).resolve()
+    )
     assert initial_adapter_dir(tmp_path, tiny_policy_dir, LORA, seed=0) == adir  # built once
     model, tokenizer = load_policy(adir)
     base, _ = load_policy(tiny_policy_dir)
@@ -71,8 +74,12 @@ def test_lora_trains_adapters_only_lowers_the_loss_and_round_trips_exactly(tiny_
     assert losses[-1] < losses[0] - 0.05, losses
     for r in rows:
         r.adv = [1.0] * len(r.positions)
-    cfg = load_config(None, ["method=rloo", "update.minibatch_size=4", "update.high_kl_threshold=1e9"])  # verl's clip, 1 epoch
-    s = UpdateSettings.from_config(cfg, tokenizer.pad_token_id, sampled_here=False)  # cloned since sampling: pi_old recomputed
+    cfg = load_config(
+        None, ["method=rloo", "update.minibatch_size=4", "update.high_kl_threshold=1e9"]
+    )  # verl's clip, 1 epoch
+    s = UpdateSettings.from_config(
+        cfg, tokenizer.pad_token_id, sampled_here=False
+    )  # cloned since sampling: pi_old recomputed
     stats = ppo_update(model, optimizer, rows, s, seed=0).stats  # the real PPO step runs on the peft model
     assert stats["steps"] >= 1 and all(torch.isfinite(torch.tensor(v)) for v in stats.values())
 
@@ -96,13 +103,14 @@ def test_lora_trains_adapters_only_lowers_the_loss_and_round_trips_exactly(tiny_
 
 
 def test_holder_builds_a_lora_policy_and_logs_each_checkpoints_adapter(tiny_policy_dir, tmp_path):
+    from horizonrl.run.runtime import PolicyRuntime
+    from horizonrl.tracking import mlflow_runs
     from mlflow import MlflowClient
 
-    from horizonrl import tracking
-    from horizonrl.runtime import PolicyRuntime
-
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cfg = load_config(None, [f"model.path={tiny_policy_dir}", "model.lora.rank=4", f"data_dir={tmp_path}/data", f"tracking_uri={uri}"])
+    cfg = load_config(
+        None, [f"model.path={tiny_policy_dir}", "model.lora.rank=4", f"data_dir={tmp_path}/data", f"tracking_uri={uri}"]
+    )
     c = MlflowClient(uri)
     run_id = c.create_run(c.create_experiment("lora", artifact_location=(tmp_path / "artifacts").as_uri())).info.run_id
     runtime = PolicyRuntime()
@@ -111,8 +119,10 @@ def test_holder_builds_a_lora_policy_and_logs_each_checkpoints_adapter(tiny_poli
     loaded = runtime.get(cfg, ref0)
     assert type(loaded.model).__name__ == "PeftModelForCausalLM" and loaded.engine.device.type == "cpu"
     assert next(p for n, p in loaded.model.named_parameters() if "lora_A" in n).requires_grad
-    ref1 = save_checkpoint(tmp_path / "run", 1, loaded.model, loaded.tokenizer, loaded.optimizer, {"mlflow_run_id": run_id})
+    ref1 = save_checkpoint(
+        tmp_path / "run", 1, loaded.model, loaded.tokenizer, loaded.optimizer, {"mlflow_run_id": run_id}
+    )
     runtime.advance(ref1)  # what the update task does after writing the checkpoint
     logged = {Path(a.path).name for a in c.list_artifacts(run_id, "adapters/iter=00001")}
     assert logged == {ADAPTER_CONFIG, ADAPTER_WEIGHTS}
-    assert tracking.tracking_uri(cfg.tracking_uri) == uri
+    assert mlflow_runs.tracking_uri(cfg.tracking_uri) == uri

@@ -1,4 +1,4 @@
-"""PPO clipped policy loss (methods/losses.py; ALGORITHMS.md §0.2, §0.3, §1.5, §1.6, §4.1).
+"""PPO clipped policy loss (methods/losses.py; docs/algorithms.md §0.2, §0.3, §1.5, §1.6, §4.1).
 
 Hand-derived expectations with the arithmetic in comments; tolerance 1e-6 absolute unless stated.
 Tensors are float64 so the tolerance measures the formulas, not float32 round-off.
@@ -223,8 +223,7 @@ def _garbage(batch):
 @pytest.mark.parametrize("ratio_level", ["token", "turn", "trajectory"])
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_masked_positions_do_not_change_loss_or_gradient(aggregation, ratio_level, clip):
-    params = PPOLossParams(aggregation=aggregation, ratio_level=ratio_level, clip=clip, kl_coef=0.05,
-                           dual_clip_c=3.0)
+    params = PPOLossParams(aggregation=aggregation, ratio_level=ratio_level, clip=clip, kl_coef=0.05, dual_clip_c=3.0)
     clean = _random_batch(0)
     dirty = _garbage(clean)
     out_clean = ppo_clip(*clean[:5], params, ref_logp=clean[5])
@@ -254,8 +253,14 @@ def test_every_registered_loss_runs_on_a_random_batch(name):
 
 @pytest.mark.parametrize(
     "bad",
-    [{"clip_mode": "sym"}, {"ratio_level": "step"}, {"aggregation": "mean"}, {"kl_kind": "k9"},
-     {"dual_clip_c": 1.0}, {"kl_coef": -1.0}],
+    [
+        {"clip_mode": "sym"},
+        {"ratio_level": "step"},
+        {"aggregation": "mean"},
+        {"kl_kind": "k9"},
+        {"dual_clip_c": 1.0},
+        {"kl_coef": -1.0},
+    ],
 )
 def test_params_are_validated(bad):
     with pytest.raises(ValueError):

@@ -8,12 +8,13 @@ import json
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-from mlflow import MlflowClient
+from flowkit import run_of, steps, tiny_config
 
 import methods
 from horizonrl import store
 from horizonrl.config import TrainConfig
-from flowkit import run_of, steps, tiny_config
+from horizonrl.files import file_digest
+from mlflow import MlflowClient
 
 pytestmark = pytest.mark.slow
 
@@ -34,13 +35,21 @@ def test_step_level_methods_run_through_the_flow(prefect_harness, tmp_path, trac
     run = run_of(c, method)
     assert steps(c, run.info.run_id, "advantage/kept_fraction") == [1, 2]
     assert steps(c, run.info.run_id, "update/steps") == [1, 2]
-    for key in ("adv_mean", "adv_abs_mean", "trajectories", "groups", "zero_group_fraction"):  # LOOP's names, every method
+    for key in (
+        "adv_mean",
+        "adv_abs_mean",
+        "trajectories",
+        "groups",
+        "zero_group_fraction",
+    ):  # LOOP's names, every method
         assert steps(c, run.info.run_id, f"advantage/{key}") == [1, 2], key
     if method == "blpo":
         assert steps(c, run.info.run_id, "advantage/blpo/memory_keys") == [1, 2]
         d = store.iteration_dir(tmp_path / "data", "test", method, 2)
         payload = json.loads((d / "estimator_state-blpo.json").read_text())
-        params = TrainConfig.model_validate(method_config(tmp_path, tracking_uri, method, method, 2)).advantage_spec()[1]
+        params = TrainConfig.model_validate(method_config(tmp_path, tracking_uri, method, method, 2)).advantage_spec()[
+            1
+        ]
         memory = methods.state_from_json("blpo", payload, params)
         frame = pd.DataFrame(memory.records())
         assert len(frame) == len(memory) > 0, "household's first turn gives every task group an eligible exact group"
@@ -68,7 +77,7 @@ def test_recompute_other_method_over_stored_rollouts(prefect_harness, tmp_path, 
 
     train(config=tiny_config(tmp_path, tracking_uri, "source", 2))
     run_dir = tmp_path / "data" / "test" / "source"
-    before = {str(p.relative_to(run_dir)): store.file_digest(p) for p in run_dir.glob("iter=*/*.parquet")}
+    before = {str(p.relative_to(run_dir)): file_digest(p) for p in run_dir.glob("iter=*/*.parquet")}
     written = recompute_advantages(str(run_dir), "gigpo")
     assert sorted(written) == [1, 2]
     for it in (1, 2):
@@ -76,7 +85,9 @@ def test_recompute_other_method_over_stored_rollouts(prefect_harness, tmp_path, 
         table = store.read_table(d / "advantages-gigpo.parquet", "advantages")
         turns = store.read_table(d / "turns.parquet", "turns")
         assert table.num_rows == turns.num_rows
-    after = {str(p.relative_to(run_dir)): store.file_digest(p) for p in run_dir.glob("iter=*/*.parquet") if "gigpo" not in p.name}
+    after = {
+        str(p.relative_to(run_dir)): file_digest(p) for p in run_dir.glob("iter=*/*.parquet") if "gigpo" not in p.name
+    }
     assert after == before, "recomputing must not touch the original rollouts or advantages"
     c = MlflowClient(tracking_uri)
     recomputed, source = run_of(c, "source--recompute-gigpo"), run_of(c, "source")
@@ -97,11 +108,13 @@ def test_reinforce_pp_baseline_trains_and_recompute_writes_the_same_table(prefec
     run = run_of(c, "rpp")
     assert steps(c, run.info.run_id, "update/steps") == [1] and run.data.params["method"] == "reinforce_pp_baseline"
     path = store.iteration_dir(tmp_path / "data", "test", "rpp", 1) / "advantages-reinforce_pp_baseline.parquet"
-    trained = store.file_digest(path)
+    trained = file_digest(path)
     table = store.read_table(path, "advantages")
-    assert table.num_rows > 0 and all(table["keep"].to_pylist())  # no |A| filter by default (LOOP's drops equal-return groups)
+    assert table.num_rows > 0 and all(
+        table["keep"].to_pylist()
+    )  # no |A| filter by default (LOOP's drops equal-return groups)
     assert recompute_advantages(str(tmp_path / "data" / "test" / "rpp"), "reinforce_pp_baseline") == {1: str(path)}
-    assert store.file_digest(path) == trained
+    assert file_digest(path) == trained
 
 
 def test_appo_branching_params_from_the_config_reach_the_planner(prefect_harness, tmp_path, tracking_uri):

@@ -23,8 +23,8 @@ from horizonrl import store
 from horizonrl.envs.batch import InProcess
 from horizonrl.envs.household import HouseholdEnv, HouseholdSuite
 from horizonrl.envs.pool import EnvPool
-from horizonrl.branching import collect_branches
-from horizonrl.rollout import SamplingSettings, collect
+from horizonrl.rollout.branching import collect_branches
+from horizonrl.rollout.loop import SamplingSettings, collect
 from horizonrl.seeding import derive_seed
 
 SEED = 5
@@ -33,8 +33,18 @@ STALL_DIR = "HORIZONRL_TEST_STALL_DIR"  # where the stalled worker writes its pi
 
 
 def _sampling(**kw) -> SamplingSettings:
-    return SamplingSettings(**dict(action_mode="admissible", context="window", history_turns=2, max_turns=4, max_action_tokens=12,
-                                   temperature=1.0, seed=SEED) | kw)
+    return SamplingSettings(
+        **dict(
+            action_mode="admissible",
+            context="window",
+            history_turns=2,
+            max_turns=4,
+            max_action_tokens=12,
+            temperature=1.0,
+            seed=SEED,
+        )
+        | kw
+    )
 
 
 def _tables(records) -> tuple:
@@ -113,8 +123,13 @@ def test_schedule_is_lockstep_or_the_two_half_pipeline(tiny_policy, household_su
         if slots:
             expected.append(("start", slots))
         in_flight = bool(slots)
-    assert log[:5] == [("generate", 3, derive_seed(SEED, "turn", 0, 0)), ("start", [0, 1, 2]),
-                       ("generate", 2, derive_seed(SEED, "turn", 0, 1)), ("finish",), ("start", [3, 4])]
+    assert log[:5] == [
+        ("generate", 3, derive_seed(SEED, "turn", 0, 0)),
+        ("start", [0, 1, 2]),
+        ("generate", 2, derive_seed(SEED, "turn", 0, 1)),
+        ("finish",),
+        ("start", [3, 4]),
+    ]
     assert log == expected
 
 
@@ -138,7 +153,7 @@ def test_overlap_records_match_between_in_process_and_pool(tiny_policy, househol
 
 
 def test_overlap_branches_replay_and_match_between_backends(tiny_policy, household_suite, household_pool):
-    from horizonrl.branching import plan_branches
+    from horizonrl.rollout.branching import plan_branches
     from methods.appo import BranchingParams
 
     _, tokenizer, fmt, engine = tiny_policy
@@ -149,7 +164,10 @@ def test_overlap_branches_replay_and_match_between_backends(tiny_policy, househo
     pooled = collect_branches(household_pool, starts, engine, fmt, sampling, first_rollout_id=100)
     assert _tables(pooled) == _tables(local)
     for b, start in zip(local, starts):
-        flat, parent = [t for x in b.turns for t in x.gen.token_ids], [t for x in start.parent.turns for t in x.gen.token_ids]
+        flat, parent = (
+            [t for x in b.turns for t in x.gen.token_ids],
+            [t for x in start.parent.turns for t in x.gen.token_ids],
+        )
         assert b.kind == "branch" and b.status != "error" and flat[: start.split + 1] == parent[: start.split + 1]
 
 
@@ -160,8 +178,8 @@ def textworld_policy(tmp_path_factory):
     from horizonrl.config import ModelConfig, TinyModelConfig
     from horizonrl.engines.hf import TransformersEngine
     from horizonrl.envs.textworld_env import TextWorldSuite
-    from horizonrl.models import load_policy, tiny_model_dir
-    from horizonrl.prompting import ChatFormat
+    from horizonrl.models.loading import load_policy, tiny_model_dir
+    from horizonrl.rollout.prompting import ChatFormat
 
     root = tmp_path_factory.mktemp("overlap-textworld")
     suite = TextWorldSuite("textworld-coin", root=root / "games")
@@ -233,7 +251,9 @@ def test_a_worker_killed_mid_step_ends_only_its_episode(tiny_policy, household_s
     _, _, fmt, engine = tiny_policy
     tasks = household_suite.tasks("train", "easy", 4)
     assert [t.index for t in tasks] == [0, 1, 2, 3]
-    reference = collect(stalling_suite(0), tasks, 1, engine, fmt, _sampling(overlap=True))  # raises in place of the stall
+    reference = collect(
+        stalling_suite(0), tasks, 1, engine, fmt, _sampling(overlap=True)
+    )  # raises in place of the stall
     monkeypatch.setenv(STALL_DIR, str(tmp_path))
     killed: list[int] = []
     with EnvPool(stalling_suite, 0, n_workers=2) as pool:
@@ -244,7 +264,9 @@ def test_a_worker_killed_mid_step_ends_only_its_episode(tiny_policy, household_s
         killer.join()
         assert killed == [pids[0]] and pool.restarts == 1 and killed[0] not in pool.pids
     bad = records[STALL_TASK]
-    assert bad.status == "error" and "step failed: worker process died" in bad.error and len(bad.turns) == 1  # the kill, not the step timeout
+    assert (
+        bad.status == "error" and "step failed: worker process died" in bad.error and len(bad.turns) == 1
+    )  # the kill, not the step timeout
     assert reference[STALL_TASK].status == "error" and "stalled" in reference[STALL_TASK].error
     healthy = [r for r in records if r is not bad]
     assert all(r.status in ("won", "done", "truncated") and r.turns for r in healthy)
@@ -304,4 +326,6 @@ def test_config_turns_overlap_on_for_collect():
 
     assert TrainConfig().rollout.overlap is False
     cfg = TrainConfig(env={"max_turns": 4}, rollout={"overlap": True})
-    assert SamplingSettings.from_config(cfg, HouseholdSuite(0), 0).overlap is True  # what collect and collect_branches get
+    assert (
+        SamplingSettings.from_config(cfg, HouseholdSuite(0), 0).overlap is True
+    )  # what collect and collect_branches get

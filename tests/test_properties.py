@@ -4,7 +4,7 @@ Batches are drawn by hypothesis (bounded ``max_examples``, no deadline): one or 
 single-trajectory groups, one-turn and one-token rows, all-equal returns, no progress-active role
 (BLPO), all actions invalid, and the empty batch the advantage task hands over when every episode of an
 iteration errored. Checked for every name in ``methods.ADVANTAGES``: finite output of the right shapes;
-exact zeros where the spec says zero (ALGORITHMS.md 0.4, 2.12, 3.11); results that follow the rows when
+exact zeros where the spec says zero (docs/algorithms.md §0.4, §2.12, §3.11); results that follow the rows when
 trajectories are reordered; and the spec's vectors (1.3, 3.5, the BLPO example of issue 15) unchanged by
 other task groups in the same batch.
 """
@@ -50,16 +50,46 @@ def to_batch(trajs: list[Traj], order: list[int] | None = None, update_index: in
     Trajectory ids are the drawn indices, so a reordered batch names the same trajectories.
     """
     order = list(range(len(trajs))) if order is None else order
-    cols: dict[str, list] = {k: [] for k in ("group_id", "traj_id", "turn", "reward", "ret", "n", "obs", "action",
-                                             "valid", "role", "abstract", "context", "kind", "parent", "split")}
+    cols: dict[str, list] = {
+        k: []
+        for k in (
+            "group_id",
+            "traj_id",
+            "turn",
+            "reward",
+            "ret",
+            "n",
+            "obs",
+            "action",
+            "valid",
+            "role",
+            "abstract",
+            "context",
+            "kind",
+            "parent",
+            "split",
+        )
+    }
     for j in order:
         t = trajs[j]
         for turn, r in enumerate(t.rewards):
-            for key, value in (("group_id", t.group), ("traj_id", j), ("turn", turn), ("reward", r),
-                               ("ret", float(sum(t.rewards))), ("n", t.n_tokens[turn]), ("obs", t.obs[turn]),
-                               ("action", t.actions[turn]), ("valid", t.valid[turn]), ("role", t.roles[turn]),
-                               ("abstract", t.abstract[turn]), ("context", f"family|{t.obs[turn]}"),
-                               ("kind", t.kind), ("parent", t.parent), ("split", t.split)):
+            for key, value in (
+                ("group_id", t.group),
+                ("traj_id", j),
+                ("turn", turn),
+                ("reward", r),
+                ("ret", float(sum(t.rewards))),
+                ("n", t.n_tokens[turn]),
+                ("obs", t.obs[turn]),
+                ("action", t.actions[turn]),
+                ("valid", t.valid[turn]),
+                ("role", t.roles[turn]),
+                ("abstract", t.abstract[turn]),
+                ("context", f"family|{t.obs[turn]}"),
+                ("kind", t.kind),
+                ("parent", t.parent),
+                ("split", t.split),
+            ):
                 cols[key].append(value)
     obj = lambda name: np.asarray(cols[name], dtype=object)  # noqa: E731
     return StepBatch(
@@ -103,21 +133,40 @@ def trajectories(draw, group_sizes: list[int] | None = None, tied: bool = False,
             n_turns = draw(st.integers(1, 3))
             rewards = [0.0] * n_turns
             rewards[-1] = tied_reward if tied else draw(reward)
-            out.append(Traj(
-                group=10 * g + 3,  # group ids need not be 0..G-1
-                rewards=rewards,
-                n_tokens=[1] * n_turns if one_token else draw(st.lists(st.integers(1, 3), min_size=n_turns, max_size=n_turns)),
-                obs=[f"o{draw(st.integers(0, 1))}" if t else "start" for t in range(n_turns)],
-                actions=draw(st.lists(st.sampled_from(["go", "take", "Take "]), min_size=n_turns, max_size=n_turns)),
-                roles=draw(st.lists(st.sampled_from(["r0", "r1"]), min_size=n_turns, max_size=n_turns)),
-                abstract=draw(st.lists(st.sampled_from(["X", "Y"]), min_size=n_turns, max_size=n_turns)),
-                valid=draw(st.lists(st.booleans(), min_size=n_turns, max_size=n_turns)),
-            ))
+            out.append(
+                Traj(
+                    group=10 * g + 3,  # group ids need not be 0..G-1
+                    rewards=rewards,
+                    n_tokens=[1] * n_turns
+                    if one_token
+                    else draw(st.lists(st.integers(1, 3), min_size=n_turns, max_size=n_turns)),
+                    obs=[f"o{draw(st.integers(0, 1))}" if t else "start" for t in range(n_turns)],
+                    actions=draw(
+                        st.lists(st.sampled_from(["go", "take", "Take "]), min_size=n_turns, max_size=n_turns)
+                    ),
+                    roles=draw(st.lists(st.sampled_from(["r0", "r1"]), min_size=n_turns, max_size=n_turns)),
+                    abstract=draw(st.lists(st.sampled_from(["X", "Y"]), min_size=n_turns, max_size=n_turns)),
+                    valid=draw(st.lists(st.booleans(), min_size=n_turns, max_size=n_turns)),
+                )
+            )
         for _ in range(draw(st.integers(0, 2))):  # branches of this group's initial rollouts (APPO lineage)
             parent = draw(st.integers(first, first + size - 1))
             split = draw(st.integers(0, sum(out[parent].n_tokens) - 1))
-            out.append(Traj(out[parent].group, [tied_reward if tied else draw(reward)], [1 if one_token else 2],
-                            ["start"], ["go"], ["r0"], ["X"], [True], kind=1, parent=parent, split=split))
+            out.append(
+                Traj(
+                    out[parent].group,
+                    [tied_reward if tied else draw(reward)],
+                    [1 if one_token else 2],
+                    ["start"],
+                    ["go"],
+                    ["r0"],
+                    ["X"],
+                    [True],
+                    kind=1,
+                    parent=parent,
+                    split=split,
+                )
+            )
     return out
 
 
@@ -169,12 +218,15 @@ def test_all_equal_outcomes_give_zero(name, trajs):
     check_shapes_and_finite(result, batch)
     ret = float(batch.episode_return[0]) if len(batch) else 0.0
     if name in ("gigpo", "blpo"):
-        zero_batch = to_batch([Traj(**{**t.__dict__, "rewards": [0.0] * len(t.rewards), "valid": [True] * len(t.rewards)})
-                               for t in trajs])
+        zero_batch = to_batch(
+            [Traj(**{**t.__dict__, "rewards": [0.0] * len(t.rewards), "valid": [True] * len(t.rewards)}) for t in trajs]
+        )
         assert not run(name, zero_batch).adv.any()
         return
-    per_group = {g: len({int(j) for j, gg in zip(batch.traj_id, batch.group_id) if gg == g and trajs[j].kind == 0})
-                 for g in set(batch.group_id.tolist())}
+    per_group = {
+        g: len({int(j) for j, gg in zip(batch.traj_id, batch.group_id) if gg == g and trajs[j].kind == 0})
+        for g in set(batch.group_id.tolist())
+    }
     shared = np.array([per_group[int(g)] >= 2 for g in batch.group_id])
     if name == "reinforce_pp_baseline":  # global whitening: zero only if no group keeps its raw return
         shared = np.full(len(batch), all(per_group.values()) and (ret == 0 or min(per_group.values()) >= 2))
@@ -203,16 +255,28 @@ def test_reordering_trajectories_moves_their_values(name, trajs, seed):
     np.testing.assert_array_equal(b.keep[perm], a.keep)
     if a.adv_tokens is not None:
         starts = np.cumsum(moved.n_tokens) - moved.n_tokens
-        tokens = np.concatenate([np.arange(starts[p], starts[p] + moved.n_tokens[p]) for p in perm]) if len(perm) else []
+        tokens = (
+            np.concatenate([np.arange(starts[p], starts[p] + moved.n_tokens[p]) for p in perm]) if len(perm) else []
+        )
         np.testing.assert_allclose(b.adv_tokens[np.asarray(tokens, np.int64)], a.adv_tokens, rtol=0, atol=1e-9)
 
 
 def spec_case(name: str) -> tuple[list[Traj], np.ndarray]:
     """The spec's vector for estimator ``name`` as trajectories of one group (id 999), and the expected
     per-row advantages (per token for APPO)."""
+
     def single(group: int, r: float, **extra) -> Traj:
-        return Traj(group, [r], [extra.pop("tokens", 1)], ["start"], [extra.pop("action", "go")], ["r0"],
-                    [extra.pop("abstract", "X")], [True], **extra)
+        return Traj(
+            group,
+            [r],
+            [extra.pop("tokens", 1)],
+            ["start"],
+            [extra.pop("action", "go")],
+            ["r0"],
+            [extra.pop("abstract", "X")],
+            [True],
+            **extra,
+        )
 
     if name == "loo":  # 1.3
         return [single(999, r) for r in (1, 0, 0, 1, 0.5, 0.5)], np.array([0.6, -0.6, -0.6, 0.6, 0, 0])
@@ -223,15 +287,26 @@ def spec_case(name: str) -> tuple[list[Traj], np.ndarray]:
         return [single(999, 1.0), single(999, 0.0)], np.array([0.5, -0.5]) / math.sqrt(0.5 + 1e-8)
     if name in ("gigpo", "blpo"):  # issue 15: one anchor, actions go/take (X/Y), rewards [1, 0], empty memory
         z = 0.5 / (math.sqrt(0.5) + 1e-6)  # episode term and step (Exact) term are the same z-score
-        return [single(999, 1.0, action="go", abstract="X"), single(999, 0.0, action="take", abstract="Y")], np.array([2 * z, -2 * z])
+        return [single(999, 1.0, action="go", abstract="X"), single(999, 0.0, action="take", abstract="Y")], np.array(
+            [2 * z, -2 * z]
+        )
     if name == "appo":  # 3.5: four initial rollouts of 8 tokens, four branches of 6
         inits = [single(999, r, tokens=8) for r in (1.0, 0.0, 0.0, 0.0)]
-        branches = [single(999, r, tokens=6, kind=1, parent=p, split=s)
-                    for r, p, s in zip((1.0, 1.0, 0.0, 0.0), (1, 1, 2, 2), (5, 2, 4, 4))]
+        branches = [
+            single(999, r, tokens=6, kind=1, parent=p, split=s)
+            for r, p, s in zip((1.0, 1.0, 0.0, 0.0), (1, 1, 2, 2), (5, 2, 4, 4))
+        ]
         z_init = [0.75 / (math.sqrt(0.1875) + 1e-6)] + [-0.25 / (math.sqrt(0.1875) + 1e-6)] * 3  # 1.732, -0.577
         z_br = 0.5 / (0.5 + 1e-6)  # +-1
-        tokens = np.concatenate([[z_init[0]] * 8, [z_init[1] + z_br] * 6 + [z_init[1]] * 2,
-                                 [z_init[2] - z_br] * 5 + [z_init[2]] * 3, [z_init[3]] * 8, np.zeros(24)])
+        tokens = np.concatenate(
+            [
+                [z_init[0]] * 8,
+                [z_init[1] + z_br] * 6 + [z_init[1]] * 2,
+                [z_init[2] - z_br] * 5 + [z_init[2]] * 3,
+                [z_init[3]] * 8,
+                np.zeros(24),
+            ]
+        )
         return inits + branches, tokens
     raise AssertionError(f"no spec vector for registered estimator {name!r}: add one here")
 
@@ -257,7 +332,9 @@ def test_spec_vectors_hold_beside_other_groups(name, others, first):
     trajs, expected = spec_case(name)
     shift = len(others) if not first else 0
     spec = [Traj(**{**t.__dict__, "parent": t.parent + shift if t.kind else -1}) for t in trajs]
-    rest = [Traj(**{**t.__dict__, "parent": t.parent + (0 if not first else len(spec)) if t.kind else -1}) for t in others]
+    rest = [
+        Traj(**{**t.__dict__, "parent": t.parent + (0 if not first else len(spec)) if t.kind else -1}) for t in others
+    ]
     batch = to_batch(spec + rest if first else rest + spec)
     result = run(name, batch)
     if name == "appo":
@@ -293,14 +370,21 @@ def test_blpo_settings_without_an_active_role(trajs, center, residual):
     check_shapes_and_finite(result, batch)
 
 
-@pytest.mark.parametrize(("application", "center"), [("parallel", False), ("parallel", True), ("local_residual", False)])
+@pytest.mark.parametrize(
+    ("application", "center"), [("parallel", False), ("parallel", True), ("local_residual", False)]
+)
 def test_blpo_issue_15_example(application, center):
     """Two rows of one group, one anchor, actions a/b (labels A/B), one role, rewards [1, 0], empty memory:
     no role is active, so A = A^E + A^X = 2 * 0.5 / (sqrt(0.5) + 1e-6) = +-1.41421 (issue 15)."""
     from methods.blpo import BLPOParams, blpo_advantage
 
-    trajs = [Traj(0, [1.0], [1], ["o"], ["a"], ["R"], ["A"], [True]), Traj(0, [0.0], [1], ["o"], ["b"], ["R"], ["B"], [True])]
-    result = blpo_advantage(to_batch(trajs), BLPOParams(role_current_batch_center=center, role_application=application), None)
+    trajs = [
+        Traj(0, [1.0], [1], ["o"], ["a"], ["R"], ["A"], [True]),
+        Traj(0, [0.0], [1], ["o"], ["b"], ["R"], ["B"], [True]),
+    ]
+    result = blpo_advantage(
+        to_batch(trajs), BLPOParams(role_current_batch_center=center, role_application=application), None
+    )
     z = 0.5 / (math.sqrt(0.5) + 1e-6)
     np.testing.assert_allclose(result.adv, [2 * z, -2 * z], rtol=1e-12)
     np.testing.assert_allclose(result.adv, [1.4142, -1.4142], atol=1e-4)

@@ -4,10 +4,9 @@ task runner, and the cluster leaves no process behind."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,9 +14,17 @@ from flowkit import tiny_config
 
 from horizonrl import store
 from horizonrl.config import TrainConfig
-from horizonrl.rollout import SamplingSettings, collect, split_shards
+from horizonrl.rollout.loop import SamplingSettings, collect, split_shards
 
-SAMPLING = SamplingSettings(action_mode="admissible", context="window", history_turns=2, max_turns=3, max_action_tokens=12, temperature=1.0, seed=5)
+SAMPLING = SamplingSettings(
+    action_mode="admissible",
+    context="window",
+    history_turns=2,
+    max_turns=3,
+    max_action_tokens=12,
+    temperature=1.0,
+    seed=5,
+)
 
 
 def _without_timings(table):
@@ -40,19 +47,41 @@ def test_one_shard_is_the_unsharded_collect_and_shards_join_in_order(tiny_policy
     tasks = household_suite.tasks("train", "easy", 3)
     whole = collect(household_suite, tasks, 2, engine, fmt, SAMPLING)
     (one,) = split_shards(tasks, 1, 2, seed=5)
-    single = collect(household_suite, one.tasks, 2, engine, fmt, replace(SAMPLING, seed=one.seed), first_rollout_id=one.first_rollout_id,
-                     first_group_id=one.first_group_id)
+    single = collect(
+        household_suite,
+        one.tasks,
+        2,
+        engine,
+        fmt,
+        replace(SAMPLING, seed=one.seed),
+        first_rollout_id=one.first_rollout_id,
+        first_group_id=one.first_group_id,
+    )
     assert _without_timings(store.turns_table(single)).equals(_without_timings(store.turns_table(whole)))
-    joined = [r for s in split_shards(tasks, 2, 2, seed=5)
-              for r in collect(household_suite, s.tasks, 2, engine, fmt, replace(SAMPLING, seed=s.seed), first_rollout_id=s.first_rollout_id,
-                               first_group_id=s.first_group_id)]
+    joined = [
+        r
+        for s in split_shards(tasks, 2, 2, seed=5)
+        for r in collect(
+            household_suite,
+            s.tasks,
+            2,
+            engine,
+            fmt,
+            replace(SAMPLING, seed=s.seed),
+            first_rollout_id=s.first_rollout_id,
+            first_group_id=s.first_group_id,
+        )
+    ]
     assert [(r.rollout_id, r.group_id, r.task) for r in joined] == [(r.rollout_id, r.group_id, r.task) for r in whole]
 
 
-@pytest.mark.parametrize(("override", "names"), [
-    ({"rollout": {"tasks_per_iteration": 2, "shards": 3}}, "rollout.shards"),
-    ({"rollout": {"runner": "ray"}, "engine": {"name": "vllm"}}, "engine.name = 'transformers'"),
-])
+@pytest.mark.parametrize(
+    ("override", "names"),
+    [
+        ({"rollout": {"tasks_per_iteration": 2, "shards": 3}}, "rollout.shards"),
+        ({"rollout": {"runner": "ray"}, "engine": {"name": "vllm"}}, "engine.name = 'transformers'"),
+    ],
+)
 def test_shard_settings_are_checked(override, names):
     with pytest.raises(ValueError, match=names):
         TrainConfig.model_validate(override)
@@ -94,7 +123,9 @@ def test_ray_shards_give_the_local_tables_and_leave_no_process(prefect_harness, 
             cfg["ray"] = {"num_cpus": 2, "object_store_mb": 100}
             train(config=cfg)
             d = store.iteration_dir(cfg["data_dir"], "test", runner, 1)
-            tables[runner] = [_without_timings(store.read_table(d / f"{kind}.parquet", kind)) for kind in ("turns", "episodes")]
+            tables[runner] = [
+                _without_timings(store.read_table(d / f"{kind}.parquet", kind)) for kind in ("turns", "episodes")
+            ]
     finally:
         torch.set_num_threads(threads)
     turns, episodes = tables["local"]
@@ -103,14 +134,18 @@ def test_ray_shards_give_the_local_tables_and_leave_no_process(prefect_harness, 
     assert tables["ray"][0].equals(turns) and tables["ray"][1].equals(episodes)
     assert not ray.is_initialized()
     deadline = time.monotonic() + 20  # workers exit once their raylet is gone
-    while (left := {pid: cmd for pid, cmd in _processes().items() if pid not in before and _is_ray(cmd)}) and time.monotonic() < deadline:
+    while (
+        left := {pid: cmd for pid, cmd in _processes().items() if pid not in before and _is_ray(cmd)}
+    ) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, left
     assert not [pid for pid, cmd in _processes().items() if pid not in before and _parent(pid) == os.getpid()]
 
 
 def _is_ray(cmd: str) -> bool:
-    return "ray::" in cmd or "/ray/" in cmd  # workers rename themselves ray::<task>; raylet, GCS and helpers live under ray/
+    return (
+        "ray::" in cmd or "/ray/" in cmd
+    )  # workers rename themselves ray::<task>; raylet, GCS and helpers live under ray/
 
 
 def _processes() -> dict[int, str]:
@@ -139,7 +174,7 @@ def test_the_holder_never_travels_with_a_shard(tiny_policy_dir):
 
     import cloudpickle
 
-    from horizonrl.runtime import PolicyRuntime
+    from horizonrl.run.runtime import PolicyRuntime
     from tasks.collect import play_shard
 
     holder = PolicyRuntime()

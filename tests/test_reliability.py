@@ -15,21 +15,31 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
-from mlflow import MlflowClient
+from flowkit import flat, leftovers, run_of, steps, tiny_config
 from safetensors.torch import load_file
 
-from flowkit import flat, leftovers, run_of, steps, tiny_config
-from horizonrl import faults, report, runlock, store
-from horizonrl.checkpoint import CheckpointWriteError, checkpoint_dir, latest_checkpoint, load_optimizer_state, save_checkpoint
-from horizonrl.models import load_policy
+from horizonrl import faults, store
+from horizonrl.files import file_digest
+from horizonrl.models.loading import load_policy
+from horizonrl.run import runlock
+from horizonrl.tracking import report
+from horizonrl.training.checkpoint import (
+    CheckpointWriteError,
+    checkpoint_dir,
+    latest_checkpoint,
+    load_optimizer_state,
+    save_checkpoint,
+)
+from mlflow import MlflowClient
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = "r"
@@ -56,7 +66,9 @@ def api_url(prefect_harness) -> str:
     return PREFECT_API_URL.value()
 
 
-def start_cli(cfg: dict, api_url: str | None, log: Path, fault: str | None = None, command: list[str] | None = None) -> subprocess.Popen:
+def start_cli(
+    cfg: dict, api_url: str | None, log: Path, fault: str | None = None, command: list[str] | None = None
+) -> subprocess.Popen:
     """``horizonrl train`` with ``cfg`` as --set overrides (or ``horizonrl <command>``), in its own session;
     ``api_url`` None: with no API, so that it starts Prefect's temporary server as a user's run does."""
     env = {k: v for k, v in os.environ.items() if k not in (faults.ENV, "PREFECT_API_URL")}
@@ -67,7 +79,14 @@ def start_cli(cfg: dict, api_url: str | None, log: Path, fault: str | None = Non
         env[faults.ENV] = fault
     args = command or ["train", *(f"--set={k}={v}" for k, v in flat(cfg).items())]
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", *args],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> int:
@@ -143,8 +162,10 @@ def test_sigkill_at_every_stage_resumes_to_the_same_run(api_url, tmp_path):
     base.write_text(yaml.safe_dump(config(tmp_path, "unused", eval=SCHEDULE)))
     sweep_file = tmp_path / "trio.yaml"
     sweep_file.write_text(yaml.safe_dump({"name": "trio", "base": "base.yaml", "grid": {"seed": [3]}}))
-    beside = {STRAIGHT: start_cli(config(tmp_path, STRAIGHT, eval=SCHEDULE), api_url, tmp_path / f"{STRAIGHT}.log"),
-              "trio": start_cli({}, api_url, tmp_path / "trio.log", command=["sweep", str(sweep_file), "--here"])}
+    beside = {
+        STRAIGHT: start_cli(config(tmp_path, STRAIGHT, eval=SCHEDULE), api_url, tmp_path / f"{STRAIGHT}.log"),
+        "trio": start_cli({}, api_url, tmp_path / "trio.log", command=["sweep", str(sweep_file), "--here"]),
+    }
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     logs = []
     for n, (fault, completed, (key, step), _) in enumerate(CYCLE):
@@ -155,7 +176,9 @@ def test_sigkill_at_every_stage_resumes_to_the_same_run(api_url, tmp_path):
         assert latest_checkpoint(d).iteration == completed, fault
         assert not logged_at(tmp_path, key, step), f"{fault}: {key} was logged before the kill"
         if fault == "checkpoint:1":
-            assert list((d / "checkpoints").glob(".iter=00001.tmp-*/model.safetensors")), "the kill did not land inside the checkpoint write"
+            assert list((d / "checkpoints").glob(".iter=00001.tmp-*/model.safetensors")), (
+                "the kill did not land inside the checkpoint write"
+            )
         if fault == "collect:2":
             it2 = store.iteration_dir(tmp_path / "data", "test", RUN, 2)
             assert (it2 / "turns.parquet").is_file() and not (it2 / "episodes.parquet").exists()
@@ -166,8 +189,12 @@ def test_sigkill_at_every_stage_resumes_to_the_same_run(api_url, tmp_path):
         assert finish(proc) == 0, out[-3000:]
         assert "locked" not in out and "Traceback" not in out, out[-3000:]
     for (fault, *_, says), restart_log in zip(CYCLE, logs[1:]):
-        assert says in restart_log.read_text(), f"the start after the kill at {fault} did not resume from the last completed stage"
-    assert "iteration 2: rollouts already stored" not in logs[-2].read_text(), "half-stored rollouts were taken as complete"
+        assert says in restart_log.read_text(), (
+            f"the start after the kill at {fault} did not resume from the last completed stage"
+        )
+    assert "iteration 2: rollouts already stored" not in logs[-2].read_text(), (
+        "half-stored rollouts were taken as complete"
+    )
 
     a, b = run_dir(tmp_path, STRAIGHT), run_dir(tmp_path)
     assert files(b) == files(a), "the killed run holds other files than the uninterrupted one"
@@ -175,15 +202,21 @@ def test_sigkill_at_every_stage_resumes_to_the_same_run(api_url, tmp_path):
     for it in (1, 2):
         da, db = (store.iteration_dir(tmp_path / "data", "test", name, it) for name in (STRAIGHT, RUN))
         for name in ("advantages-loop.parquet", "episodes.parquet"):
-            assert without_run_name(pq.read_table(db / name)).equals(without_run_name(pq.read_table(da / name))), (it, name)
+            assert without_run_name(pq.read_table(db / name)).equals(without_run_name(pq.read_table(da / name))), (
+                it,
+                name,
+            )
         timing = ["gen_s", "env_s"]  # wall-clock columns, the only ones allowed to differ
         assert without_run_name(pq.read_table(db / "turns.parquet").drop_columns(timing)).equals(
-            without_run_name(pq.read_table(da / "turns.parquet").drop_columns(timing))), it
+            without_run_name(pq.read_table(da / "turns.parquet").drop_columns(timing))
+        ), it
         assert store.read_table(db / "episodes.parquet", "episodes").num_rows == 4  # every rollout once
     ca, cb = checkpoint_dir(a, 2), checkpoint_dir(b, 2)
     assert_same_tensors(load_file(cb / "model.safetensors"), load_file(ca / "model.safetensors"), "weights")
     w0, w2 = load_file(checkpoint_dir(a, 0) / "model.safetensors"), load_file(ca / "model.safetensors")
-    assert any(not torch.equal(w0[k], w2[k]) for k in w0), "the updates moved no weight, so equal weights would prove nothing"
+    assert any(not torch.equal(w0[k], w2[k]) for k in w0), (
+        "the updates moved no weight, so equal weights would prove nothing"
+    )
     opt_a, opt_b = (torch.load(c / "optimizer.pt", weights_only=True)["state"] for c in (ca, cb))
     assert opt_a.keys() == opt_b.keys()
     for k in opt_a:
@@ -197,7 +230,11 @@ def test_sigkill_at_every_stage_resumes_to_the_same_run(api_url, tmp_path):
     assert set(killed_steps.pop(per_process)) == {0, 1, 2} and straight_steps.pop(per_process) == [0]
     assert killed_steps == straight_steps and straight_steps["eval/success_rate"] == [0, 2]
     killed, straight = eval_curve(uri, RUN), eval_curve(uri, STRAIGHT)
-    assert killed == straight and max(killed.values()) == max(straight.values()) and report.auc(killed) == report.auc(straight)
+    assert (
+        killed == straight
+        and max(killed.values()) == max(straight.values())
+        and report.auc(killed) == report.auc(straight)
+    )
     assert run_of(MlflowClient(uri), RUN).info.status == "FINISHED"
 
     cell = "trio--seed=3"  # the sweep's cell, written beside the others
@@ -207,7 +244,9 @@ def test_sigkill_at_every_stage_resumes_to_the_same_run(api_url, tmp_path):
     assert got["eval/success_rate"] == [0, 2]
     for name in (STRAIGHT, cell):
         for it in (1, 2):
-            episodes = store.read_table(store.iteration_dir(tmp_path / "data", "test", name, it) / "episodes.parquet", "episodes")
+            episodes = store.read_table(
+                store.iteration_dir(tmp_path / "data", "test", name, it) / "episodes.parquet", "episodes"
+            )
             assert episodes.num_rows == 4 and set(episodes["run_name"].to_pylist()) == {name}
         assert latest_checkpoint(run_dir(tmp_path, name)).iteration == 2
 
@@ -219,11 +258,13 @@ def eval_curve(tracking_uri: str, run_name: str) -> dict[int, float]:
 
 def fail_once(fn: Callable[..., Any], failed: list[str], name: str, when: Callable[..., bool]) -> Callable[..., Any]:
     """``fn``, except that its first call for which ``when(*args)`` holds raises an I/O error."""
+
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if name not in failed and when(*args):
             failed.append(name)
             raise OSError(errno.EIO, f"injected {name} failure")
         return fn(*args, **kwargs)
+
     return wrapper
 
 
@@ -236,8 +277,16 @@ def test_collect_and_evaluate_are_retried_and_write_once(prefect_harness, tmp_pa
     from flows.train import train
 
     failed: list[str] = []
-    monkeypatch.setattr(store, "write_table", fail_once(store.write_table, failed, "collect", lambda table, path, kind: kind == "episodes"))
-    monkeypatch.setattr(tasks.evaluate, "log_stage", fail_once(tasks.evaluate.log_stage, failed, "evaluate", lambda ctx, stage, *rest: stage == "eval"))
+    monkeypatch.setattr(
+        store,
+        "write_table",
+        fail_once(store.write_table, failed, "collect", lambda table, path, kind: kind == "episodes"),
+    )
+    monkeypatch.setattr(
+        tasks.evaluate,
+        "log_stage",
+        fail_once(tasks.evaluate.log_stage, failed, "evaluate", lambda ctx, stage, *rest: stage == "eval"),
+    )
     train(config=config(tmp_path, iterations=1))
     assert failed == ["evaluate", "collect"]
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -245,12 +294,17 @@ def test_collect_and_evaluate_are_retried_and_write_once(prefect_harness, tmp_pa
     assert metric_steps(uri, RUN)["eval/success_rate"] == [0, 1]
     d = store.iteration_dir(tmp_path / "data", "test", RUN, 1)
     assert sorted(p.name for p in d.iterdir()) == ["advantages-loop.parquet", "episodes.parquet", "turns.parquet"]
-    episodes, turns = store.read_table(d / "episodes.parquet", "episodes"), store.read_table(d / "turns.parquet", "turns")
+    episodes, turns = (
+        store.read_table(d / "episodes.parquet", "episodes"),
+        store.read_table(d / "turns.parquet", "turns"),
+    )
     assert episodes.num_rows == 4 and sum(episodes["n_turns"].to_pylist()) == turns.num_rows  # the retry's pair
     c = MlflowClient(uri)
     run = run_of(c, RUN)
     table = c.load_table(run.info.experiment_id, "episodes/eval_iter_00000.json", run_ids=[run.info.run_id])
-    assert len(table) > 0 and not table.duplicated(subset=["rollout_id", "turn"]).any(), "the retried evaluation logged its episode table twice"
+    assert len(table) > 0 and not table.duplicated(subset=["rollout_id", "turn"]).any(), (
+        "the retried evaluation logged its episode table twice"
+    )
 
 
 @pytest.mark.slow
@@ -261,7 +315,12 @@ def test_nonfinite_steps_are_skipped_and_counted_and_too_many_abort(prefect_harn
     from flows.train import train
     from tasks.update import TooManyNonFiniteSteps
 
-    cfg = config(tmp_path, iterations=1, update={"minibatch_size": 2, "max_nan_skips": 4}, eval={"every": 10, "n_tasks": 2, "greedy": False})
+    cfg = config(
+        tmp_path,
+        iterations=1,
+        update={"minibatch_size": 2, "max_nan_skips": 4},
+        eval={"every": 10, "n_tasks": 2, "greedy": False},
+    )
     monkeypatch.setenv(faults.ENV, "nan-grad:1")
     train(config=cfg)
     d = run_dir(tmp_path)
@@ -271,13 +330,13 @@ def test_nonfinite_steps_are_skipped_and_counted_and_too_many_abort(prefect_harn
     assert metrics["update/steps"] == 0 and 3 <= metrics["update/nonfinite_steps"] <= 4  # 2 epochs x 2 minibatches
     w0, w1 = (load_file(checkpoint_dir(d, i) / "model.safetensors") for i in (0, 1))
     assert_same_tensors(w1, w0, "weights after skipped steps")
-    before = {p: store.file_digest(p) for p in checkpoint_dir(d, 1).iterdir()}
+    before = {p: file_digest(p) for p in checkpoint_dir(d, 1).iterdir()}
 
     monkeypatch.setenv(faults.ENV, "nan-grad:2")
     with pytest.raises(TooManyNonFiniteSteps, match=r"update\.max_nan_skips = 4\); last good checkpoint: .*iter=00001"):
         train(config={**cfg, "iterations": 2})
     assert latest_checkpoint(d).iteration == 1 and not checkpoint_dir(d, 2).exists()
-    assert {p: store.file_digest(p) for p in checkpoint_dir(d, 1).iterdir()} == before
+    assert {p: file_digest(p) for p in checkpoint_dir(d, 1).iterdir()} == before
     assert not [p for p in d.rglob("*") if ".tmp-" in p.name]
     assert steps(c, run_of(c, RUN).info.run_id, "update/steps") == [1]
     assert run_of(c, RUN).info.status == "FAILED", "a failed flow marks its MLflow run FAILED"
@@ -295,13 +354,20 @@ def full_disk(request, tmp_path: Path, monkeypatch) -> Iterator[tuple[Path, Call
     disk = tmp_path / "disk"
     disk.mkdir()
     if request.param == "fsync":
+
         def fill() -> None:
             def no_space(fd: int) -> None:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
             monkeypatch.setattr(os, "fsync", no_space)
+
         yield disk, fill
         return
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True).returncode
+        != 0
+    ):
         pytest.skip("mounting a tmpfs needs root")
 
     def fill() -> None:
@@ -325,9 +391,16 @@ def test_full_disk_while_writing_parquet_keeps_the_previous_file(full_disk):
     n = 50_000
 
     def table(rows: int) -> pa.Table:
-        return pa.table({"rollout_id": pa.array(range(rows), pa.int64()), "turn": pa.array([0] * rows, pa.int32()),
-                         "adv": pa.array([i / 7 for i in range(rows)]), "keep": pa.array([True] * rows),
-                         "adv_tokens": pa.array([None] * rows, pa.list_(pa.float64()))}, schema=store.ADVANTAGES)
+        return pa.table(
+            {
+                "rollout_id": pa.array(range(rows), pa.int64()),
+                "turn": pa.array([0] * rows, pa.int32()),
+                "adv": pa.array([i / 7 for i in range(rows)]),
+                "keep": pa.array([True] * rows),
+                "adv_tokens": pa.array([None] * rows, pa.list_(pa.float64())),
+            },
+            schema=store.ADVANTAGES,
+        )
 
     store.write_table(table(3), path, "advantages")
     before = path.read_bytes()
@@ -345,12 +418,12 @@ def test_full_disk_while_writing_a_checkpoint_keeps_the_previous_one(full_disk, 
     model, tokenizer, *_ = tiny_policy
     save_checkpoint(disk, 1, model, tokenizer, None, {})
     first = checkpoint_dir(disk, 1)
-    before = {p.name: store.file_digest(p) for p in first.iterdir()}
+    before = {p.name: file_digest(p) for p in first.iterdir()}
     fill()
     with pytest.raises(CheckpointWriteError) as err:
         save_checkpoint(disk, 2, model, tokenizer, None, {})
     assert str(checkpoint_dir(disk, 2)) in str(err.value) and "No space left on device" in str(err.value)
-    assert {p.name: store.file_digest(p) for p in first.iterdir()} == before
+    assert {p.name: file_digest(p) for p in first.iterdir()} == before
     assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["iter=00001"]  # no partial folder
     assert latest_checkpoint(disk).iteration == 1
 
@@ -367,7 +440,10 @@ def test_a_second_process_on_a_held_run_is_refused_naming_the_holder(prefect_har
         partial.write_bytes(b"half")
         assert main(["train", *(f"--set={k}={v}" for k, v in flat(config(tmp_path, iterations=1)).items())]) == 1
         err = capsys.readouterr().err
-        assert f"run folder {d} is in use by pid {os.getpid()} on host {lock.holder['host']}, started {lock.holder['started']}" in err, err
+        assert (
+            f"run folder {d} is in use by pid {os.getpid()} on host {lock.holder['host']}, started {lock.holder['started']}"
+            in err
+        ), err
         assert partial.read_bytes() == b"half"
     assert sorted(p.name for p in d.iterdir()) == [".episodes.parquet.tmp-1", runlock.LOCK_FILE]
     assert not (tmp_path / "mlflow.db").exists()
@@ -403,14 +479,19 @@ def test_second_process_refused_and_a_killed_run_leaves_no_server(api_url, tmp_p
 
     assert main(["train", *(f"--set={k}={v}" for k, v in flat(long).items())]) == 1  # the second, in this process
     err = capsys.readouterr().err
-    assert f"is in use by pid {first.pid} on host {holder['host']}" in err and "Traceback" not in err.split("horizonrl: run")[-1], err[-3000:]
+    assert (
+        f"is in use by pid {first.pid} on host {holder['host']}" in err
+        and "Traceback" not in err.split("horizonrl: run")[-1]
+    ), err[-3000:]
 
     os.kill(first.pid, signal.SIGKILL)  # the CLI process alone, as `kill -9` does
     first.wait()
     orphans = runlock.orphaned_prefect_servers(home)
     assert orphans and leftovers(str(home)), "the killed run left no server behind, so the test would check nothing"
 
-    third = start_cli(config(tmp_path, iterations=1, eval={"every": 50, "n_tasks": 2, "greedy": False}), None, tmp_path / "third.log")
+    third = start_cli(
+        config(tmp_path, iterations=1, eval={"every": 50, "n_tasks": 2, "greedy": False}), None, tmp_path / "third.log"
+    )
     assert finish(third) == 0, (tmp_path / "third.log").read_text()[-3000:]
     out = (tmp_path / "third.log").read_text()
     assert f"stopped Prefect's temporary API server (pid {orphans[0]})" in out and "crashed" in out, out[-3000:]

@@ -1,4 +1,4 @@
-"""The report's arithmetic on hand-derived vectors (horizonrl.report is pure: histories in, figures out), and
+"""The report's arithmetic on hand-derived vectors (horizonrl.tracking.report is pure: histories in, figures out), and
 the results page generated from a stored fixture of metric histories: the same page and figures twice, and
 the numbers, warnings and claim verdicts the fixture's values were chosen to give."""
 
@@ -12,15 +12,31 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from horizonrl import report
-from horizonrl.report import CellHistory
+from horizonrl.tracking import report
+from horizonrl.tracking.report import CellHistory
 
 FIXTURE = Path(__file__).parent / "fixtures" / "report_histories.json"
 
 # variant a, seed 0: evaluated at iterations 0, 2, 4; 4 episodes per iteration of 2, 3, 1, 2 turns
-A0 = CellHistory("a", 0, {0: 0.0, 2: 0.5, 4: 0.5}, {1: 4, 2: 4, 3: 4, 4: 4}, {1: 2, 2: 3, 3: 1, 4: 2}, {1: 10, 2: 10, 3: 10, 4: 10}, 8.0)
+A0 = CellHistory(
+    "a",
+    0,
+    {0: 0.0, 2: 0.5, 4: 0.5},
+    {1: 4, 2: 4, 3: 4, 4: 4},
+    {1: 2, 2: 3, 3: 1, 4: 2},
+    {1: 10, 2: 10, 3: 10, 4: 10},
+    8.0,
+)
 # variant a, seed 1: 1 turn per episode, 5 tokens per episode
-A1 = CellHistory("a", 1, {0: 0.25, 2: 0.25, 4: 1.0}, {1: 4, 2: 4, 3: 4, 4: 4}, {1: 1, 2: 1, 3: 1, 4: 1}, {1: 5, 2: 5, 3: 5, 4: 5}, 12.0)
+A1 = CellHistory(
+    "a",
+    1,
+    {0: 0.25, 2: 0.25, 4: 1.0},
+    {1: 4, 2: 4, 3: 4, 4: 4},
+    {1: 1, 2: 1, 3: 1, 4: 1},
+    {1: 5, 2: 5, 3: 5, 4: 5},
+    12.0,
+)
 B0 = CellHistory("b", 0, {0: 0.1}, {}, {}, {}, 1.0)
 
 
@@ -28,21 +44,48 @@ def _fixture() -> list[CellHistory]:
     def keyed(d: dict) -> dict:
         return {int(k): v for k, v in d.items()}
 
-    return [CellHistory(c["variant"], c["seed"], keyed(c["success"]), keyed(c["episodes"]), keyed(c["mean_turns"]),
-                        keyed(c["tokens_per_episode"]), c["train_s"], keyed(c["env_steps"]), keyed(c["wall_s"]),
-                        {f: keyed(h) for f, h in c.get("families", {}).items()}, keyed(c.get("eval_episodes", {})))
-            for c in json.loads(FIXTURE.read_text())["cells"]]
+    return [
+        CellHistory(
+            c["variant"],
+            c["seed"],
+            keyed(c["success"]),
+            keyed(c["episodes"]),
+            keyed(c["mean_turns"]),
+            keyed(c["tokens_per_episode"]),
+            c["train_s"],
+            keyed(c["env_steps"]),
+            keyed(c["wall_s"]),
+            {f: keyed(h) for f, h in c.get("families", {}).items()},
+            keyed(c.get("eval_episodes", {})),
+        )
+        for c in json.loads(FIXTURE.read_text())["cells"]
+    ]
 
 
-CTX = report.PageContext("Results: fixture", ["0123abcd"], ["configs/sweeps/x.yaml", "configs/x.yaml"], "horizonrl report configs/sweeps/x.yaml --out docs/results.md",
-                         "sqlite:///mlflow/mlflow.db", "parent-id", report.WarmStart("models:/ws/1", "ws-run", 0.3, 200))
+CTX = report.PageContext(
+    "Results: fixture",
+    ["0123abcd"],
+    ["configs/sweeps/x.yaml", "configs/x.yaml"],
+    "horizonrl report configs/sweeps/x.yaml --out docs/results.md",
+    "sqlite:///mlflow/mlflow.db",
+    "parent-id",
+    report.WarmStart("models:/ws/1", "ws-run", 0.3, 200),
+)
 FIGURES = {x: f"results_{x}.png" for x in report.X_AXES}
 
 
 def test_seed_figures():
     f = report.seed_figures(A0)
     # AUC: trapezoids (0 + .5)/2 * 2 + (.5 + .5)/2 * 2 = 1.5 over 4 iterations; env steps 8 + 12 + 4 + 8
-    assert f == {"final": 0.5, "best": 0.5, "auc": pytest.approx(0.375), "change": 0.5, "tokens": 160.0, "train_s": 8.0, "env_steps": 32.0}
+    assert f == {
+        "final": 0.5,
+        "best": 0.5,
+        "auc": pytest.approx(0.375),
+        "change": 0.5,
+        "tokens": 160.0,
+        "train_s": 8.0,
+        "env_steps": 32.0,
+    }
     assert report.seed_figures(A1)["change"] == 0.75  # 1.0 at the end, 0.25 at its first evaluation
     assert report.seed_figures(A1)["auc"] == pytest.approx((0.5 + 1.25) / 4)
     assert report.seed_figures(B0)["auc"] == 0.1  # one evaluation: the curve's height
@@ -53,7 +96,11 @@ def test_bootstrap_interval_of_two_or_three_seeds_is_their_range():
     # 1/4 (2 seeds) or 1/27 (3 seeds), both above 2.5%: the percentiles are the extremes
     assert report.interval([0.5, 1.0]) == report.Interval(0.75, 0.5, 1.0)
     ci = report.interval([0.1, 0.2, 0.6])
-    assert (ci.mean, ci.low, ci.high) == (pytest.approx(0.3), pytest.approx(0.1, abs=1e-15), pytest.approx(0.6, abs=1e-15))
+    assert (ci.mean, ci.low, ci.high) == (
+        pytest.approx(0.3),
+        pytest.approx(0.1, abs=1e-15),
+        pytest.approx(0.6, abs=1e-15),
+    )
     assert math.isnan(report.interval([0.4]).low) and report.interval([0.4]).mean == 0.4
 
 
@@ -75,7 +122,9 @@ def test_newcombe_interval_of_a_difference():
     p = report.pooled_change(loop)
     assert (p.first_episodes, p.final_episodes) == (600, 600) and p.change.mean == pytest.approx(0.55 - 0.2)
     assert p.change == report.newcombe(0.2, 600, 0.55, 600)
-    assert report.pooled_change([replace(loop[0], eval_episodes={0: 200})]) is None  # the last evaluation's count is missing
+    assert (
+        report.pooled_change([replace(loop[0], eval_episodes={0: 200})]) is None
+    )  # the last evaluation's count is missing
 
 
 def test_wilson_interval():
@@ -102,32 +151,56 @@ def test_curves_against_iterations_env_steps_and_wall_time():
 def test_fixture_numbers():
     by = {s.variant: s for s in report.summarize(_fixture())}
     loop = by["loop"]
-    assert (loop.seeds, loop.final.mean, loop.final.low, loop.final.high) == (3, pytest.approx(0.55), pytest.approx(0.5), pytest.approx(0.6))
+    assert (loop.seeds, loop.final.mean, loop.final.low, loop.final.high) == (
+        3,
+        pytest.approx(0.55),
+        pytest.approx(0.5),
+        pytest.approx(0.6),
+    )
     # seed 0's curve: 0.2, 0.35, 0.5 at 0, 5, 10 -> AUC (0.275 * 5 + 0.425 * 5) / 10 = 0.35; seeds 1, 2: +0.01, +0.02 at 5
-    assert loop.auc.mean == pytest.approx(np.mean([0.35, (0.2 + 0.41) / 4 + (0.41 + 0.6) / 4, (0.2 + 0.395) / 4 + (0.395 + 0.55) / 4]))
+    assert loop.auc.mean == pytest.approx(
+        np.mean([0.35, (0.2 + 0.41) / 4 + (0.41 + 0.6) / 4, (0.2 + 0.395) / 4 + (0.395 + 0.55) / 4])
+    )
     assert loop.env_steps == 1000.0 and by["appo"].env_steps == 1500.0  # APPO's branches count
     assert loop.tokens == 10 * 16 * 20.0 and loop.train_s == 101.0
-    assert by["appo"].seeds == 2 and (by["appo"].final.low, by["appo"].final.high) == (pytest.approx(0.2), pytest.approx(0.3))
+    assert by["appo"].seeds == 2 and (by["appo"].final.low, by["appo"].final.high) == (
+        pytest.approx(0.2),
+        pytest.approx(0.3),
+    )
     # change from the first evaluation: loop's seeds 0.3, 0.4, 0.35 above it; grpo's final under its start
-    assert (loop.change.mean, loop.change.low, loop.change.high) == (pytest.approx(0.35), pytest.approx(0.3), pytest.approx(0.4))
+    assert (loop.change.mean, loop.change.low, loop.change.high) == (
+        pytest.approx(0.35),
+        pytest.approx(0.3),
+        pytest.approx(0.4),
+    )
     assert report.improvement(loop) == "improves" and report.improvement(by["grpo"]) == "no change told apart"
-    assert report.improvement(report.summarize([CellHistory("w", s, {0: 0.5, 4: 0.5 - d}) for s, d in enumerate((0.1, 0.2, 0.15))])[0]) == "worsens"
+    assert (
+        report.improvement(
+            report.summarize([CellHistory("w", s, {0: 0.5, 4: 0.5 - d}) for s, d in enumerate((0.1, 0.2, 0.15))])[0]
+        )
+        == "worsens"
+    )
     assert report.improvement(report.summarize([B0])[0]) == "no change told apart"  # one seed: no interval
 
 
 def test_claim_verdicts():
     summaries = report.summarize(_fixture())
     verdicts = {c.text: report.judge(c, summaries) for c in report.CLAIMS}
-    assert list(verdicts.values()) == ["cannot be told apart",  # token > turn holds, turn vs trajectory overlap
-                                       "does not hold",  # with std normalisation [0.62, 0.70] lies above loop [0.5, 0.6]
-                                       "holds",  # blpo [0.4, 0.5] > gigpo [0.3, 0.35] > grpo [0.1, 0.2]
-                                       "cannot be told apart"]  # appo [0.2, 0.3] touches grpo [0.1, 0.2]
+    assert list(verdicts.values()) == [
+        "cannot be told apart",  # token > turn holds, turn vs trajectory overlap
+        "does not hold",  # with std normalisation [0.62, 0.70] lies above loop [0.5, 0.6]
+        "holds",  # blpo [0.4, 0.5] > gigpo [0.3, 0.35] > grpo [0.1, 0.2]
+        "cannot be told apart",
+    ]  # appo [0.2, 0.3] touches grpo [0.1, 0.2]
     assert report.judge(report.Claim("x", ["loop", "sarsa"]), summaries) == "not measured (sarsa absent)"
 
 
 def test_drifts_flag_finals_outside_the_previous_interval():
     before = report.summarize(_fixture())
-    moved = [CellHistory(c.variant, c.seed, {**c.success, 10: c.success[10] + (0.3 if c.variant == "grpo" else 0.0)}) for c in _fixture()]
+    moved = [
+        CellHistory(c.variant, c.seed, {**c.success, 10: c.success[10] + (0.3 if c.variant == "grpo" else 0.0)})
+        for c in _fixture()
+    ]
     found = report.drifts(report.summarize(moved), before)
     assert [(d.variant, d.now) for d in found] == [("grpo", pytest.approx(0.45))]
     assert report.drifts(before, before) == []
@@ -146,18 +219,33 @@ def test_results_page_is_deterministic_and_complete(tmp_path):
     for name in FIGURES.values():
         assert f"]({name})" in page
     assert "thin lines are single seeds" in page and "95% percentile-bootstrap interval of the mean over seeds" in page
-    assert "- BLPO > GiGPO > GRPO on long-horizon household tasks: **holds** (blpo 0.450 [0.400, 0.500] > gigpo 0.323 [0.300, 0.350] > grpo 0.150 [0.100, 0.200])" in page
+    assert (
+        "- BLPO > GiGPO > GRPO on long-horizon household tasks: **holds** (blpo 0.450 [0.400, 0.500] > gigpo 0.323 [0.300, 0.350] > grpo 0.150 [0.100, 0.200])"
+        in page
+    )
     assert "`0123abcd`" in page and "configs/sweeps/x.yaml" in page and CTX.command in page
     assert f"- cells: {len(cells)} finished, every cell of the sweep" in page
     assert "## What was tuned\n\nThe sweep file does not say" in page
     told = report.results_page(cells, replace(CTX, tuning="Only the\n  learning rate, on LOOP."), FIGURES)
     assert "## What was tuned\n\nOnly the learning rate, on LOOP.\n" in told
-    assert "| loop | 3 | 0.550 [0.500, 0.600] | 0.550 [0.500, 0.600] | 0.380 [0.350, 0.405] | +0.350 [+0.300, +0.400] |" in page
-    assert "- loop: **improves** (+0.350 [+0.300, +0.400] over seeds; +0.350 [+0.298, +0.400] pooled over 600 and 600 episodes)" in page
+    assert (
+        "| loop | 3 | 0.550 [0.500, 0.600] | 0.550 [0.500, 0.600] | 0.380 [0.350, 0.405] | +0.350 [+0.300, +0.400] |"
+        in page
+    )
+    assert (
+        "- loop: **improves** (+0.350 [+0.300, +0.400] over seeds; +0.350 [+0.298, +0.400] pooled over 600 and 600 episodes)"
+        in page
+    )
     assert "- grpo: **no change told apart** (-0.050 [-0.100, +0.000] over seeds; no episode counts to pool)" in page
     # gigpo's seeds agree (+0.123 [+0.100, +0.150]) but its 60 + 60 episodes do not tell the change from none
-    assert "- gigpo: **no change told apart** (+0.123 [+0.100, +0.150] over seeds; +0.123 [-0.034, +0.273] pooled over 60 and 60 episodes)" in page
-    assert "above no change: blpo, loop, loop advantage_params.normalize_std=True, loop loss_params.ratio_level=turn." in page
+    assert (
+        "- gigpo: **no change told apart** (+0.123 [+0.100, +0.150] over seeds; +0.123 [-0.034, +0.273] pooled over 60 and 60 episodes)"
+        in page
+    )
+    assert (
+        "above no change: blpo, loop, loop advantage_params.normalize_std=True, loop loss_params.ratio_level=turn."
+        in page
+    )
     # by task family: each seed's last evaluation; grpo logged only pick_two, and on one seed (no interval)
     assert "| variant | pick_and_place | pick_two |" in page
     assert "| loop | 0.750 [0.700, 0.800] | 0.350 [0.300, 0.400] |" in page
@@ -212,8 +300,14 @@ def test_paired_difference_pairs_iterations_inside_the_window():
 def test_the_page_says_what_code_differs_between_the_commits_the_cells_ran_at():
     one = report.results_page(_fixture(), CTX, FIGURES)
     assert "- commit: `0123abcd`" in one and "differ between" not in one
-    lines = {changes: report.results_page(_fixture(), replace(CTX, commits=["0123abcd", "4567ef01"], code_changes=None if changes is None else list(changes)), FIGURES)
-             for changes in (None, (), ("methods/loop.py",))}
+    lines = {
+        changes: report.results_page(
+            _fixture(),
+            replace(CTX, commits=["0123abcd", "4567ef01"], code_changes=None if changes is None else list(changes)),
+            FIGURES,
+        )
+        for changes in (None, (), ("methods/loop.py",))
+    }
     for page in lines.values():
         assert "- commits: the cells ran at 2 commits: `0123abcd`, `4567ef01`" in page
     assert "differ between those commits: not compared" in lines[None]
@@ -229,7 +323,10 @@ def test_every_variant_a_claim_names_is_a_cell_of_the_shipped_study():
     _, cells = load_sweep(str(Path(__file__).parents[1] / "configs" / "sweeps" / "study_household_medium.yaml"))
     variants = {report.variant_name(cell.coords) for cell in cells}
     assert {v for claim in report.CLAIMS for v in claim.order} <= variants, variants
-    assert report.variant_name({"seed": 0, "method": "loop", "loss_params.ratio_level": "turn"}) == "loop loss_params.ratio_level=turn"
+    assert (
+        report.variant_name({"seed": 0, "method": "loop", "loss_params.ratio_level": "turn"})
+        == "loop loss_params.ratio_level=turn"
+    )
     assert report.variant_name({"seed": 1}) == "base"
 
 
@@ -237,12 +334,22 @@ def test_two_variants_are_ordered_only_when_the_pooled_episodes_agree_with_the_s
     by = {s.variant: s for s in report.summarize(_fixture())}
     gigpo, grpo = by["gigpo"], by["grpo"]  # final 0.323 [0.300, 0.350] and 0.150 [0.100, 0.200]: disjoint over seeds
     assert gigpo.pooled_final == report.Pooled(pytest.approx(19.4 / 60), 60) and grpo.pooled_final is None
-    assert report.compare(gigpo, grpo) == "above" and report.compare(grpo, gigpo) == "below"  # grpo has no episode counts
-    few, many = replace(grpo, pooled_final=report.Pooled(0.15, 20)), replace(grpo, pooled_final=report.Pooled(0.15, 2000))
-    assert report.compare(replace(gigpo, pooled_final=report.Pooled(0.323, 20)), few) == "overlap"  # 20 + 20 episodes: -0.092 to +0.412
+    assert (
+        report.compare(gigpo, grpo) == "above" and report.compare(grpo, gigpo) == "below"
+    )  # grpo has no episode counts
+    few, many = (
+        replace(grpo, pooled_final=report.Pooled(0.15, 20)),
+        replace(grpo, pooled_final=report.Pooled(0.15, 2000)),
+    )
+    assert (
+        report.compare(replace(gigpo, pooled_final=report.Pooled(0.323, 20)), few) == "overlap"
+    )  # 20 + 20 episodes: -0.092 to +0.412
     assert report.compare(replace(gigpo, pooled_final=report.Pooled(0.323, 2000)), many) == "above"
     blpo_first = replace(by["blpo"], pooled_final=report.Pooled(0.45, 20))
-    assert report.judge(report.CLAIMS[2], [blpo_first, replace(gigpo, pooled_final=report.Pooled(0.323, 20)), grpo]) == "cannot be told apart"
+    assert (
+        report.judge(report.CLAIMS[2], [blpo_first, replace(gigpo, pooled_final=report.Pooled(0.323, 20)), grpo])
+        == "cannot be told apart"
+    )
 
 
 def test_the_starting_policy_as_the_cells_evaluated_it_counts_each_seed_once():
@@ -250,6 +357,8 @@ def test_the_starting_policy_as_the_cells_evaluated_it_counts_each_seed_once():
     start, seeds = report.cells_start(cells)  # every cell starts at 0.2; seeds 0, 1, 2
     assert (start, seeds) == (report.Pooled(pytest.approx(0.2), 300), 3)
     low, high = report.wilson(0.2, 300)
-    assert f"| the same, as the cells first evaluated it | 3 | 0.200 [{low:.3f}, {high:.3f}] |" in report.results_page(cells, CTX, FIGURES)
+    assert f"| the same, as the cells first evaluated it | 3 | 0.200 [{low:.3f}, {high:.3f}] |" in report.results_page(
+        cells, CTX, FIGURES
+    )
     other = replace(cells[0], success={**cells[0].success, 0: 0.25})  # one cell of seed 0 started elsewhere
     assert report.cells_start([other, *cells[1:]]) is None and report.cells_start(_fixture()) is None  # no counts

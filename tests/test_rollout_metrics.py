@@ -1,11 +1,11 @@
-"""Figures over an episodes table (horizonrl/rollout_metrics.py), checked on a hand-built table."""
+"""Figures over an episodes table (horizonrl/rollout/metrics.py), checked on a hand-built table."""
 
 from __future__ import annotations
 
 import pyarrow as pa
 import pytest
 
-from horizonrl.rollout_metrics import episode_metrics
+from horizonrl.rollout.metrics import episode_metrics
 
 
 def _episodes(**columns) -> pa.Table:
@@ -41,4 +41,3 @@ def test_no_family_figures_for_tasks_without_a_family():
     m = episode_metrics(_episodes(family=[""] * 7))
     assert not [k for k in m if k.startswith("success_rate/")]
     assert m["success_rate"] == pytest.approx(4 / 6)
-

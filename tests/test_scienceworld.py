@@ -15,7 +15,11 @@ pytest.importorskip("scienceworld")
 from horizonrl.envs import SUITES, make_suite  # noqa: E402
 from horizonrl.envs.base import Env, EnvSuite  # noqa: E402
 from horizonrl.envs.scienceworld_env import (  # noqa: E402
-    TASK_NAMES, JvmHost, ScienceWorldEnv, ScienceWorldSuite, _shared_class,
+    TASK_NAMES,
+    JvmHost,
+    ScienceWorldEnv,
+    ScienceWorldSuite,
+    _shared_class,
 )
 
 
@@ -130,7 +134,9 @@ def test_a_shared_jvm_stops_with_its_last_simulator():
 def test_replay_is_identical_with_interleaved_episodes(boil, monkeypatch):
     """An episode replays identically while another one is loaded after it and stepped in between; the
     valid actions come from the step info, never from the full enumeration."""
-    monkeypatch.setattr(_shared_class(), "get_possible_action_object_combinations", lambda self: pytest.fail("enumerated"))
+    monkeypatch.setattr(
+        _shared_class(), "get_possible_action_object_combinations", lambda self: pytest.fail("enumerated")
+    )
     task = boil.tasks("train", "hard", 1)[0]
     first, second = boil.make(), boil.make()
     reference = _random_trace(first, task, seed=5)
@@ -181,8 +187,10 @@ def test_no_jvm_is_left_when_the_python_process_dies():
     import subprocess
     import sys
 
-    code = ("from horizonrl.envs.scienceworld_env import ScienceWorldSuite as S; s = S('boil'); e = s.make(); "
-            "e.reset(s.tasks('train','easy',1)[0]); print(s.host.pids[0], flush=True); import time; time.sleep(60)")
+    code = (
+        "from horizonrl.envs.scienceworld_env import ScienceWorldSuite as S; s = S('boil'); e = s.make(); "
+        "e.reset(s.tasks('train','easy',1)[0]); print(s.host.pids[0], flush=True); import time; time.sleep(60)"
+    )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     pid = int(child.stdout.readline())
     assert pid in scienceworld_jvms({child.pid})

@@ -25,22 +25,33 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from mlflow import MlflowClient
-
 from flowkit import REPO, Browser, deployed_sweep, flat, free_port, leftovers, prefect_cli, run_of, steps, tiny_config
+
 import horizonrl_stack as stack
 from horizonrl import store
+from mlflow import MlflowClient
 
 pytestmark = pytest.mark.slow
 SWEEP = "tiny-sweep"
 MODEL = "tiny-sweep-best"
 SOLO = ("solo-a", "solo-b")
-HISTORIES = ("eval/success_rate", "collect/episodes", "collect/mean_turns", "collect/tokens_per_episode", "time/train_s")
+HISTORIES = (
+    "eval/success_rate",
+    "collect/episodes",
+    "collect/mean_turns",
+    "collect/tokens_per_episode",
+    "time/train_s",
+)
 ERRORS = ("Traceback", "locked", "deadlock", "could not serialize", "too many clients")
 
 
 def _env(home: Path) -> dict[str, str]:
-    return {"PREFECT_HOME": str(home), "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_UI_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false"}
+    return {
+        "PREFECT_HOME": str(home),
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        "PREFECT_UI_ENABLED": "false",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +63,15 @@ def swept(tmp_path_factory):
     store_dir = Path(tempfile.mkdtemp(prefix="horizonrl-pg-store-"))
     store_dir.chmod(0o711)
     prefect_home = root / "prefect-home"
-    s = stack.Stack(home=root / ".stack", store=store_dir, prefect_port=free_port(), mlflow_port=free_port(), postgres_port=free_port(),
-                    database="postgres", env=_env(prefect_home))
+    s = stack.Stack(
+        home=root / ".stack",
+        store=store_dir,
+        prefect_port=free_port(),
+        mlflow_port=free_port(),
+        postgres_port=free_port(),
+        database="postgres",
+        env=_env(prefect_home),
+    )
     sweep_file = deployed_sweep(root, s.mlflow_uri, SWEEP, iterations=1, concurrency=2, register_best=MODEL)
     timings = {}
     t0 = time.perf_counter()
@@ -67,14 +85,36 @@ def swept(tmp_path_factory):
         t0 = time.perf_counter()
         logs = {name: root / f"{name}.log" for name in (SWEEP, *SOLO)}
         with open(logs[SWEEP], "w") as out:
-            procs = {SWEEP: subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "--no-prompt", "deployment", "run", "sweep/sweep",
-                                              "--param", f"sweep_path={sweep_file}", "--watch", "--watch-timeout", "600"],
-                                             cwd=REPO, env={**env, "PWD": str(REPO)}, stdout=out, stderr=subprocess.STDOUT)}
+            procs = {
+                SWEEP: subprocess.Popen(
+                    [
+                        str(Path(sys.executable).parent / "prefect"),
+                        "--no-prompt",
+                        "deployment",
+                        "run",
+                        "sweep/sweep",
+                        "--param",
+                        f"sweep_path={sweep_file}",
+                        "--watch",
+                        "--watch-timeout",
+                        "600",
+                    ],
+                    cwd=REPO,
+                    env={**env, "PWD": str(REPO)},
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            }
         for name in SOLO:
             cfg = {**tiny_config(root, s.mlflow_uri, iterations=1), "run_name": name, "method": "loop", "seed": 5}
             with open(logs[name], "w") as out:
-                procs[name] = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", *(f"--set={k}={v}" for k, v in flat(cfg).items())],
-                                               cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+                procs[name] = subprocess.Popen(
+                    [sys.executable, "-m", "flows.cli", "train", *(f"--set={k}={v}" for k, v in flat(cfg).items())],
+                    cwd=REPO,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
         for name, proc in procs.items():
             assert proc.wait(timeout=660) == 0, f"{name} failed:\n{logs[name].read_text()[-3000:]}"
         timings["sweep_run_s"] = time.perf_counter() - t0
@@ -108,14 +148,25 @@ def test_sweep_deployment_logs_parent_children_metrics_and_report(swept):
     assert cells == [("grpo", "0"), ("grpo", "1"), ("loop", "0"), ("loop", "1")]
     for run in children:
         assert run.info.status == "FINISHED"
-        assert json.loads(run.data.tags["horizonrl.cell"]) == {"method": run.data.tags["cell.method"], "seed": int(run.data.tags["cell.seed"])}
-        assert run.data.params["method"] == run.data.tags["cell.method"] and run.data.tags["seed"] == run.data.tags["cell.seed"]
+        assert json.loads(run.data.tags["horizonrl.cell"]) == {
+            "method": run.data.tags["cell.method"],
+            "seed": int(run.data.tags["cell.seed"]),
+        }
+        assert (
+            run.data.params["method"] == run.data.tags["cell.method"]
+            and run.data.tags["seed"] == run.data.tags["cell.seed"]
+        )
         assert sorted(m.step for m in c.get_metric_history(run.info.run_id, "eval/success_rate")) == [0, 1]
         for key in ("collect/success_rate", "advantage/kept_fraction", "update/steps"):
             assert [m.step for m in c.get_metric_history(run.info.run_id, key)] == [1], key
     report_files = {a.path for a in c.list_artifacts(parent.info.run_id, "report")}
-    assert report_files == {"report/comparison.json", "report/report.md", "report/success_vs_iterations.png", "report/success_vs_env_steps.png",
-                            "report/success_vs_wall_s.png"}
+    assert report_files == {
+        "report/comparison.json",
+        "report/report.md",
+        "report/success_vs_iterations.png",
+        "report/success_vs_env_steps.png",
+        "report/success_vs_wall_s.png",
+    }
     png = Path(c.download_artifacts(parent.info.run_id, "report/success_vs_env_steps.png", str(root / "dl")))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     versions = c.search_model_versions(f"name = '{MODEL}'")
@@ -125,7 +176,9 @@ def test_sweep_deployment_logs_parent_children_metrics_and_report(swept):
     found = httpx.post(f"{s.prefect_api}/artifacts/filter", json={"artifacts": {"key": {"any_": keys}}}).json()
     assert sorted((a["key"], a["type"]) for a in found) == [(keys[0], "table"), (keys[1], "markdown")]
     # the cells ran as flow runs of the train deployment, never more than `concurrency: 2` at once
-    flow_runs = httpx.post(f"{s.prefect_api}/flow_runs/filter", json={"flow_runs": {"name": {"like_": f"{SWEEP}--"}}}).json()
+    flow_runs = httpx.post(
+        f"{s.prefect_api}/flow_runs/filter", json={"flow_runs": {"name": {"like_": f"{SWEEP}--"}}}
+    ).json()
     assert sorted(r["name"] for r in flow_runs) == sorted(r.info.run_name for r in children)
     assert all(r["state_type"] == "COMPLETED" and r["deployment_id"] for r in flow_runs)
     spans = [(r["start_time"], r["end_time"]) for r in flow_runs]
@@ -139,7 +192,12 @@ def test_every_run_writes_whole_beside_the_others_on_postgres(swept):
     s, root, _ = swept
     env = s.environ()
     assert not list(Path(env["PREFECT_HOME"]).glob("*.db")), "Prefect's server must not keep a SQLite database"
-    for log in [*(root / f"{name}.log" for name in (SWEEP, *SOLO)), s.home / "worker.log", s.home / "mlflow.log", s.home / "prefect.log"]:
+    for log in [
+        *(root / f"{name}.log" for name in (SWEEP, *SOLO)),
+        s.home / "worker.log",
+        s.home / "mlflow.log",
+        s.home / "prefect.log",
+    ]:
         text = log.read_text()
         assert not [e for e in ERRORS if e in text], f"{log.name}:\n{text[-3000:]}"
     # PostgreSQL logs a refused INSERT even when the writer expects it and recovers; the only ones allowed:
@@ -148,8 +206,13 @@ def test_every_run_writes_whole_beside_the_others_on_postgres(swept):
     # pk_task_run (Prefect's task-run recorder racing a concurrent one: it retries against the row),
     # dataset_pk (the two solo runs log identical tables at once; tracking.log_parquet_input tries again),
     # uq_experiments_workspace_name (two runs create the experiment at once; tracking.experiment_id rereads it).
-    recovered = ('unique constraint "metric_pk"', 'unique constraint "trace_info_pk"', 'unique constraint "pk_task_run"',
-                 'unique constraint "dataset_pk"', 'unique constraint "uq_experiments_workspace_name"')
+    recovered = (
+        'unique constraint "metric_pk"',
+        'unique constraint "trace_info_pk"',
+        'unique constraint "pk_task_run"',
+        'unique constraint "dataset_pk"',
+        'unique constraint "uq_experiments_workspace_name"',
+    )
     pg_errors = [line for line in (s.home / "postgres.log").read_text().splitlines() if " ERROR: " in line]
     assert [line for line in pg_errors if not any(r in line for r in recovered)] == []
 
@@ -166,16 +229,25 @@ def test_every_run_writes_whole_beside_the_others_on_postgres(swept):
         for key in ("collect/success_rate", "advantage/kept_fraction", "update/steps", "time/iteration_s"):
             assert steps(c, run.info.run_id, key) == [1], (name, key)
         assert steps(c, run.info.run_id, "eval/success_rate") == [0, 1], name
-        episodes = store.read_table(store.iteration_dir(root / "data", "test", name, 1) / "episodes.parquet", "episodes")
+        episodes = store.read_table(
+            store.iteration_dir(root / "data", "test", name, 1) / "episodes.parquet", "episodes"
+        )
         assert episodes.num_rows == 4 and set(episodes["run_name"].to_pylist()) == {name}
     import psycopg
 
     held = {}
     for database, table in (("prefect", "flow_run"), ("mlflow", "runs"), ("mlflow", "metrics")):
-        with psycopg.connect(host=stack.HOST, port=s.postgres_port, user=stack.PG_USER, dbname=database,
-                             password=s.pg_password_file.read_text().strip()) as conn:
+        with psycopg.connect(
+            host=stack.HOST,
+            port=s.postgres_port,
+            user=stack.PG_USER,
+            dbname=database,
+            password=s.pg_password_file.read_text().strip(),
+        ) as conn:
             held[f"{database}.{table}"] = conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
-    assert held["prefect.flow_run"] >= len(children) + 1 + len(SOLO) and held["mlflow.runs"] == 1 + len(children) + len(SOLO), held
+    assert held["prefect.flow_run"] >= len(children) + 1 + len(SOLO) and held["mlflow.runs"] == 1 + len(children) + len(
+        SOLO
+    ), held
     assert held["mlflow.metrics"] > 0 and not (Path(s.store) / "mlflow.db").exists()
 
 
@@ -183,12 +255,21 @@ def test_sqlite_stack_starts_answers_and_stops(tmp_path):
     """The default stack (SQLite files behind both servers): up, both servers answer, the worker has
     registered, down, and nothing is left."""
     home = tmp_path / "prefect-home"
-    s = stack.Stack(home=tmp_path / ".stack", store=tmp_path / "mlflow", prefect_port=free_port(), mlflow_port=free_port(), env=_env(home))
+    s = stack.Stack(
+        home=tmp_path / ".stack",
+        store=tmp_path / "mlflow",
+        prefect_port=free_port(),
+        mlflow_port=free_port(),
+        env=_env(home),
+    )
     try:
         urls = stack.up(s)
         running = stack.status(s)
         assert [name for name, pgid in running.items() if pgid is not None] == ["worker", "prefect", "mlflow"], running
-        assert httpx.get(f"{s.prefect_api}/health").json() is True and httpx.get(f"{urls['mlflow']}/health").status_code == 200
+        assert (
+            httpx.get(f"{s.prefect_api}/health").json() is True
+            and httpx.get(f"{urls['mlflow']}/health").status_code == 200
+        )
         assert (tmp_path / "mlflow" / "mlflow.db").is_file()
     finally:
         stopped = stack.down(s)
@@ -200,7 +281,9 @@ def test_report_numbers_match_mlflow_metrics(swept):
     s, root, _ = swept
     c = MlflowClient(s.mlflow_uri)
     _, parent, children = _parent_and_children(c)
-    table = json.loads(Path(c.download_artifacts(parent.info.run_id, "report/comparison.json", str(root / "dl2"))).read_text())
+    table = json.loads(
+        Path(c.download_artifacts(parent.info.run_id, "report/comparison.json", str(root / "dl2"))).read_text()
+    )
     rows = {r["variant"]: r for r in (dict(zip(table["columns"], d)) for d in table["data"])}
     assert sorted(rows) == ["grpo", "loop"]
     for method, row in rows.items():
@@ -209,14 +292,27 @@ def test_report_numbers_match_mlflow_metrics(swept):
             h = {k: {m.step: m.value for m in c.get_metric_history(run.info.run_id, k)} for k in HISTORIES}
             success = [h["eval/success_rate"][i] for i in sorted(h["eval/success_rate"])]
             steps = sorted(h["eval/success_rate"])
-            auc = sum((success[i] + success[i + 1]) / 2 * (steps[i + 1] - steps[i]) for i in range(len(steps) - 1)) / (steps[-1] - steps[0])
+            auc = sum((success[i] + success[i + 1]) / 2 * (steps[i + 1] - steps[i]) for i in range(len(steps) - 1)) / (
+                steps[-1] - steps[0]
+            )
             tokens = sum(h["collect/episodes"][i] * h["collect/tokens_per_episode"][i] for i in h["collect/episodes"])
-            per_seed.append({"final": success[-1], "best": max(success), "auc": auc, "tokens": tokens, "train_s": h["time/train_s"][max(h["time/train_s"])]})
+            per_seed.append(
+                {
+                    "final": success[-1],
+                    "best": max(success),
+                    "auc": auc,
+                    "tokens": tokens,
+                    "train_s": h["time/train_s"][max(h["time/train_s"])],
+                }
+            )
         assert row["seeds"] == len(per_seed) == 2
         for name in ("final", "best", "auc"):
             x = np.array([p[name] for p in per_seed])
             assert row[f"{name}_mean"] == pytest.approx(x.mean(), abs=1e-12)
-            assert (row[f"{name}_low"], row[f"{name}_high"]) == (pytest.approx(x.min(), abs=1e-12), pytest.approx(x.max(), abs=1e-12))  # 2 seeds: their range
+            assert (row[f"{name}_low"], row[f"{name}_high"]) == (
+                pytest.approx(x.min(), abs=1e-12),
+                pytest.approx(x.max(), abs=1e-12),
+            )  # 2 seeds: their range
         assert row["tokens"] == pytest.approx(np.mean([p["tokens"] for p in per_seed])) and row["tokens"] > 0
         assert row["train_s"] == pytest.approx(np.mean([p["train_s"] for p in per_seed])) and row["train_s"] > 0
 
@@ -224,8 +320,22 @@ def test_report_numbers_match_mlflow_metrics(swept):
 def test_evaluate_deployment_logs_a_linked_run(swept):
     """The registered best policy, evaluated on the train split through the evaluate deployment."""
     s, _, _ = swept
-    prefect_cli(s.environ(), "deployment", "run", "evaluate/evaluate", "--param", f"source=models:/{MODEL}/1", "--param", "split=train",
-             "--param", "n_tasks=2", "--watch", "--watch-timeout", "120", timeout=150)
+    prefect_cli(
+        s.environ(),
+        "deployment",
+        "run",
+        "evaluate/evaluate",
+        "--param",
+        f"source=models:/{MODEL}/1",
+        "--param",
+        "split=train",
+        "--param",
+        "n_tasks=2",
+        "--watch",
+        "--watch-timeout",
+        "120",
+        timeout=150,
+    )
     c = MlflowClient(s.mlflow_uri)
     exp, parent, _ = _parent_and_children(c)
     runs = c.search_runs([exp.experiment_id], filter_string="tags.`horizonrl.kind` = 'evaluation'")
@@ -245,14 +355,34 @@ def test_mlflow_ui_shows_the_sweep_runs(swept):
     exp, parent, children = _parent_and_children(c)
     out = REPO / "test-artifacts"
     out.mkdir(exist_ok=True)
-    pages = {"mlflow_experiment_page": (f"#/experiments/{exp.experiment_id}/runs", [SWEEP]),
-             "mlflow_sweep_run_page": (f"#/experiments/{exp.experiment_id}/runs/{parent.info.run_id}", [r.info.run_name for r in children])}
+    pages = {
+        "mlflow_experiment_page": (f"#/experiments/{exp.experiment_id}/runs", [SWEEP]),
+        "mlflow_sweep_run_page": (
+            f"#/experiments/{exp.experiment_id}/runs/{parent.info.run_id}",
+            [r.info.run_name for r in children],
+        ),
+    }
     for name, (route, expected) in pages.items():
         shot = out / f"{name}.png"
         shot.unlink(missing_ok=True)
-        dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", f"--user-data-dir={root / 'chromium'}",
-                              "--window-size=1600,1000", "--virtual-time-budget=15000", f"--screenshot={shot}", "--dump-dom", f"{s.mlflow_uri}/{route}"],
-                             capture_output=True, text=True, timeout=120).stdout
+        dom = subprocess.run(
+            [
+                browser,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                f"--user-data-dir={root / 'chromium'}",
+                "--window-size=1600,1000",
+                "--virtual-time-budget=15000",
+                f"--screenshot={shot}",
+                "--dump-dom",
+                f"{s.mlflow_uri}/{route}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
         missing = [run_name for run_name in expected if f">{run_name}<" not in dom]
         assert not missing, f"{name}: runs not shown: {missing}"
         assert shot.is_file() and shot.stat().st_size > 10_000, f"{name}: no screenshot"
@@ -265,8 +395,13 @@ def test_mlflow_ui_shows_an_episode_trace_turn_by_turn(swept):
     c = MlflowClient(s.mlflow_uri)
     exp, _, children = _parent_and_children(c)
     run = next(r for r in children if r.data.tags["cell.method"] == "loop")
-    found = c.search_traces(locations=[exp.experiment_id], run_id=run.info.run_id, filter_string="tags.split = 'train'",
-                             order_by=["timestamp_ms DESC"], max_results=1)  # the newest: the top of the run's list
+    found = c.search_traces(
+        locations=[exp.experiment_id],
+        run_id=run.info.run_id,
+        filter_string="tags.split = 'train'",
+        order_by=["timestamp_ms DESC"],
+        max_results=1,
+    )  # the newest: the top of the run's list
     assert found, "the cell run has no training episode trace"
     trace = found[0]
     turn = min((sp for sp in trace.data.spans if sp.parent_id), key=lambda sp: sp.attributes["turn"])
@@ -281,7 +416,9 @@ def test_mlflow_ui_shows_an_episode_trace_turn_by_turn(swept):
         b.open(f"{tab}?selectedTraceId={trace.info.trace_id}&selectedEvaluationId={trace.info.trace_id}")  # one opened
         b.wait_for(trace.data.spans[0].name, turn.name)
         b.click(turn.name)
-        b.wait_for("observation", turn.inputs["observation"].strip()[:40], "action", turn.outputs["action"], "advantage")
+        b.wait_for(
+            "observation", turn.inputs["observation"].strip()[:40], "action", turn.outputs["action"], "advantage"
+        )
         b.screenshot(shot)
     finally:
         b.close()
@@ -299,8 +436,13 @@ def test_mlflow_ui_compares_the_cells_on_the_sweep_run(swept):
     metrics = parent.data.metrics
     assert parent.data.tags["git_commit"] not in ("", "unknown")
     for method in ("loop", "grpo"):
-        assert {f"compare/{method}/{k}" for k in ("final_mean", "final_low", "final_high", "best_mean", "auc_mean", "seeds")} <= set(metrics)
-    shot, chart = REPO / "test-artifacts" / "mlflow_sweep_comparison.png", REPO / "test-artifacts" / "mlflow_success_vs_env_steps.png"
+        assert {
+            f"compare/{method}/{k}" for k in ("final_mean", "final_low", "final_high", "best_mean", "auc_mean", "seeds")
+        } <= set(metrics)
+    shot, chart = (
+        REPO / "test-artifacts" / "mlflow_sweep_comparison.png",
+        REPO / "test-artifacts" / "mlflow_success_vs_env_steps.png",
+    )
     shot.unlink(missing_ok=True)
     chart.unlink(missing_ok=True)
     b = Browser(root / "chromium-compare")
@@ -310,11 +452,13 @@ def test_mlflow_ui_compares_the_cells_on_the_sweep_run(swept):
         b.type_into("Search metrics", "final_mean")
         b.wait_for("compare/loop/final_mean", "compare/grpo/final_mean")
         b.screenshot(shot)
-        b.open(f"{s.mlflow_uri}/#/experiments/{exp.experiment_id}/runs?compareRunsMode=CHART")  # click 1: the chart view
+        b.open(
+            f"{s.mlflow_uri}/#/experiments/{exp.experiment_id}/runs?compareRunsMode=CHART"
+        )  # click 1: the chart view
         b.wait_for("Group by")
-        b.click("Group by")                                                                     # click 2
+        b.click("Group by")  # click 2
         b.wait_for("cell.method")
-        b.click("cell.method")                                                                  # click 3
+        b.click("cell.method")  # click 3
         b.wait_for("Group: loop", "Group: grpo")
         b.type_into("Search metric charts", "success_by_env_steps")  # charts render only when scrolled to
         b.wait_for("loop (eval/success_by_env_steps)", "grpo (eval/success_by_env_steps)")

@@ -7,8 +7,8 @@ import os
 import socket
 
 import pytest
-
 from flowkit import free_port
+
 import horizonrl_stack as stack
 
 
@@ -18,8 +18,14 @@ def test_postgres_stack_refuses_a_store_postgres_cannot_enter(tmp_path):
         pytest.skip("only root hands the cluster to the postgres user")
     closed = tmp_path / "closed"
     closed.mkdir(mode=0o700)
-    s = stack.Stack(home=tmp_path / ".stack", store=closed / "store", prefect_port=free_port(), mlflow_port=free_port(), database="postgres",
-                    postgres_port=free_port())
+    s = stack.Stack(
+        home=tmp_path / ".stack",
+        store=closed / "store",
+        prefect_port=free_port(),
+        mlflow_port=free_port(),
+        database="postgres",
+        postgres_port=free_port(),
+    )
     with pytest.raises(RuntimeError, match=r"cannot enter .*closed"):
         stack.up(s)
     assert all(v is None for v in stack.status(s).values())
@@ -30,8 +36,17 @@ def test_stack_refuses_a_port_in_use_before_starting_anything(tmp_path):
         taken.bind((stack.HOST, 0))
         taken.listen()
         port = taken.getsockname()[1]
-        s = stack.Stack(home=tmp_path / ".stack", store=tmp_path / "store", prefect_port=free_port(), mlflow_port=free_port(),
-                        database="postgres", postgres_port=port)
-        with pytest.raises(RuntimeError, match=rf"port {port} \(postgres\) is already in use on 127\.0\.0\.1: choose another with --postgres-port"):
+        s = stack.Stack(
+            home=tmp_path / ".stack",
+            store=tmp_path / "store",
+            prefect_port=free_port(),
+            mlflow_port=free_port(),
+            database="postgres",
+            postgres_port=port,
+        )
+        with pytest.raises(
+            RuntimeError,
+            match=rf"port {port} \(postgres\) is already in use on 127\.0\.0\.1: choose another with --postgres-port",
+        ):
             stack.up(s)
     assert not (tmp_path / "store").exists() and not (tmp_path / ".stack").exists()

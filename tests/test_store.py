@@ -12,54 +12,122 @@ import pytest
 from horizonrl import store
 from horizonrl.engines.base import Generation
 from horizonrl.envs.base import Task
-from horizonrl.records import EpisodeRecord, TurnRecord
+from horizonrl.rollout.records import EpisodeRecord, TurnRecord
 from horizonrl.store import ADVANTAGES, EPISODES, TURNS, StoreError, read_table, write_table
 
 TASK = Task("household", "train", "easy", 7, 2**62 + 3, "pick_and_place")
 
 
-def _turn(turn: int, action: str, ids: list[int], *, valid: bool = True, reward: float = 0.0, won: bool = False) -> TurnRecord:
+def _turn(
+    turn: int, action: str, ids: list[int], *, valid: bool = True, reward: float = 0.0, won: bool = False
+) -> TurnRecord:
     """A turn whose float values are exact in float32, so the float32 columns round-trip bit for bit."""
     n = len(ids)
     gen = Generation(
-        token_ids=ids, logprobs=[-0.5 * (j + 1) for j in range(n)], entropy=[0.25] * n,
-        policy_mask=[j % 2 == 0 for j in range(n)], allowed=[[ids[j], 99] if j % 2 == 0 else [ids[j]] for j in range(n)],
+        token_ids=ids,
+        logprobs=[-0.5 * (j + 1) for j in range(n)],
+        entropy=[0.25] * n,
+        policy_mask=[j % 2 == 0 for j in range(n)],
+        allowed=[[ids[j], 99] if j % 2 == 0 else [ids[j]] for j in range(n)],
         finished=n > 0,
     )
     return TurnRecord(
-        turn, f"obs {turn} é…", action, [2, 100 + turn, 4], gen, reward, won, won, valid, bool(action), 0.5 * turn,
-        f"key|{turn}", "NAVIGATE", 5 - turn, 0.125, 0.0625,
+        turn,
+        f"obs {turn} é…",
+        action,
+        [2, 100 + turn, 4],
+        gen,
+        reward,
+        won,
+        won,
+        valid,
+        bool(action),
+        0.5 * turn,
+        f"key|{turn}",
+        "NAVIGATE",
+        5 - turn,
+        0.125,
+        0.0625,
     )
 
 
 def _records() -> list[EpisodeRecord]:
     """Two episodes: one won in 2 turns (one invalid, 3 + 2 generated tokens), one with no turn at all."""
-    won = EpisodeRecord(10, 3, TASK, "window", 12345, "branch", 4, 17,
-                        [_turn(0, "go to fridge 1", [7, 8, 3], valid=False), _turn(1, "", [9, 3], reward=10.0, won=True)], "won")
+    won = EpisodeRecord(
+        10,
+        3,
+        TASK,
+        "window",
+        12345,
+        "branch",
+        4,
+        17,
+        [_turn(0, "go to fridge 1", [7, 8, 3], valid=False), _turn(1, "", [9, 3], reward=10.0, won=True)],
+        "won",
+    )
     empty = EpisodeRecord(11, 3, TASK, "full", -1, status="error", error="boom")
     return [won, empty]
 
 
 def _advantages() -> pa.Table:
-    return pa.table({"rollout_id": [10, 10, 11], "turn": [0, 1, 0], "adv": [0.5, -1.25, 0.0], "keep": [True, False, True],
-                     "adv_tokens": [[0.5, 0.25], None, []]}, schema=ADVANTAGES)
+    return pa.table(
+        {
+            "rollout_id": [10, 10, 11],
+            "turn": [0, 1, 0],
+            "adv": [0.5, -1.25, 0.0],
+            "keep": [True, False, True],
+            "adv_tokens": [[0.5, 0.25], None, []],
+        },
+        schema=ADVANTAGES,
+    )
 
 
 def test_episodes_table_fields_are_derived_from_the_records():
     t = store.episodes_table(_records(), "run-a", 3, 2).to_pylist()
     assert t[0] == dict(
-        run_name="run-a", iteration=3, policy_version=2, rollout_id=10, group_id=3, task_id="household/easy/train/7",
-        env="household", split="train", tier="easy", family="pick_and_place", task_seed=2**62 + 3, kind="branch",
-        parent_rollout=4, branch_token=17, branch_score=0.0, context="window", sample_seed=12345, n_turns=2, episode_return=10.0,
-        won=True, score=0.5, n_invalid=1, gen_tokens=5, status="won", error="",
+        run_name="run-a",
+        iteration=3,
+        policy_version=2,
+        rollout_id=10,
+        group_id=3,
+        task_id="household/easy/train/7",
+        env="household",
+        split="train",
+        tier="easy",
+        family="pick_and_place",
+        task_seed=2**62 + 3,
+        kind="branch",
+        parent_rollout=4,
+        branch_token=17,
+        branch_score=0.0,
+        context="window",
+        sample_seed=12345,
+        n_turns=2,
+        episode_return=10.0,
+        won=True,
+        score=0.5,
+        n_invalid=1,
+        gen_tokens=5,
+        status="won",
+        error="",
     )
-    assert (t[1]["n_turns"], t[1]["episode_return"], t[1]["won"], t[1]["score"], t[1]["gen_tokens"], t[1]["error"]) == (0, 0.0, False, 0.0, 0, "boom")
+    assert (t[1]["n_turns"], t[1]["episode_return"], t[1]["won"], t[1]["score"], t[1]["gen_tokens"], t[1]["error"]) == (
+        0,
+        0.0,
+        False,
+        0.0,
+        0,
+        "boom",
+    )
 
 
 @pytest.mark.parametrize("kind", ["episodes", "turns", "advantages"])
 def test_round_trip_is_exact_in_values_and_types(tmp_path, kind):
-    table = {"episodes": lambda: store.episodes_table(_records(), "run-a", 3, 2),
-             "turns": lambda: store.turns_table(_records()), "advantages": _advantages}[kind]()
+    table = {
+        "episodes": lambda: store.episodes_table(_records(), "run-a", 3, 2),
+        "turns": lambda: store.turns_table(_records()),
+        "advantages": _advantages,
+    }[kind]()
     path = tmp_path / "iter=00003" / f"{kind}.parquet"
     digest = write_table(table, path, kind)
     back = read_table(path, kind)
@@ -105,7 +173,7 @@ def test_truncated_file_raises_naming_the_path(tmp_path, keep):
     path = tmp_path / "turns.parquet"
     write_table(store.turns_table(_records()), path, "turns")
     data = path.read_bytes()
-    path.write_bytes(data[:keep] if keep >= 0 else data[:len(data) + keep])
+    path.write_bytes(data[:keep] if keep >= 0 else data[: len(data) + keep])
     with pytest.raises(StoreError, match=re.escape(f"{path}: not a readable Parquet file (truncated")):
         read_table(path, "turns")
 
@@ -113,7 +181,10 @@ def test_truncated_file_raises_naming_the_path(tmp_path, keep):
 def test_wrong_table_kind_raises_naming_the_path(tmp_path):
     path = tmp_path / "advantages.parquet"
     write_table(_advantages(), path, "advantages")
-    with pytest.raises(StoreError, match=re.escape(f"{path}: schema version '1' of table 'advantages'; this code reads version '1' of 'turns'")):
+    with pytest.raises(
+        StoreError,
+        match=re.escape(f"{path}: schema version '1' of table 'advantages'; this code reads version '1' of 'turns'"),
+    ):
         read_table(path, "turns")
 
 
@@ -126,7 +197,9 @@ def test_write_refuses_a_table_of_another_schema(tmp_path):
     path = tmp_path / "turns.parquet"
     with pytest.raises(StoreError, match="'turns' schema"):
         write_table(_advantages(), path, "turns")
-    wrong_type = _advantages().cast(pa.schema([f if f.name != "turn" else pa.field("turn", pa.int64()) for f in ADVANTAGES]))
+    wrong_type = _advantages().cast(
+        pa.schema([f if f.name != "turn" else pa.field("turn", pa.int64()) for f in ADVANTAGES])
+    )
     with pytest.raises(StoreError):
         write_table(wrong_type, tmp_path / "advantages.parquet", "advantages")
     assert list(tmp_path.iterdir()) == []
@@ -200,4 +273,6 @@ def test_advantages_table_stores_each_trajectorys_tokens_once_on_its_first_row()
     plain = store.advantages_table(rid, turn, np.arange(6.0), np.ones(6, dtype=bool))
     assert plain["adv_tokens"].null_count == 6
     empty = np.array([], dtype=np.int64)
-    assert store.advantages_table(empty, empty, np.array([]), np.array([], dtype=bool), np.array([]), empty).num_rows == 0
+    assert (
+        store.advantages_table(empty, empty, np.array([]), np.array([], dtype=bool), np.array([]), empty).num_rows == 0
+    )

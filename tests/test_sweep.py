@@ -6,17 +6,28 @@ the real stack in test_stack.py."""
 from __future__ import annotations
 
 import math
+from datetime import UTC
 from pathlib import Path
 
 import pytest
 import yaml
-from mlflow import MlflowClient
-
 from flowkit import tiny_config
+
 from flows.evaluate import config_of_run
-from flows.sweep import BASE_TAG, INSTANCE_TAG, PREVIOUS_TAG, SWEEP_TAG, artifact_key, finished, load_sweep, sweep, sweep_report
-from horizonrl import tracking
+from flows.sweep import (
+    BASE_TAG,
+    INSTANCE_TAG,
+    PREVIOUS_TAG,
+    SWEEP_TAG,
+    artifact_key,
+    finished,
+    load_sweep,
+    sweep,
+    sweep_report,
+)
 from horizonrl.config import TrainConfig
+from horizonrl.tracking import mlflow_runs
+from mlflow import MlflowClient
 
 SWEEPS = sorted((Path(__file__).parents[1] / "configs" / "sweeps").glob("*.y*ml"))
 
@@ -42,32 +53,61 @@ def _write(tmp_path: Path, sweep: dict, base: dict | None = None) -> Path:
 
 
 def test_cells_are_the_grid_product_with_overrides(tmp_path):
-    spec, cells = load_sweep(_write(tmp_path, {"set": ["eval.n_tasks=7"], "grid": {"method": ["loop", "grpo"], "loss_params.ratio_level": ["token", "turn"]}}))
-    assert [c.run_name for c in cells] == ["s--method=loop--loss_params.ratio_level=token", "s--method=loop--loss_params.ratio_level=turn",
-                                           "s--method=grpo--loss_params.ratio_level=token", "s--method=grpo--loss_params.ratio_level=turn"]
+    spec, cells = load_sweep(
+        _write(
+            tmp_path,
+            {
+                "set": ["eval.n_tasks=7"],
+                "grid": {"method": ["loop", "grpo"], "loss_params.ratio_level": ["token", "turn"]},
+            },
+        )
+    )
+    assert [c.run_name for c in cells] == [
+        "s--method=loop--loss_params.ratio_level=token",
+        "s--method=loop--loss_params.ratio_level=turn",
+        "s--method=grpo--loss_params.ratio_level=token",
+        "s--method=grpo--loss_params.ratio_level=turn",
+    ]
     assert all(c.config.eval.n_tasks == 7 and c.config.iterations == 1 for c in cells)
     assert cells[3].config.loss_spec()[1].ratio_level == "turn" and cells[3].config.method == "grpo"
     assert spec.concurrency == 1 and spec.deployment is None
 
 
 def test_a_list_of_grids_is_the_union_of_their_products(tmp_path):
-    _, cells = load_sweep(_write(tmp_path, {"grid": [{"method": ["loop", "grpo"], "seed": [0]}, {"method": ["loop"], "loss_params.ratio_level": ["turn"], "seed": [0]}]}))
-    assert [c.run_name for c in cells] == ["s--method=loop--seed=0", "s--method=grpo--seed=0", "s--method=loop--loss_params.ratio_level=turn--seed=0"]
+    _, cells = load_sweep(
+        _write(
+            tmp_path,
+            {
+                "grid": [
+                    {"method": ["loop", "grpo"], "seed": [0]},
+                    {"method": ["loop"], "loss_params.ratio_level": ["turn"], "seed": [0]},
+                ]
+            },
+        )
+    )
+    assert [c.run_name for c in cells] == [
+        "s--method=loop--seed=0",
+        "s--method=grpo--seed=0",
+        "s--method=loop--loss_params.ratio_level=turn--seed=0",
+    ]
     _, named = load_sweep(_write(tmp_path, {"grid": {"seed": [0]}}), instance="20260101T030000Z-abc")
     assert named[0].run_name == "s--20260101T030000Z-abc--seed=0"
 
 
-@pytest.mark.parametrize("sweep, message", [
-    ({"grid": {}}, r"grid\n.*grid is empty"),
-    ({"grid": {"method": []}}, "grid.method has no values"),
-    ({"grid": {"method": ["loop", "sarsa"]}}, r"(?s)grid cell \{'method': 'sarsa'\}: .*unknown method 'sarsa'"),
-    ({"grid": {"update.lrr": [1]}}, r"(?s)grid cell \{'update.lrr': 1\}: .*update.lrr"),
-    ({"grid": {"seed": [0]}, "concurrency": 0}, "concurrency"),
-    ({"grid": {"seed": [0]}, "methods": ["loop"]}, "methods"),
-    ({"grid": {"experiment": ["a", "b"]}}, "grid varies 'experiment'"),
-    ({"grid": [{"seed": [0]}, {"seed": [0, 1]}]}, r"repeat cells \['s--seed=0'\]"),
-    ({"grid": [{"seed": [0]}, {}]}, "grid is empty"),
-])
+@pytest.mark.parametrize(
+    "sweep, message",
+    [
+        ({"grid": {}}, r"grid\n.*grid is empty"),
+        ({"grid": {"method": []}}, "grid.method has no values"),
+        ({"grid": {"method": ["loop", "sarsa"]}}, r"(?s)grid cell \{'method': 'sarsa'\}: .*unknown method 'sarsa'"),
+        ({"grid": {"update.lrr": [1]}}, r"(?s)grid cell \{'update.lrr': 1\}: .*update.lrr"),
+        ({"grid": {"seed": [0]}, "concurrency": 0}, "concurrency"),
+        ({"grid": {"seed": [0]}, "methods": ["loop"]}, "methods"),
+        ({"grid": {"experiment": ["a", "b"]}}, "grid varies 'experiment'"),
+        ({"grid": [{"seed": [0]}, {"seed": [0, 1]}]}, r"repeat cells \['s--seed=0'\]"),
+        ({"grid": [{"seed": [0]}, {}]}, "grid is empty"),
+    ],
+)
 def test_bad_sweep_names_the_field(tmp_path, sweep, message):
     with pytest.raises(ValueError, match=message):
         load_sweep(_write(tmp_path, sweep))
@@ -86,12 +126,12 @@ def test_finished_means_run_finished_after_all_iterations(tmp_path, tracking_uri
     _, cells = load_sweep(_write(tmp_path, {"grid": {"seed": [0]}}, tiny_config(tmp_path, tracking_uri, iterations=2)))
     cell, c = cells[0], MlflowClient(tracking_uri)
     assert not finished(c, cell)  # no run yet
-    run_id, _ = tracking.find_or_create_run(c, "test", cell.run_name, {})
-    tracking.log_metrics(c, run_id, "summary", {"iterations": 1.0}, 1)
+    run_id, _ = mlflow_runs.find_or_create_run(c, "test", cell.run_name, {})
+    mlflow_runs.log_metrics(c, run_id, "summary", {"iterations": 1.0}, 1)
     c.set_terminated(run_id, "FINISHED")
     assert not finished(c, cell), "a run finished with fewer iterations than the cell asks for resumes"
-    tracking.find_or_create_run(c, "test", cell.run_name, {})  # a resumed attempt: RUNNING again
-    tracking.log_metrics(c, run_id, "summary", {"iterations": 2.0}, 2)
+    mlflow_runs.find_or_create_run(c, "test", cell.run_name, {})  # a resumed attempt: RUNNING again
+    mlflow_runs.log_metrics(c, run_id, "summary", {"iterations": 2.0}, 2)
     assert not finished(c, cell), "a run still running (or killed) is not finished"
     c.set_terminated(run_id, "FINISHED")
     assert finished(c, cell)
@@ -99,9 +139,15 @@ def test_finished_means_run_finished_after_all_iterations(tmp_path, tracking_uri
 
 def test_config_of_run_reads_the_config_the_run_logged(tmp_path, tracking_uri):
     """The evaluate flow's source config is the run's ``config.yaml`` artifact, as ``start_run`` logs it."""
-    cfg = TrainConfig.model_validate({**tiny_config(tmp_path, tracking_uri), "per_method": {"loop": {"loss_params": {"eps": 2e-5, "ratio_level": "turn"}}}, "time_budget_s": 30})
+    cfg = TrainConfig.model_validate(
+        {
+            **tiny_config(tmp_path, tracking_uri),
+            "per_method": {"loop": {"loss_params": {"eps": 2e-5, "ratio_level": "turn"}}},
+            "time_budget_s": 30,
+        }
+    )
     c = MlflowClient(tracking_uri)
-    run_id, _ = tracking.find_or_create_run(c, "test", "params", {})
+    run_id, _ = mlflow_runs.find_or_create_run(c, "test", "params", {})
     with pytest.raises(ValueError, match=f"run {run_id} has no config.yaml artifact"):
         config_of_run(c, run_id)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=True))
@@ -124,14 +170,22 @@ def test_cells_are_nested_under_the_sweep_when_they_start(prefect_harness, tmp_p
     sweep(str(_write(tmp_path, {"grid": {"seed": [0, 1]}}, base)), in_process=True)
     c = MlflowClient(tracking_uri)
     exp = c.get_experiment_by_name("test")
-    (parent,) = c.search_runs([exp.experiment_id], filter_string=f"tags.`{SWEEP_TAG}` = 's' and tags.`horizonrl.kind` = 'sweep'")
-    children = sorted(c.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"),
-                      key=lambda r: r.data.tags["cell.seed"])
+    (parent,) = c.search_runs(
+        [exp.experiment_id], filter_string=f"tags.`{SWEEP_TAG}` = 's' and tags.`horizonrl.kind` = 'sweep'"
+    )
+    children = sorted(
+        c.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"),
+        key=lambda r: r.data.tags["cell.seed"],
+    )
     assert [r.info.run_name for r in children] == ["s--seed=0", "s--seed=1"]
     for seed, run in enumerate(children):
-        assert run.info.status == "FINISHED" and run.data.params["method"] == "loop" and run.data.tags["seed"] == str(seed)
+        assert (
+            run.info.status == "FINISHED" and run.data.params["method"] == "loop" and run.data.tags["seed"] == str(seed)
+        )
         assert [m.step for m in c.get_metric_history(run.info.run_id, "eval/success_rate")] == [0, 1]
-    assert children[1].info.start_time >= children[0].info.end_time, "the second cell's run was created before the first ended"
+    assert children[1].info.start_time >= children[0].info.end_time, (
+        "the second cell's run was created before the first ended"
+    )
     # the comparison on the parent's page, without an artifact; success against environment steps per cell
     assert {"compare/base/final_mean", "compare/base/auc_mean", "compare/base/seeds"} <= set(parent.data.metrics)
     assert parent.data.metrics["compare/base/seeds"] == 2 and parent.data.tags["git_commit"]
@@ -172,14 +226,21 @@ def test_each_scheduled_firing_is_a_new_instance_compared_with_the_previous(pref
 
     c = MlflowClient(tracking_uri)
     exp = c.get_experiment_by_name("test")
-    parents = c.search_runs([exp.experiment_id], filter_string=f"tags.`{BASE_TAG}` = 'weekly'", order_by=["attributes.start_time ASC"])
+    parents = c.search_runs(
+        [exp.experiment_id], filter_string=f"tags.`{BASE_TAG}` = 'weekly'", order_by=["attributes.start_time ASC"]
+    )
     assert len(parents) == 2 and all(p.info.status == "FINISHED" for p in parents)
     first, second = (p.data.tags[INSTANCE_TAG] for p in parents)
     assert first != second and [p.info.run_name for p in parents] == [f"weekly--{first}", f"weekly--{second}"]
     assert PREVIOUS_TAG not in parents[0].data.tags and parents[1].data.tags[PREVIOUS_TAG] == f"weekly--{first}"
     page = Path(c.download_artifacts(parents[1].info.run_id, "report/report.md", str(tmp_path / "dl"))).read_text()
-    assert f"## Compared with the previous instance (weekly--{first})" in page and "![held-out success against iteration](success_vs_iterations.png)" in page
-    assert "## By task family" in page and "| variant | pick_and_place |" in page  # the easy tier's one family, from MLflow
+    assert (
+        f"## Compared with the previous instance (weekly--{first})" in page
+        and "![held-out success against iteration](success_vs_iterations.png)" in page
+    )
+    assert (
+        "## By task family" in page and "| variant | pick_and_place |" in page
+    )  # the easy tier's one family, from MLflow
     with get_client(sync_client=True) as client:
         drift = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["weekly-drift"])))
     assert drift and f"weekly--{second} against weekly--{first}" in drift[0].data
@@ -195,29 +256,33 @@ def test_each_scheduled_firing_is_a_new_instance_compared_with_the_previous(pref
     sweep(str(path), in_process=True, instance=second)  # a manual rerun of the second instance
     again = c.search_runs([exp.experiment_id], filter_string=f"tags.`{BASE_TAG}` = 'weekly'")
     assert len(again) == 2, "a rerun of an instance made a new one"
-    assert len(c.search_runs([exp.experiment_id], filter_string="tags.`horizonrl.run_name` LIKE 'weekly--%--seed=%'")) == 4
+    assert (
+        len(c.search_runs([exp.experiment_id], filter_string="tags.`horizonrl.run_name` LIKE 'weekly--%--seed=%'")) == 4
+    )
 
 
 def test_a_running_flow_run_whose_process_is_gone_is_abandoned(tmp_path):
     """A cell's flow run left RUNNING when its machine or stack stopped is resubmitted by the next sweep
     (``run_cell``); one whose process still holds the run's lock, or that started moments ago (it takes
     the lock within seconds), is waited for."""
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timedelta
     from uuid import uuid4
 
     from prefect.client.schemas.objects import FlowRun
     from prefect.states import Running
 
     from flows.sweep import Cell, _abandoned
-    from horizonrl import runlock
     from horizonrl.config import load_config, run_dir
+    from horizonrl.run import runlock
 
     cell = Cell({"seed": 0}, load_config(None, [f"data_dir={tmp_path}", "run_name=c"]))
     run_dir(cell.config).mkdir(parents=True)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
 
     def flow_run(started_ago_s: float) -> FlowRun:
-        return FlowRun(id=uuid4(), name="c", flow_id=uuid4(), state=Running(), start_time=now - timedelta(seconds=started_ago_s))
+        return FlowRun(
+            id=uuid4(), name="c", flow_id=uuid4(), state=Running(), start_time=now - timedelta(seconds=started_ago_s)
+        )
 
     assert _abandoned(flow_run(3600), cell), "an hour-old RUNNING flow run with nobody holding the lock"
     assert not _abandoned(flow_run(5), cell), "started moments ago: its process may not have taken the lock yet"

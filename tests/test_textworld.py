@@ -23,7 +23,12 @@ from horizonrl.config import load_config  # noqa: E402
 from horizonrl.envs import SUITES, make_suite, suite_ref  # noqa: E402
 from horizonrl.envs.base import Env, EnvSuite  # noqa: E402
 from horizonrl.envs.textworld_env import (  # noqa: E402
-    TextWorldEnv, TextWorldSuite, ensure_game, game_spec, split_of, tw_make_path,
+    TextWorldEnv,
+    TextWorldSuite,
+    ensure_game,
+    game_spec,
+    split_of,
+    tw_make_path,
 )
 from horizonrl.seeding import derive_seed  # noqa: E402
 
@@ -77,7 +82,10 @@ def test_splits_are_disjoint_seed_lists_fixed_by_the_suite_seed():
     assert all(len(set(s)) == 300 for s in seeds.values())
     assert not set(seeds["train"]) & set(seeds["test"]) and not set(seeds["dev"]) & set(seeds["train"] + seeds["test"])
     assert {split_of(s, suite.splits) for s in seeds["test"]} == {"test"}
-    assert TextWorldSuite("textworld-cooking").tasks("test", "easy", 5, offset=295) == suite.tasks("test", "easy", 300)[295:]
+    assert (
+        TextWorldSuite("textworld-cooking").tasks("test", "easy", 5, offset=295)
+        == suite.tasks("test", "easy", 300)[295:]
+    )
     assert [t.seed for t in TextWorldSuite("textworld-cooking", seed=1).tasks("train", "easy", 5)] != seeds["train"][:5]
     assert all(0 <= s < 2**31 for s in seeds["train"])  # tw-make takes a 32-bit seed
     # cooking draws each split from its own food distribution
@@ -193,9 +201,30 @@ def user_games(tmp_path_factory):
     parallel), in a folder whose ``splits.yaml`` puts g1, g2 in train and g3 in test."""
     folder = tmp_path_factory.mktemp("user") / "games"
     folder.mkdir()
-    makers = [subprocess.Popen([tw_make_path(), "custom", "--world-size", "2", "--nb-objects", "3", "--quest-length", "2",
-                                "--seed", str(seed), "--output", str(folder / f"g{seed}.z8"), "--silent", "-f"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for seed in USER_SEEDS]
+    makers = [
+        subprocess.Popen(
+            [
+                tw_make_path(),
+                "custom",
+                "--world-size",
+                "2",
+                "--nb-objects",
+                "3",
+                "--quest-length",
+                "2",
+                "--seed",
+                str(seed),
+                "--output",
+                str(folder / f"g{seed}.z8"),
+                "--silent",
+                "-f",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for seed in USER_SEEDS
+    ]
     for maker in makers:
         output, _ = maker.communicate(timeout=600)
         assert maker.returncode == 0, output
@@ -219,8 +248,10 @@ def test_user_games_are_split_by_their_file_and_won_by_their_walkthrough(user_ga
     assert suite.tasks("train", "easy", 1, offset=1) == train[1:]
     with pytest.raises(ValueError, match=re.escape(str(user_games / "splits.yaml"))):
         suite.tasks("dev", "easy", 1)  # splits.yaml names no dev game
-    walkthroughs = {t.family: json.loads((user_games / t.family).with_suffix(".json").read_text())["metadata"]["walkthrough"]
-                    for t in train + test}
+    walkthroughs = {
+        t.family: json.loads((user_games / t.family).with_suffix(".json").read_text())["metadata"]["walkthrough"]
+        for t in train + test
+    }
     assert suite.max_turns("easy") == 10 + 2 * max(map(len, walkthroughs.values()))
     env = suite.make()
     for task in train + test:
@@ -238,14 +269,22 @@ def test_user_games_are_split_by_their_file_and_won_by_their_walkthrough(user_ga
 def test_without_a_splits_file_a_seeded_hash_of_the_name_splits_the_games(user_games, tmp_path):
     folder = _copy_games(user_games, tmp_path / "hashed", ["g1", "g2", "g3"])
     for seed in (0, 1):
-        rule = {f"g{s}.z8": ("test", "dev", *["train"] * 8)[derive_seed(seed, "textworld-games", f"g{s}.z8") % 10] for s in USER_SEEDS}
+        rule = {
+            f"g{s}.z8": ("test", "dev", *["train"] * 8)[derive_seed(seed, "textworld-games", f"g{s}.z8") % 10]
+            for s in USER_SEEDS
+        }
         for source in (str(folder), str(folder / "g*.z8")):  # a folder or a glob
             suite = TextWorldSuite("textworld-cooking", seed=seed, games=source)
-            found = {t.family: split for split in suite.splits
-                     for t in (suite.tasks(split, "easy", 10) if split in rule.values() else [])}
+            found = {
+                t.family: split
+                for split in suite.splits
+                for t in (suite.tasks(split, "easy", 10) if split in rule.values() else [])
+            }
             assert found == rule
     one = TextWorldSuite("textworld-coin", games=str(folder / "g1.z8"))  # one game: two splits are empty
-    empty = [s for s in one.splits if s != ("test", "dev", *["train"] * 8)[derive_seed(0, "textworld-games", "g1.z8") % 10]]
+    empty = [
+        s for s in one.splits if s != ("test", "dev", *["train"] * 8)[derive_seed(0, "textworld-games", "g1.z8") % 10]
+    ]
     for split in empty:
         with pytest.raises(ValueError, match=re.escape(f"no game falls in split {split!r} (hash rule)")):
             one.tasks(split, "easy", 1)
@@ -255,7 +294,7 @@ def test_a_game_textworld_cannot_load_is_named_before_any_work(user_games, tmp_p
     folder = _copy_games(user_games, tmp_path / "broken", ["g1"])
     story = (user_games / "g2.z8").read_bytes()
     meta = (user_games / "g2.json").read_text()
-    (folder / "cut.z8").write_bytes(story[:len(story) // 3])
+    (folder / "cut.z8").write_bytes(story[: len(story) // 3])
     (folder / "noise.z8").write_bytes(random.Random(0).randbytes(4096))
     (folder / "flipped.z8").write_bytes(story[:1000] + bytes(b ^ 0xFF for b in story[1000:1100]) + story[1100:])
     (folder / "old.ulx").write_bytes(b"Glul" + bytes(60))
@@ -266,8 +305,14 @@ def test_a_game_textworld_cannot_load_is_named_before_any_work(user_games, tmp_p
     (folder / "bad_meta.json").write_text("{not json")
     with pytest.raises(ValueError) as err:
         TextWorldSuite("textworld-coin", games=str(folder))
-    reasons = {"cut": "truncated", "noise": "not a Z-machine version 8", "flipped": "checksum", "old": "Glulx",
-               "lone": "no lone.json", "bad_meta": "not a TextWorld game description"}
+    reasons = {
+        "cut": "truncated",
+        "noise": "not a Z-machine version 8",
+        "flipped": "checksum",
+        "old": "Glulx",
+        "lone": "no lone.json",
+        "bad_meta": "not a TextWorld game description",
+    }
     lines = str(err.value).splitlines()
     assert lines[0] == f"env.games = {str(folder)!r}: 6 game(s) TextWorld cannot load:"
     for name, reason in reasons.items():
@@ -278,8 +323,12 @@ def test_a_game_textworld_cannot_load_is_named_before_any_work(user_games, tmp_p
         load_config(None, ["env.name=textworld-coin", f"env.games={folder}"])
     # what the header check stands in for: TextWorld's interpreter (Frotz) ends the process on such a file
     for name, fatal in (("cut", "Story file read error"), ("noise", "Unknown Z-code version")):
-        done = subprocess.run([sys.executable, "-c", f"import textworld; textworld.start({str(folder / name) + '.z8'!r}).reset()"],
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-c", f"import textworld; textworld.start({str(folder / name) + '.z8'!r}).reset()"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode != 0 and f"Fatal error: {fatal}" in done.stderr
 
 
@@ -289,7 +338,9 @@ def test_a_folder_or_pattern_without_games_is_named(tmp_path):
     (empty / "notes.txt").write_text("no games here")
     with pytest.raises(ValueError, match=re.escape(f"the folder {empty} holds no game file")):
         TextWorldSuite("textworld-coin", games=str(empty))
-    with pytest.raises(ValueError, match=re.escape(f"env.games = {str(empty / '*.z8')!r}: the pattern matches no game file")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"env.games = {str(empty / '*.z8')!r}: the pattern matches no game file")
+    ):
         TextWorldSuite("textworld-coin", games=str(empty / "*.z8"))
     with pytest.raises(ValueError, match=re.escape(f"no such folder ({tmp_path / 'missing'})")):
         load_config(None, ["env.name=textworld-coin", f"env.games={tmp_path / 'missing'}"])
@@ -319,21 +370,25 @@ def test_user_games_run_through_the_worker_pool(user_games):
 def test_short_train_run_plays_the_users_games(prefect_harness, user_games, tmp_path, tracking_uri):
     """One iteration of the train flow on the user's games: the episodes stored in Parquet name the
     train games, evaluation plays the test game, and the stages' metrics are logged."""
-    from mlflow import MlflowClient
-
     from flowkit import run_of, steps, tiny_config
+
     from flows.train import train
     from horizonrl import store
+    from mlflow import MlflowClient
 
     cfg = tiny_config(tmp_path, tracking_uri, "own-games", iterations=1)
     cfg["env"] = {"name": "textworld-coin", "games": str(user_games), "max_turns": 4}
     cfg["eval"] = {"every": 1, "n_tasks": 5, "greedy": False}
     train(config=cfg)
-    episodes = store.read_table(store.iteration_dir(tmp_path / "data", "test", "own-games", 1) / "episodes.parquet", "episodes")
+    episodes = store.read_table(
+        store.iteration_dir(tmp_path / "data", "test", "own-games", 1) / "episodes.parquet", "episodes"
+    )
     assert sorted(episodes["family"].to_pylist()) == ["g1.z8", "g1.z8", "g2.z8", "g2.z8"]
     assert set(episodes["env"].to_pylist()) == {"textworld-coin"} and set(episodes["split"].to_pylist()) == {"train"}
     c = MlflowClient(tracking_uri)
     run = run_of(c, "own-games")
     assert run.data.params["env.games"] == str(user_games)
-    assert steps(c, run.info.run_id, "collect/success_rate") == [1] and steps(c, run.info.run_id, "eval/success_rate") == [0, 1]
+    assert steps(c, run.info.run_id, "collect/success_rate") == [1] and steps(
+        c, run.info.run_id, "eval/success_rate"
+    ) == [0, 1]
     assert run.data.metrics["collect/episodes"] == 4 and run.data.metrics["collect/error_rate"] == 0.0

@@ -8,10 +8,12 @@ for more iterations.
 from __future__ import annotations
 
 import pytest
-from mlflow import MlflowClient
-
-from horizonrl import store, tracking
 from flowkit import run_of, steps, tiny_config
+
+from horizonrl import store
+from horizonrl.files import file_digest
+from horizonrl.tracking import mlflow_runs
+from mlflow import MlflowClient
 
 pytestmark = pytest.mark.slow
 
@@ -38,8 +40,12 @@ def test_train_flow_logs_every_stage(prefect_harness, tmp_path, tracking_uri):
     for key in ("collect/success_rate", "advantage/kept_fraction", "update/steps", "time/iteration_s"):
         assert steps(c, run.info.run_id, key) == [1, 2], key
     assert steps(c, run.info.run_id, "eval/success_rate") == [0, 1, 2]
-    assert _episodes_by_step(c, run.info.run_id) == {0: 4, 1: 3, 2: 4}, "eval.n_tasks_ends at the two ends, eval.n_tasks between"
-    assert [m.value for m in c.get_metric_history(run.info.run_id, "update/lr")] == [1e-3, 1e-3], "update.lr, not annealed (lr_final unset)"
+    assert _episodes_by_step(c, run.info.run_id) == {0: 4, 1: 3, 2: 4}, (
+        "eval.n_tasks_ends at the two ends, eval.n_tasks between"
+    )
+    assert [m.value for m in c.get_metric_history(run.info.run_id, "update/lr")] == [1e-3, 1e-3], (
+        "update.lr, not annealed (lr_final unset)"
+    )
     inputs = {d.dataset.name for d in run.inputs.dataset_inputs}
     assert {"iter=1/turns", "iter=1/episodes", "iter=2/advantages-loop"} <= inputs
     artifacts = {a.path for a in c.list_artifacts(run.info.run_id, "episodes")}
@@ -47,7 +53,9 @@ def test_train_flow_logs_every_stage(prefect_harness, tmp_path, tracking_uri):
     from flows.evaluate import config_of_run
     from horizonrl.config import TrainConfig
 
-    assert config_of_run(c, run.info.run_id) == TrainConfig.model_validate(_config(tmp_path, tracking_uri))  # what `evaluate` reloads
+    assert config_of_run(c, run.info.run_id) == TrainConfig.model_validate(
+        _config(tmp_path, tracking_uri)
+    )  # what `evaluate` reloads
     assert run.info.status == "FINISHED"
     import mlflow
 
@@ -66,11 +74,13 @@ def test_train_flow_logs_every_stage(prefect_harness, tmp_path, tracking_uri):
     # the same run asked for one more iteration resumes after its last one: nothing rewritten, one more step
     # (a kill in the middle of an iteration: tests/test_reliability.py kills the CLI at every stage)
     first = store.iteration_dir(tmp_path / "data", "test", "e2e", 1) / "episodes.parquet"
-    digest = store.file_digest(first)
+    digest = file_digest(first)
     train(config=_config(tmp_path, tracking_uri, iterations=3))
-    assert store.file_digest(first) == digest, "a completed iteration was rewritten"
+    assert file_digest(first) == digest, "a completed iteration was rewritten"
     for key in ("collect/success_rate", "update/steps"):
         assert steps(c, run.info.run_id, key) == [1, 2, 3], key
     assert _episodes_by_step(c, run.info.run_id) == {0: 4, 1: 3, 2: 4, 3: 4}, "the new last evaluation on n_tasks_ends"
-    commit = tracking.git_commit()
-    assert c.get_run(run.info.run_id).data.tags[tracking.COMMITS_TAG] == commit, "a resume at the same commit adds none"
+    commit = mlflow_runs.git_commit()
+    assert c.get_run(run.info.run_id).data.tags[mlflow_runs.COMMITS_TAG] == commit, (
+        "a resume at the same commit adds none"
+    )

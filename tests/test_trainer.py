@@ -1,4 +1,4 @@
-"""The PPO update (horizonrl/trainer.py) on the tiny policy, on CPU, one piece at a time.
+"""The PPO update (horizonrl/training/trainer.py) on the tiny policy, on CPU, one piece at a time.
 
 Rows are built by hand (token ids drawn from the model's vocabulary, policy tokens in several turns with
 observation tokens between them), so each test controls lengths, turns and advantages exactly. A
@@ -18,15 +18,15 @@ import methods
 from horizonrl import store
 from horizonrl.config import load_config
 from horizonrl.engines.base import allowed_log_softmax
-from horizonrl.models import load_policy
-from horizonrl.rollout import SamplingSettings, collect
-from horizonrl.sequences import TrainRow, train_rows
-from horizonrl.trainer import (
+from horizonrl.models.loading import load_policy
+from horizonrl.rollout.loop import SamplingSettings, collect
+from horizonrl.training.sequences import TrainRow, train_rows
+from horizonrl.training.trainer import (
     PI_OLD_CHECK_ROWS,
     UpdateSettings,
-    annealed_lr,
     _chunks,
     _minibatch_step,
+    annealed_lr,
     length_buckets,
     old_logprobs,
     policy_logprobs,
@@ -41,8 +41,18 @@ TOKEN_MEAN = methods.LOSSES.get("ppo_clip").params_cls(clip_mode="asymmetric", a
 
 
 def settings(pad_id: int, **overrides) -> UpdateSettings:
-    values = dict(loss_name="ppo_clip", loss_params=LOOP, epochs=1, minibatch_size=8, fixed_row_divisor=False,
-                  grad_clip=1e9, high_kl_threshold=1e9, temperature=1.0, micro_batch_tokens=1_000_000, pad_id=pad_id)
+    values = dict(
+        loss_name="ppo_clip",
+        loss_params=LOOP,
+        epochs=1,
+        minibatch_size=8,
+        fixed_row_divisor=False,
+        grad_clip=1e9,
+        high_kl_threshold=1e9,
+        temperature=1.0,
+        micro_batch_tokens=1_000_000,
+        pad_id=pad_id,
+    )
     return UpdateSettings(**{**values, **overrides})
 
 
@@ -61,8 +71,19 @@ def hand_rows(vocab: int, n: int, seed: int = 0) -> list[TrainRow]:
                 ids.append(rng.randrange(4, vocab))
             ids += [rng.randrange(4, vocab) for _ in range(rng.randint(3, 9))]
         adv = [(1.0 if rid % 2 else -0.5) + 0.1 * rid] * len(positions)
-        rows.append(TrainRow(rid, -1, ids, positions, [[] for _ in positions], [0.0] * len(positions), turn_id,
-                             list(range(len(positions))), adv))
+        rows.append(
+            TrainRow(
+                rid,
+                -1,
+                ids,
+                positions,
+                [[] for _ in positions],
+                [0.0] * len(positions),
+                turn_id,
+                list(range(len(positions))),
+                adv,
+            )
+        )
     return rows
 
 
@@ -148,14 +169,19 @@ def test_kl_early_stop_fires_at_its_threshold(setup):
     assert above is None and out_above["grad_norm"] == 0.0  # over it: skipped
 
     before = [p.detach().clone() for p in model.parameters()]
-    stats = ppo_update(model, torch.optim.SGD(model.parameters(), lr=1.0), rows,
-                       settings(s.pad_id, high_kl_threshold=-1.0, minibatch_size=4, epochs=2), seed=0).stats
+    stats = ppo_update(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        rows,
+        settings(s.pad_id, high_kl_threshold=-1.0, minibatch_size=4, epochs=2),
+        seed=0,
+    ).stats
     assert stats["kl_stop"] == 1.0 and stats["steps"] == 0  # |KL| > -1 on the first minibatch: the iteration ends
     assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
 
 
 def test_loop_fixed_row_divisor_scales_a_short_minibatch(setup):
-    """LOOP divides by the minibatch size B = 8 even when only 3 trajectories are left (ALGORITHMS.md 1.5):
+    """LOOP divides by the minibatch size B = 8 even when only 3 trajectories are left (docs/algorithms.md §1.5):
     its gradient is 3/8 of the one divided by the 3 rows it has."""
     model, rows, old, s = setup
     mb = trajectory_units(rows)[:3]
@@ -167,7 +193,7 @@ def test_loop_fixed_row_divisor_scales_a_short_minibatch(setup):
 
 def test_appo_loss_discounts_over_response_positions(setup):
     """The trainer hands the loss each policy token's response position (observation tokens between turns
-    counted, ALGORITHMS.md 3.7). With pi_old = log pi - 0.01 on every token and gamma_f = 0.5:
+    counted, docs/algorithms.md §3.7). With pi_old = log pi - 0.01 on every token and gamma_f = 0.5:
     FutureKL_t = 0.01 sum_{k>=t} 0.5^(pos_k - pos_t), and APPO's mean_scale = 1 + mean_t exp(FutureKL_t)."""
     model, rows, old, s = setup
     i = next(i for i, r in enumerate(rows) if len(set(r.turn_id)) >= 2)  # a row with observations between turns
@@ -192,8 +218,14 @@ def sampled_rows(tiny_policy, household_suite) -> list[TrainRow]:
     """Full-context admissible rollouts of the tiny policy at T = 0.7 (2 tasks x 4, up to 5 turns), with
     fixed random advantages: the rows the flow's update gets, log-probs read back from the turns table."""
     _, _, fmt, engine = tiny_policy
-    records = collect(household_suite, household_suite.tasks("train", "easy", 2), 4, engine, fmt,
-                      SamplingSettings("admissible", "full", 2, 5, 12, 0.7, seed=3))
+    records = collect(
+        household_suite,
+        household_suite.tasks("train", "easy", 2),
+        4,
+        engine,
+        fmt,
+        SamplingSettings("admissible", "full", 2, 5, 12, 0.7, seed=3),
+    )
     rows = [r for r in train_rows(store.turns_table(records), "full") if r.positions]
     rng = random.Random(0)
     for r in rows:
@@ -234,26 +266,45 @@ def test_pi_old_falls_back_to_the_recompute_when_stored_logprobs_differ(tiny_pol
     every row is recomputed and the update is exactly the recompute's."""
     pad = tiny_policy[1].pad_token_id
     base = dict(temperature=0.7, minibatch_size=4, epochs=2, grad_clip=1.0)
-    perturbed = [TrainRow(r.rollout_id, r.turn, r.input_ids, r.positions, r.allowed, [v + 0.01 for v in r.sample_logp], r.turn_id, r.flat_index, r.adv)
-                 for r in sampled_rows]
+    perturbed = [
+        TrainRow(
+            r.rollout_id,
+            r.turn,
+            r.input_ids,
+            r.positions,
+            r.allowed,
+            [v + 0.01 for v in r.sample_logp],
+            r.turn_id,
+            r.flat_index,
+            r.adv,
+        )
+        for r in sampled_rows
+    ]
     recomputed, stats_r = _update(tiny_policy_dir, sampled_rows, settings(pad, **base))
     fallback, stats_f = _update(tiny_policy_dir, perturbed, settings(pad, **base, pi_old_tol=1e-3))
     assert stats_f["pi_old_shortcut"] == 0.0 and stats_f["pi_old_max_diff"] == pytest.approx(0.01, abs=2e-4)
     assert stats_f["loss"] == stats_r["loss"]
     assert all(torch.equal(a, b) for a, b in zip(fallback, recomputed))
-    old, figures = old_logprobs(load_policy(tiny_policy_dir)[0], perturbed, settings(pad, temperature=0.7, pi_old_tol=0.02), seed=5)
-    assert figures["pi_old_shortcut"] == 1.0 and old == [r.sample_logp for r in perturbed]  # within a looser tolerance: used
+    old, figures = old_logprobs(
+        load_policy(tiny_policy_dir)[0], perturbed, settings(pad, temperature=0.7, pi_old_tol=0.02), seed=5
+    )
+    assert figures["pi_old_shortcut"] == 1.0 and old == [
+        r.sample_logp for r in perturbed
+    ]  # within a looser tolerance: used
     assert PI_OLD_CHECK_ROWS < len(sampled_rows)  # only a sample is recomputed for the check
 
 
-@pytest.mark.parametrize("overrides, sampled_here, eligible", [
-    ([], True, True),
-    ([], False, False),  # rollouts reused from the store (a resumed run): recomputed
-    (["update.pi_old_tol=null"], True, False),
-    (["engine.name=vllm"], True, False),
-    (["model.lora.rank=4"], True, False),
-    (["rollout.runner=ray"], True, False),
-])
+@pytest.mark.parametrize(
+    "overrides, sampled_here, eligible",
+    [
+        ([], True, True),
+        ([], False, False),  # rollouts reused from the store (a resumed run): recomputed
+        (["update.pi_old_tol=null"], True, False),
+        (["engine.name=vllm"], True, False),
+        (["model.lora.rank=4"], True, False),
+        (["rollout.runner=ray"], True, False),
+    ],
+)
 def test_pi_old_shortcut_only_where_the_sampler_is_the_learner(overrides, sampled_here, eligible):
     cfg = load_config("configs/loop_household_easy.yaml", overrides)
     s = UpdateSettings.from_config(cfg, 0, sampled_here=sampled_here)

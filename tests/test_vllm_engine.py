@@ -21,14 +21,15 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
-
 from flowkit import free_port
+
 from horizonrl.engines.base import TokenTrie
 from horizonrl.engines.vllm import (
     ServerSpec,
@@ -105,18 +106,27 @@ def _choice(tokens: list[int], lps: list[float], tops: list[dict[int, float]], f
     """A completion response in vLLM's documented shape (what ``request_output_to_completion_response``
     writes for logprobs=k, return_tokens_as_token_ids and return_token_ids)."""
     return {
-        "id": "cmpl-0", "object": "text_completion", "created": 0, "model": "policy",
-        "choices": [{
-            "index": 0, "text": "",
-            "logprobs": {
-                "text_offset": [0] * len(tokens),
-                "token_logprobs": lps,
-                "tokens": [f"token_id:{t}" for t in tokens],
-                "top_logprobs": [{f"token_id:{k}": v for k, v in top.items()} for top in tops],
-            },
-            "finish_reason": finish, "stop_reason": tokens[-1] if finish == "stop" else None,
-            "token_ids": tokens, "prompt_logprobs": None, "prompt_token_ids": None,
-        }],
+        "id": "cmpl-0",
+        "object": "text_completion",
+        "created": 0,
+        "model": "policy",
+        "choices": [
+            {
+                "index": 0,
+                "text": "",
+                "logprobs": {
+                    "text_offset": [0] * len(tokens),
+                    "token_logprobs": lps,
+                    "tokens": [f"token_id:{t}" for t in tokens],
+                    "top_logprobs": [{f"token_id:{k}": v for k, v in top.items()} for top in tops],
+                },
+                "finish_reason": finish,
+                "stop_reason": tokens[-1] if finish == "stop" else None,
+                "token_ids": tokens,
+                "prompt_logprobs": None,
+                "prompt_token_ids": None,
+            }
+        ],
         "usage": {"prompt_tokens": 3, "completion_tokens": len(tokens), "total_tokens": 3 + len(tokens)},
     }
 
@@ -138,7 +148,11 @@ def test_request_body_has_vllms_documented_fields():
 
 def test_free_mode_parses_a_handwritten_response(serve):
     """Three tokens, the last the end id; entropy is the top-k truncation -sum p log p."""
-    tops = [{11: math.log(0.5), 12: math.log(0.3)}, {13: math.log(0.9), 11: math.log(0.05)}, {END: math.log(0.6), 13: math.log(0.2)}]
+    tops = [
+        {11: math.log(0.5), 12: math.log(0.3)},
+        {13: math.log(0.9), 11: math.log(0.05)},
+        {END: math.log(0.6), 13: math.log(0.2)},
+    ]
     canned = _choice([12, 13, END], [math.log(0.3), math.log(0.9), math.log(0.6)], tops, "stop")
     srv = serve(lambda path, body: (200, canned))
     engine = VLLMEngine(VLLMClient(srv.url), [END], top_logprobs=2)
@@ -149,7 +163,9 @@ def test_free_mode_parses_a_handwritten_response(serve):
         assert g.entropy == pytest.approx([_h(0.5, 0.3), _h(0.9, 0.05), _h(0.6, 0.2)], abs=1e-12)
         assert g.policy_mask == [True] * 3 and g.allowed == [[], [], []]
     reqs = srv.completions()
-    assert [r["prompt"] for r in reqs] == [[1, 2, 3]] * 2 and all(r["logprobs"] == 2 and r["max_tokens"] == 8 for r in reqs)
+    assert [r["prompt"] for r in reqs] == [[1, 2, 3]] * 2 and all(
+        r["logprobs"] == 2 and r["max_tokens"] == 8 for r in reqs
+    )
     assert reqs[0]["seed"] != reqs[1]["seed"]  # K rollouts of one prompt must not share a seed
 
 
@@ -181,12 +197,19 @@ def test_admissible_mode_asks_only_at_branching_tokens(serve):
     assert g.policy_mask == [True, True, False] and g.allowed == [[5, 8], [6, 7], [END]]
     reqs = srv.completions()
     assert [r["prompt"] for r in reqs] == [[1, 2], [1, 2, 5]]
-    assert [r["allowed_token_ids"] for r in reqs] == [[5, 8], [6, 7]] and all(r["max_tokens"] == 1 and r["logprobs"] == 2 for r in reqs)
+    assert [r["allowed_token_ids"] for r in reqs] == [[5, 8], [6, 7]] and all(
+        r["max_tokens"] == 1 and r["logprobs"] == 2 for r in reqs
+    )
     assert reqs[0]["seed"] != reqs[1]["seed"]
 
 
 def test_server_errors_and_foreign_tokens_raise(serve):
-    srv = serve(lambda path, body: (400, {"object": "error", "message": "max_tokens is too large", "type": "BadRequestError", "code": 400}))
+    srv = serve(
+        lambda path, body: (
+            400,
+            {"object": "error", "message": "max_tokens is too large", "type": "BadRequestError", "code": 400},
+        )
+    )
     with pytest.raises(VLLMError, match="HTTP 400.*max_tokens is too large"):
         VLLMEngine(VLLMClient(srv.url), [END], 1).generate([[1]], [None], 4, 1.0, False, 0)
     plain = _choice([12], [-0.1], [{12: -0.1}], "length")
@@ -195,11 +218,19 @@ def test_server_errors_and_foreign_tokens_raise(serve):
         parse_completion(plain)
     outside = serve(lambda path, body: (200, _choice([9], [-0.1], [{9: -0.1}], "length")))
     with pytest.raises(VLLMError, match="outside allowed"):
-        VLLMEngine(VLLMClient(outside.url), [END], 4).generate([[1]], [TokenTrie([[5, END], [8, END]])], 4, 1.0, False, 0)
+        VLLMEngine(VLLMClient(outside.url), [END], 4).generate(
+            [[1]], [TokenTrie([[5, END], [8, END]])], 4, 1.0, False, 0
+        )
 
 
 def test_lora_checkpoints_are_hot_loaded_and_requests_use_the_new_adapter(serve, tmp_path):
-    srv = serve(lambda path, body: (200, "Success: LoRA adapter loaded.") if "lora" in path else (200, _choice([END], [-0.1], [{END: -0.1}], "stop")))
+    srv = serve(
+        lambda path, body: (
+            (200, "Success: LoRA adapter loaded.")
+            if "lora" in path
+            else (200, _choice([END], [-0.1], [{END: -0.1}], "stop"))
+        )
+    )
     engine = VLLMEngine(VLLMClient(srv.url), [END], 1)
     ckpts = []
     for it in (1, 2):
@@ -213,7 +244,13 @@ def test_lora_checkpoints_are_hot_loaded_and_requests_use_the_new_adapter(serve,
     engine.sync(ckpts[1])
     engine.generate([[1]], [None], 2, 1.0, False, 0)
     calls = [(p, b) for p, b in srv.requests]
-    assert [p for p, _ in calls] == ["/v1/load_lora_adapter", "/v1/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/completions"]
+    assert [p for p, _ in calls] == [
+        "/v1/load_lora_adapter",
+        "/v1/completions",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/v1/completions",
+    ]
     first, second = calls[0][1]["lora_name"], calls[2][1]["lora_name"]
     assert calls[0][1]["lora_path"] == str(Path(ckpts[0]).resolve()) and first != second
     assert calls[1][1]["model"] == first and calls[3][1] == {"lora_name": first} and calls[4][1]["model"] == second
@@ -236,7 +273,9 @@ class Emulator:
         for _ in range(body["max_tokens"]):
             logits = self.model(input_ids=torch.tensor([seq])).logits[0, -1].float()
             if body.get("allowed_token_ids"):
-                logits = torch.full_like(logits, -math.inf).index_copy(0, torch.tensor(body["allowed_token_ids"]), logits[body["allowed_token_ids"]])
+                logits = torch.full_like(logits, -math.inf).index_copy(
+                    0, torch.tensor(body["allowed_token_ids"]), logits[body["allowed_token_ids"]]
+                )
             lp = torch.log_softmax(logits / (T if T > 0 else 1.0), -1)  # greedy: temperature 1, as vLLM
             tok = int(lp.argmax()) if T == 0 else int(torch.multinomial(lp.exp(), 1, generator=gen))
             v, i = lp.topk(k)
@@ -264,13 +303,20 @@ def _prompts(fmt, suite, n: int = 3):
     for i, task in enumerate(suite.tasks("train", "easy", n)):
         env = suite.make()
         obs, info = env.reset(task)
-        prompts.append(fmt.system(env.goal()) + (fmt.user("nothing happens .") + fmt.command("inventory")) * i + fmt.user(obs))
+        prompts.append(
+            fmt.system(env.goal()) + (fmt.user("nothing happens .") + fmt.command("inventory")) * i + fmt.user(obs)
+        )
         commands.append(info["admissible_commands"])
     return prompts, commands
 
 
 def _same(a, b) -> None:
-    assert a.token_ids == b.token_ids and a.policy_mask == b.policy_mask and a.allowed == b.allowed and a.finished == b.finished
+    assert (
+        a.token_ids == b.token_ids
+        and a.policy_mask == b.policy_mask
+        and a.allowed == b.allowed
+        and a.finished == b.finished
+    )
     assert a.logprobs == pytest.approx(b.logprobs, abs=TOL) and a.entropy == pytest.approx(b.entropy, abs=TOL)
 
 
@@ -284,7 +330,9 @@ def test_greedy_generations_equal_the_transformers_engine(emulated, household_su
     for v, h in zip(engine.generate(prompts, tries, 6, 0.7, True, 0), hf.generate(prompts, tries, 6, 0.7, True, 0)):
         _same(v, h)
     if admissible:  # one request per branching token, never for a forced one
-        assert len(srv.completions()) == sum(1 for g in hf.generate(prompts, tries, 6, 0.7, True, 0) for m in g.policy_mask if m)
+        assert len(srv.completions()) == sum(
+            1 for g in hf.generate(prompts, tries, 6, 0.7, True, 0) for m in g.policy_mask if m
+        )
 
 
 def test_session_resends_whole_sequences_and_equals_the_transformers_session(emulated, household_suite):
@@ -323,7 +371,7 @@ def test_sampled_entropy_is_a_top_k_lower_bound(serve, tiny_policy, household_su
 
 
 # ------------------------------------------------------------------------------- server process
-FAKE_SERVER = '''
+FAKE_SERVER = """
 import json, sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
 args = sys.argv[1:]
@@ -337,20 +385,39 @@ class H(BaseHTTPRequestHandler):
     def log_message(self, *a):
         pass
 HTTPServer((args[args.index("--host") + 1], port), H).serve_forever()
-'''
+"""
 
 
 def test_server_command_binds_loopback_with_prefix_caching_and_lora():
-    spec = ServerSpec(python="/venv/bin/python", model="/m", port=8011, gpu_memory_utilization=0.4, max_logprobs=64, max_lora_rank=12, dtype="bfloat16")
+    spec = ServerSpec(
+        python="/venv/bin/python",
+        model="/m",
+        port=8011,
+        gpu_memory_utilization=0.4,
+        max_logprobs=64,
+        max_lora_rank=12,
+        dtype="bfloat16",
+    )
     cmd = server_command(spec)
     flag = lambda f: cmd[cmd.index(f) + 1]
     assert cmd[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
-    assert flag("--host") == "127.0.0.1" and flag("--port") == "8011" and flag("--model") == "/m" and flag("--dtype") == "bfloat16"
-    assert "--enable-prefix-caching" in cmd and flag("--logprobs-mode") == "processed_logprobs" and flag("--max-logprobs") == "64"
+    assert (
+        flag("--host") == "127.0.0.1"
+        and flag("--port") == "8011"
+        and flag("--model") == "/m"
+        and flag("--dtype") == "bfloat16"
+    )
+    assert (
+        "--enable-prefix-caching" in cmd
+        and flag("--logprobs-mode") == "processed_logprobs"
+        and flag("--max-logprobs") == "64"
+    )
     assert "--enable-lora" in cmd and flag("--max-lora-rank") == "16"  # rounded up to a rank vLLM accepts
     assert server_env(spec, {})["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     full = ServerSpec(python="p", model="/m", port=1, gpu_memory_utilization=0.4, max_logprobs=8)
-    assert "--enable-lora" not in server_command(full) and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in server_env(full, {})
+    assert "--enable-lora" not in server_command(full) and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in server_env(
+        full, {}
+    )
 
 
 def test_owned_server_starts_restarts_on_new_weights_and_leaves_no_process(tmp_path, monkeypatch):
@@ -362,7 +429,13 @@ def test_owned_server_starts_restarts_on_new_weights_and_leaves_no_process(tmp_p
         (d / "__init__.py").write_text("")
     (pkg / "api_server.py").write_text(FAKE_SERVER)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
-    spec = ServerSpec(python=sys.executable, model=str(tmp_path / "iter=0"), port=free_port(), gpu_memory_utilization=0.4, max_logprobs=8)
+    spec = ServerSpec(
+        python=sys.executable,
+        model=str(tmp_path / "iter=0"),
+        port=free_port(),
+        gpu_memory_utilization=0.4,
+        max_logprobs=8,
+    )
     server = VLLMServer(spec, tmp_path / "server.log", startup_timeout_s=30)
     server.start()
     pid = server.proc.pid
@@ -382,7 +455,9 @@ def test_owned_server_starts_restarts_on_new_weights_and_leaves_no_process(tmp_p
 
 
 def test_missing_vllm_environment_says_how_to_create_it(tmp_path):
-    spec = ServerSpec(python=str(tmp_path / "nope" / "python"), model="m", port=1, gpu_memory_utilization=0.4, max_logprobs=8)
+    spec = ServerSpec(
+        python=str(tmp_path / "nope" / "python"), model="m", port=1, gpu_memory_utilization=0.4, max_logprobs=8
+    )
     with pytest.raises(VLLMError, match="make vllm-venv"):
         VLLMServer(spec, tmp_path / "log", 1).start()
 
@@ -392,12 +467,21 @@ VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "pyth
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or not VLLM_PYTHON.is_file(), reason="needs a CUDA GPU and `make vllm-venv`")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not VLLM_PYTHON.is_file(), reason="needs a CUDA GPU and `make vllm-venv`"
+)
 def test_live_vllm_server_matches_the_transformers_engine(tiny_policy, tiny_policy_dir, household_suite, tmp_path):
     """A real server on the tiny policy (float32): greedy admissible actions equal the transformers
     engine's, log-probs within 1e-3 (different kernels)."""
     model, tokenizer, fmt, hf = tiny_policy
-    spec = ServerSpec(python=str(VLLM_PYTHON), model=str(tiny_policy_dir), port=free_port(), gpu_memory_utilization=0.2, max_logprobs=len(tokenizer), dtype="float32")
+    spec = ServerSpec(
+        python=str(VLLM_PYTHON),
+        model=str(tiny_policy_dir),
+        port=free_port(),
+        gpu_memory_utilization=0.2,
+        max_logprobs=len(tokenizer),
+        dtype="float32",
+    )
     server = VLLMServer(spec, tmp_path / "vllm.log", startup_timeout_s=600)
     server.start()
     engine = VLLMEngine(VLLMClient(server.url), hf.end_ids, len(tokenizer), server=server)

@@ -8,22 +8,25 @@ import re
 from pathlib import Path
 
 import pytest
-from mlflow import MlflowClient
+from flowkit import run_of, tiny_config
 from safetensors.torch import load_file
 
-from flowkit import run_of, tiny_config
-from horizonrl import store, tracking
+from horizonrl import store
 from horizonrl.config import TrainConfig, load_config
-from horizonrl.demonstrations import DEMONSTRATION, play_walkthroughs
-from horizonrl.prompting import ChatFormat
-from horizonrl.sequences import train_rows
+from horizonrl.rollout.prompting import ChatFormat
+from horizonrl.tracking import mlflow_runs
+from horizonrl.training.demonstrations import DEMONSTRATION, play_walkthroughs
+from horizonrl.training.sequences import train_rows
+from mlflow import MlflowClient
 
 
 def test_demonstrations_mask_observations_and_follow_the_walkthrough(household_suite, tiny_policy):
     _, tokenizer, _, _ = tiny_policy
     fmt = ChatFormat.for_tokenizer(tokenizer)
     tasks = household_suite.tasks("train", "easy", 3)
-    records = play_walkthroughs(household_suite, tasks, fmt, action_mode="admissible", context="full", history_turns=2, max_turns=15)
+    records = play_walkthroughs(
+        household_suite, tasks, fmt, action_mode="admissible", context="full", history_turns=2, max_turns=15
+    )
     env = household_suite.make()
     for task, rec in zip(tasks, records):
         env.reset(task)
@@ -35,7 +38,9 @@ def test_demonstrations_mask_observations_and_follow_the_walkthrough(household_s
             at += len(t.prompt_ids)
             action_spans |= set(range(at, at + len(t.gen.token_ids)))
             at += len(t.gen.token_ids)
-        assert row.positions and set(row.positions) <= action_spans, "a policy token outside the actions: observations are not masked"
+        assert row.positions and set(row.positions) <= action_spans, (
+            "a policy token outside the actions: observations are not masked"
+        )
         assert all(len(a) > 1 for a in row.allowed), "a forced token (one continuation) counted as a policy token"
         assert all(row.input_ids[p] in a for p, a in zip(row.positions, row.allowed))
 
@@ -53,8 +58,16 @@ def test_perturbed_share_replaces_one_action_in_that_share(household_suite, tiny
 def test_search_expert_demonstrations_follow_it_and_win(household_suite, tiny_policy):
     fmt = ChatFormat.for_tokenizer(tiny_policy[1])
     tasks = household_suite.tasks("train", "medium", 6)
-    records = play_walkthroughs(household_suite, tasks, fmt, action_mode="admissible", context="full", history_turns=2, max_turns=30,
-                                expert="search")
+    records = play_walkthroughs(
+        household_suite,
+        tasks,
+        fmt,
+        action_mode="admissible",
+        context="full",
+        history_turns=2,
+        max_turns=30,
+        expert="search",
+    )
     env = household_suite.make()
     for task, rec in zip(tasks, records):
         env.reset(task)
@@ -62,7 +75,10 @@ def test_search_expert_demonstrations_follow_it_and_win(household_suite, tiny_po
 
 
 def test_search_expert_is_household_only():
-    with pytest.raises(ValueError, match=re.escape("warmstart.expert = 'search' is built for env.name = 'household', not 'scienceworld-boil'")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("warmstart.expert = 'search' is built for env.name = 'household', not 'scienceworld-boil'"),
+    ):
         load_config(None, ["env.name=scienceworld-boil", "warmstart.expert=search"])
     assert load_config(None, ["warmstart.expert=search"]).warmstart.expert == "search"
 
@@ -75,27 +91,48 @@ def test_warmstart_registers_a_policy_that_train_starts_from(prefect_harness, tm
     cfg = tiny_config(tmp_path, tracking_uri, run_name="ws", iterations=1)
     cfg["env"].pop("max_turns")  # the tier's horizon: whole walkthroughs
     cfg["rollout"]["context"] = "full"
-    cfg["warmstart"] = {"demonstrations": 6, "epochs": 3, "minibatch_size": 2, "lr": 3e-3, "lr_final": 1e-3,
-                        "model_name": "ws-test"}
+    cfg["warmstart"] = {
+        "demonstrations": 6,
+        "epochs": 3,
+        "minibatch_size": 2,
+        "lr": 3e-3,
+        "lr_final": 1e-3,
+        "model_name": "ws-test",
+    }
     cfg["eval"] = {"every": 3, "n_tasks": 3, "n_tasks_ends": 4}
     summary = warmstart(config=cfg)
     assert summary["model_uri"] == "models:/ws-test/1" and summary["iterations"] == 3
 
     run_dir = Path(cfg["data_dir"]) / "test" / "ws"
     episodes = store.read_table(run_dir / "demonstrations" / "episodes.parquet", "episodes")
-    assert episodes.num_rows == 6 and set(episodes["kind"].to_pylist()) == {DEMONSTRATION} and all(episodes["won"].to_pylist())
+    assert (
+        episodes.num_rows == 6
+        and set(episodes["kind"].to_pylist()) == {DEMONSTRATION}
+        and all(episodes["won"].to_pylist())
+    )
     turns = store.read_table(run_dir / "demonstrations" / "turns.parquet", "turns")
-    assert turns.num_rows == sum(episodes["n_turns"].to_pylist()) and {x for lp in turns["logprobs"].to_pylist() for x in lp} == {0.0}
+    assert turns.num_rows == sum(episodes["n_turns"].to_pylist()) and {
+        x for lp in turns["logprobs"].to_pylist() for x in lp
+    } == {0.0}
 
     c = MlflowClient(tracking_uri)
     ws_run = run_of(c, "ws")
     assert c.get_model_version("ws-test", "1").run_id == ws_run.info.run_id
-    assert ws_run.data.tags["horizonrl.kind"] == "warmstart" and ws_run.data.tags["horizonrl.registered_model"] == "models:/ws-test/1"
-    epoch_loss = [m.value for m in sorted(c.get_metric_history(ws_run.info.run_id, "clone/epoch_loss"), key=lambda m: m.step)]
-    assert len(epoch_loss) == 3 and epoch_loss[-1] < 0.8 * epoch_loss[0], f"cloning did not lower the loss: {epoch_loss}"
+    assert (
+        ws_run.data.tags["horizonrl.kind"] == "warmstart"
+        and ws_run.data.tags["horizonrl.registered_model"] == "models:/ws-test/1"
+    )
+    epoch_loss = [
+        m.value for m in sorted(c.get_metric_history(ws_run.info.run_id, "clone/epoch_loss"), key=lambda m: m.step)
+    ]
+    assert len(epoch_loss) == 3 and epoch_loss[-1] < 0.8 * epoch_loss[0], (
+        f"cloning did not lower the loss: {epoch_loss}"
+    )
     assert len(c.get_metric_history(ws_run.info.run_id, "clone/loss")) == 3 * 3  # 6 rows / 2 per step, 3 epochs
     lr = [m.value for m in sorted(c.get_metric_history(ws_run.info.run_id, "clone/lr"), key=lambda m: m.step)]
-    assert lr == pytest.approx([3e-3, 2e-3, 1e-3]), "annealed linearly from warmstart.lr to warmstart.lr_final over the epochs"
+    assert lr == pytest.approx([3e-3, 2e-3, 1e-3]), (
+        "annealed linearly from warmstart.lr to warmstart.lr_final over the epochs"
+    )
     assert sorted(m.step for m in c.get_metric_history(ws_run.info.run_id, "eval/success_rate")) == [0, 3]
     episodes_by_epoch = {m.step: m.value for m in c.get_metric_history(ws_run.info.run_id, "eval/episodes")}
     assert episodes_by_epoch == {0: 3, 3: 4}, "eval.n_tasks_ends after the last epoch only"
@@ -103,7 +140,10 @@ def test_warmstart_registers_a_policy_that_train_starts_from(prefect_harness, tm
     rl = {**cfg, "run_name": "from-ws", "model": {"path": "models:/ws-test/1"}}
     train(config=rl)
     rl_run = run_of(c, "from-ws")
-    assert rl_run.data.tags[tracking.INIT_MODEL_TAG] == "models:/ws-test/1" and rl_run.data.tags[tracking.INIT_SOURCE_TAG] == ws_run.info.run_id
+    assert (
+        rl_run.data.tags[mlflow_runs.INIT_MODEL_TAG] == "models:/ws-test/1"
+        and rl_run.data.tags[mlflow_runs.INIT_SOURCE_TAG] == ws_run.info.run_id
+    )
     cloned = load_file(run_dir / "checkpoints" / "iter=00003" / "model.safetensors")
     started = load_file(Path(cfg["data_dir"]) / "test" / "from-ws" / "checkpoints" / "iter=00000" / "model.safetensors")
     assert cloned.keys() == started.keys() and all((cloned[k] == started[k]).all() for k in cloned)
@@ -111,13 +151,15 @@ def test_warmstart_registers_a_policy_that_train_starts_from(prefect_harness, tm
     assert any((cloned[k] != fresh[k]).any() for k in cloned), "the registered policy is the untrained one"
 
 
-@pytest.mark.parametrize("path, message", [("models:/ws-test", "models:/<name>/<version>"), ("models:/ws/latest", "version number")])
+@pytest.mark.parametrize(
+    "path, message", [("models:/ws-test", "models:/<name>/<version>"), ("models:/ws/latest", "version number")]
+)
 def test_bad_model_uri_is_named(tmp_path, tracking_uri, path, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig.model_validate({**tiny_config(tmp_path, tracking_uri), "model": {"path": path}})
 
 
 def test_unknown_registered_model_is_named(tmp_path, tracking_uri):
-    c = tracking.client(tracking_uri)
+    c = mlflow_runs.client(tracking_uri)
     with pytest.raises(Exception, match="ws-absent"):
-        tracking.resolve_policy(c, "models:/ws-absent/1")
+        mlflow_runs.resolve_policy(c, "models:/ws-absent/1")

@@ -54,7 +54,16 @@ class Generation:
 class Session(Protocol):
     """A batch of episodes whose sequences grow turn by turn (full-history context)."""
 
-    def extend(self, slots: list[int], new_ids: list[list[int]], tries: list[TokenTrie | None], max_new_tokens: int, temperature: float, greedy: bool, seed: int) -> list[Generation]:
+    def extend(
+        self,
+        slots: list[int],
+        new_ids: list[list[int]],
+        tries: list[TokenTrie | None],
+        max_new_tokens: int,
+        temperature: float,
+        greedy: bool,
+        seed: int,
+    ) -> list[Generation]:
         """Append ``new_ids[k]`` to episode ``slots[k]`` and sample its next action; absent slots are done."""
         ...
 

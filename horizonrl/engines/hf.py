@@ -43,7 +43,9 @@ from transformers.cache_utils import DynamicLayer
 
 from horizonrl.engines.base import Generation, TokenTrie, allowed_log_softmax
 
-PREFILL_SLACK = 0.1  # padding allowed in prefill, as a share of the real new tokens: fewer calls against fewer positions
+PREFILL_SLACK = (
+    0.1  # padding allowed in prefill, as a share of the real new tokens: fewer calls against fewer positions
+)
 
 
 class TransformersEngine:
@@ -56,12 +58,22 @@ class TransformersEngine:
         self.device = torch.device(device)
         self.counts: Counter[str] = Counter()  # prefill_real, prefill_computed, decode_real, decode_computed
 
-    def session(self) -> "Session":
+    def session(self) -> Session:
         return Session(self)
 
-    def generate(self, prompts: list[list[int]], tries: list[TokenTrie | None], max_new_tokens: int, temperature: float, greedy: bool, seed: int) -> list[Generation]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        tries: list[TokenTrie | None],
+        max_new_tokens: int,
+        temperature: float,
+        greedy: bool,
+        seed: int,
+    ) -> list[Generation]:
         """One action per prompt from fresh prompts (window context)."""
-        return Session(self, keep_cache=False).extend(list(range(len(prompts))), prompts, tries, max_new_tokens, temperature, greedy, seed)
+        return Session(self, keep_cache=False).extend(
+            list(range(len(prompts))), prompts, tries, max_new_tokens, temperature, greedy, seed
+        )
 
 
 @dataclass
@@ -74,9 +86,13 @@ class _Block:
     attn: torch.Tensor
     next_pos: torch.Tensor
 
-    def take(self, idx: torch.Tensor) -> "_Block":
+    def take(self, idx: torch.Tensor) -> _Block:
         """A copy of rows ``idx``."""
-        return _Block(_wrap([(layer.keys[idx], layer.values[idx]) for layer in self.cache.layers]), self.attn[idx], self.next_pos[idx])
+        return _Block(
+            _wrap([(layer.keys[idx], layer.values[idx]) for layer in self.cache.layers]),
+            self.attn[idx],
+            self.next_pos[idx],
+        )
 
     def keep(self, idx: torch.Tensor) -> None:
         """Keep rows ``idx`` only."""
@@ -100,7 +116,9 @@ def _pick(t: torch.Tensor, src: torch.Tensor, column: torch.Tensor, out: torch.T
     as rows of ``d`` floats, so this is one ``index_select`` into ``out`` (copying whole rows is what it
     is fast at; advanced indexing over two dimensions is several times slower)."""
     _, heads, length, d = t.shape
-    flat = (src[:, None, None] * heads + torch.arange(heads, device=t.device)[None, :, None]) * length + column[:, None, :]
+    flat = (src[:, None, None] * heads + torch.arange(heads, device=t.device)[None, :, None]) * length + column[
+        :, None, :
+    ]
     torch.index_select(t.reshape(-1, d), 0, flat.reshape(-1), out=out.view(-1, d))
 
 
@@ -113,8 +131,13 @@ def _assemble(sources: list[tuple[_Block, torch.Tensor]]) -> _Block:
     width = max(int(block.attn[src].sum(1).max()) for block, src in sources)
     attn = torch.zeros((n, width), dtype=torch.long, device=device)
     next_pos = torch.empty(n, dtype=torch.long, device=device)
-    kv = [(layer.keys.new_empty((n, layer.keys.shape[1], width, layer.keys.shape[3])),
-           layer.values.new_empty((n, layer.values.shape[1], width, layer.values.shape[3]))) for layer in sources[0][0].cache.layers]
+    kv = [
+        (
+            layer.keys.new_empty((n, layer.keys.shape[1], width, layer.keys.shape[3])),
+            layer.values.new_empty((n, layer.values.shape[1], width, layer.values.shape[3])),
+        )
+        for layer in sources[0][0].cache.layers
+    ]
     start = 0
     for block, src in sources:
         end = start + len(src)
@@ -164,7 +187,16 @@ class Session:
         self.pending: dict[int, int] = {}  # slot -> its last sampled token, not yet in the cache
 
     @torch.no_grad()
-    def extend(self, slots: list[int], new_ids: list[list[int]], tries: list[TokenTrie | None], max_new_tokens: int, temperature: float, greedy: bool, seed: int) -> list[Generation]:
+    def extend(
+        self,
+        slots: list[int],
+        new_ids: list[list[int]],
+        tries: list[TokenTrie | None],
+        max_new_tokens: int,
+        temperature: float,
+        greedy: bool,
+        seed: int,
+    ) -> list[Generation]:
         """Append ``new_ids[k]`` to slot ``slots[k]``'s sequence and sample its action; slots absent
         from ``slots`` are finished and leave the cache."""
         model = self.e.model
@@ -184,13 +216,17 @@ class Session:
         dev = self.e.device
         if not self.parts:
             n = len(rows)
-            return _Block(None, torch.zeros((n, 0), dtype=torch.long, device=dev), torch.zeros(n, dtype=torch.long, device=dev)), rows
+            return _Block(
+                None, torch.zeros((n, 0), dtype=torch.long, device=dev), torch.zeros(n, dtype=torch.long, device=dev)
+            ), rows
         by_part: dict[int, list[tuple[int, int]]] = {}
         for i in rows:
             part, row = self.where[slots[i]]
             by_part.setdefault(part, []).append((row, i))
         order = [i for p in by_part for _, i in by_part[p]]
-        return _assemble([(self.parts[p], torch.tensor([row for row, _ in by_part[p]], device=dev)) for p in by_part]), order
+        return _assemble(
+            [(self.parts[p], torch.tensor([row for row, _ in by_part[p]], device=dev)) for p in by_part]
+        ), order
 
     def _prefill(self, slots: list[int], inputs: list[list[int]]) -> tuple[_Block, list[int], torch.Tensor]:
         """Prefill every row's new tokens, bucket by bucket: the rows' block, the order of its rows
@@ -216,7 +252,14 @@ class Session:
         ids, mask = ids.to(self.e.device), mask.to(self.e.device)
         pos = block.next_pos[:, None] + (mask.cumsum(1) - 1).clamp_min(0)  # (n, D)
         block.attn = torch.cat([block.attn, mask], dim=1)
-        out = self.e.model(input_ids=ids, attention_mask=block.attn, position_ids=pos, cache=block.cache, use_cache=True, logits_to_keep=1)
+        out = self.e.model(
+            input_ids=ids,
+            attention_mask=block.attn,
+            position_ids=pos,
+            cache=block.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         block.cache = out.cache
         block.next_pos = block.next_pos + mask.sum(1)
         self.e.counts.update(prefill_real=int(mask.sum()), prefill_computed=mask.numel())
@@ -225,7 +268,13 @@ class Session:
     def _feed(self, block: _Block, tok: torch.Tensor) -> torch.Tensor:
         """Append one token per row of ``block``; the next logits (n, V)."""
         block.attn = torch.cat([block.attn, torch.ones_like(tok)[:, None]], dim=1)
-        out = self.e.model(input_ids=tok[:, None], attention_mask=block.attn, position_ids=block.next_pos[:, None], cache=block.cache, use_cache=True)
+        out = self.e.model(
+            input_ids=tok[:, None],
+            attention_mask=block.attn,
+            position_ids=block.next_pos[:, None],
+            cache=block.cache,
+            use_cache=True,
+        )
         block.cache = out.cache
         block.next_pos = block.next_pos + 1
         self.e.counts.update(decode_real=len(tok), decode_computed=len(tok))

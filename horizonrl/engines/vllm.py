@@ -1,6 +1,6 @@
 """Sampling through vLLM's OpenAI-compatible server, token ids in and out (GPU rollouts).
 
-vLLM cannot share an environment with Prefect (``../shared/STACK.md``), so it runs in its own virtual
+vLLM cannot share an environment with Prefect (vLLM pins fastapi<0.137, Prefect needs >=0.139), so it runs in its own virtual
 environment (``make vllm-venv``) as a server on 127.0.0.1, started here as a subprocess or reached at a
 configured URL. This module only speaks HTTP (stdlib ``urllib``); it never imports vllm.
 
@@ -76,7 +76,9 @@ class VLLMError(RuntimeError):
 def parse_token(token: str) -> int:
     """``"token_id:123"`` -> 123 (the form ``return_tokens_as_token_ids`` gives tokens)."""
     if not token.startswith(TOKEN_PREFIX):
-        raise VLLMError(f"token {token!r} is not of the form 'token_id:<id>' (was return_tokens_as_token_ids honoured?)")
+        raise VLLMError(
+            f"token {token!r} is not of the form 'token_id:<id>' (was return_tokens_as_token_ids honoured?)"
+        )
     return int(token[len(TOKEN_PREFIX) :])
 
 
@@ -95,7 +97,17 @@ class Completion:
     finish_reason: str | None
 
 
-def completion_body(model: str, prompt: list[int], max_tokens: int, temperature: float, greedy: bool, seed: int, logprobs: int, stop_ids: list[int], allowed: list[int] | None = None) -> dict[str, Any]:
+def completion_body(
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    temperature: float,
+    greedy: bool,
+    seed: int,
+    logprobs: int,
+    stop_ids: list[int],
+    allowed: list[int] | None = None,
+) -> dict[str, Any]:
     """The JSON body of one ``/v1/completions`` request (vLLM's documented fields)."""
     body: dict[str, Any] = {
         "model": model,
@@ -130,7 +142,9 @@ def parse_completion(response: dict[str, Any]) -> Completion:
         token_lps = lp["token_logprobs"]
         tops = lp["top_logprobs"]
     except (KeyError, IndexError, TypeError) as err:
-        raise VLLMError(f"unexpected completion response (no choices[0].logprobs): {json.dumps(response)[:500]}") from err
+        raise VLLMError(
+            f"unexpected completion response (no choices[0].logprobs): {json.dumps(response)[:500]}"
+        ) from err
     ids = choice.get("token_ids")
     if ids is not None and list(ids) != tokens:
         raise VLLMError(f"token_ids {ids} disagree with the log-prob tokens {tokens}")
@@ -172,7 +186,12 @@ class VLLMClient:
         self.timeout_s = timeout_s
 
     def post(self, path: str, body: dict[str, Any]) -> Any:
-        req = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST")
+        req = urllib.request.Request(
+            self.base_url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
                 text = r.read().decode()
@@ -209,18 +228,30 @@ class ServerSpec:
 def server_command(spec: ServerSpec) -> list[str]:
     """argv of the OpenAI-compatible server, bound to loopback only."""
     cmd = [
-        spec.python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", spec.model,
-        "--served-model-name", SERVED_NAME,
-        "--host", "127.0.0.1",
-        "--port", str(spec.port),
+        spec.python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        spec.model,
+        "--served-model-name",
+        SERVED_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(spec.port),
         "--enable-prefix-caching",
-        "--logprobs-mode", "processed_logprobs",
-        "--max-logprobs", str(spec.max_logprobs),
-        "--generation-config", "vllm",
-        "--gpu-memory-utilization", str(spec.gpu_memory_utilization),
-        "--dtype", spec.dtype,
-        "--seed", str(spec.seed),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--max-logprobs",
+        str(spec.max_logprobs),
+        "--generation-config",
+        "vllm",
+        "--gpu-memory-utilization",
+        str(spec.gpu_memory_utilization),
+        "--dtype",
+        spec.dtype,
+        "--seed",
+        str(spec.seed),
     ]
     if spec.max_lora_rank is not None:
         rank = next((r for r in LORA_RANKS if r >= spec.max_lora_rank), None)
@@ -251,10 +282,18 @@ class VLLMServer:
 
     def start(self) -> None:
         if not Path(self.spec.python).is_file():
-            raise VLLMError(f"no vLLM environment at {self.spec.python}: create it with `make vllm-venv` (needs a CUDA GPU) or set engine.vllm.url")
+            raise VLLMError(
+                f"no vLLM environment at {self.spec.python}: create it with `make vllm-venv` (needs a CUDA GPU) or set engine.vllm.url"
+            )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(server_command(self.spec), stdout=log, stderr=subprocess.STDOUT, env=server_env(self.spec), start_new_session=True)
+            self.proc = subprocess.Popen(
+                server_command(self.spec),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=server_env(self.spec),
+                start_new_session=True,
+            )
         atexit.register(self.stop)
         client, deadline = VLLMClient(self.url), time.monotonic() + self.startup_timeout_s
         while not client.healthy():
@@ -283,7 +322,14 @@ class VLLMServer:
 class VLLMEngine:
     """The ``Engine`` of ``engines/base.py`` over a vLLM server."""
 
-    def __init__(self, client: VLLMClient, end_ids: list[int], top_logprobs: int, max_concurrency: int = 64, server: VLLMServer | None = None) -> None:
+    def __init__(
+        self,
+        client: VLLMClient,
+        end_ids: list[int],
+        top_logprobs: int,
+        max_concurrency: int = 64,
+        server: VLLMServer | None = None,
+    ) -> None:
         self.client = client
         self.end_ids = sorted({i for i in end_ids if i is not None})  # a tokenizer may lack an eos id
         self.top_logprobs = top_logprobs
@@ -293,21 +339,52 @@ class VLLMEngine:
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="vllm")
 
     # ---- sampling
-    def session(self) -> "VLLMSession":
+    def session(self) -> VLLMSession:
         return VLLMSession(self)
 
-    def generate(self, prompts: list[list[int]], tries: list[TokenTrie | None], max_new_tokens: int, temperature: float, greedy: bool, seed: int) -> list[Generation]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        tries: list[TokenTrie | None],
+        max_new_tokens: int,
+        temperature: float,
+        greedy: bool,
+        seed: int,
+    ) -> list[Generation]:
         """One action per prompt; requests run concurrently and the server batches them."""
-        jobs = [self._pool.submit(self._one, k, p, t, max_new_tokens, temperature, greedy, seed) for k, (p, t) in enumerate(zip(prompts, tries))]
+        jobs = [
+            self._pool.submit(self._one, k, p, t, max_new_tokens, temperature, greedy, seed)
+            for k, (p, t) in enumerate(zip(prompts, tries))
+        ]
         return [j.result() for j in jobs]
 
-    def _one(self, k: int, prompt: list[int], trie: TokenTrie | None, max_new_tokens: int, temperature: float, greedy: bool, seed: int) -> Generation:
+    def _one(
+        self,
+        k: int,
+        prompt: list[int],
+        trie: TokenTrie | None,
+        max_new_tokens: int,
+        temperature: float,
+        greedy: bool,
+        seed: int,
+    ) -> Generation:
         if trie is None:
             return self._free(k, prompt, max_new_tokens, temperature, greedy, seed)
         return self._admissible(k, prompt, trie, max_new_tokens, temperature, greedy, seed)
 
-    def _free(self, k: int, prompt: list[int], max_new_tokens: int, temperature: float, greedy: bool, seed: int) -> Generation:
-        body = completion_body(self.model, prompt, max_new_tokens, temperature, greedy, derive_seed(seed, "vllm", k), self.top_logprobs, self.end_ids)
+    def _free(
+        self, k: int, prompt: list[int], max_new_tokens: int, temperature: float, greedy: bool, seed: int
+    ) -> Generation:
+        body = completion_body(
+            self.model,
+            prompt,
+            max_new_tokens,
+            temperature,
+            greedy,
+            derive_seed(seed, "vllm", k),
+            self.top_logprobs,
+            self.end_ids,
+        )
         comp = parse_completion(self.client.post("/v1/completions", body))
         if comp.finish_reason == "stop" and (not comp.steps or comp.steps[-1].token not in self.end_ids):
             raise VLLMError("the server stopped without returning the stop token; the action would lose its end id")
@@ -322,18 +399,41 @@ class VLLMEngine:
         g.finished = bool(g.token_ids) and g.token_ids[-1] in self.end_ids
         return g
 
-    def _admissible(self, k: int, prompt: list[int], trie: TokenTrie, max_new_tokens: int, temperature: float, greedy: bool, seed: int) -> Generation:
+    def _admissible(
+        self,
+        k: int,
+        prompt: list[int],
+        trie: TokenTrie,
+        max_new_tokens: int,
+        temperature: float,
+        greedy: bool,
+        seed: int,
+    ) -> Generation:
         g, node, seq = Generation([], [], [], [], []), trie.root, list(prompt)
         for j in range(max_new_tokens):
             allowed = sorted(node.keys())
             if len(allowed) == 1:  # forced: no choice, nothing to ask the model
                 tok, lp, ent = allowed[0], 0.0, 0.0
             else:
-                body = completion_body(self.model, seq, 1, temperature, greedy, derive_seed(seed, "vllm", k, j), min(len(allowed), self.top_logprobs), self.end_ids, allowed)
+                body = completion_body(
+                    self.model,
+                    seq,
+                    1,
+                    temperature,
+                    greedy,
+                    derive_seed(seed, "vllm", k, j),
+                    min(len(allowed), self.top_logprobs),
+                    self.end_ids,
+                    allowed,
+                )
                 step = parse_completion(self.client.post("/v1/completions", body)).steps[0]
                 if step.token not in node:
                     raise VLLMError(f"server sampled {step.token}, outside allowed_token_ids {allowed}")
-                dist = {t: v for t, v in distribution(step, 1.0 if greedy else temperature, temperature).items() if t in node}
+                dist = {
+                    t: v
+                    for t, v in distribution(step, 1.0 if greedy else temperature, temperature).items()
+                    if t in node
+                }
                 tok, lp, ent = step.token, dist[step.token], entropy(dist)
             g.token_ids.append(tok)
             g.logprobs.append(lp)
@@ -371,9 +471,13 @@ class VLLMEngine:
         if self.policy_path is None and self.server is not None and self.server.spec.model == str(path):
             return  # just started on these weights
         if self.server is None:
-            raise VLLMError("full-weight reload needs a server this engine started (engine.vllm.url is set); use LoRA to hot-load adapters")
+            raise VLLMError(
+                "full-weight reload needs a server this engine started (engine.vllm.url is set); use LoRA to hot-load adapters"
+            )
         self.server.stop()
-        self.server = VLLMServer(dataclasses.replace(self.server.spec, model=str(path)), self.server.log_path, self.server.startup_timeout_s)
+        self.server = VLLMServer(
+            dataclasses.replace(self.server.spec, model=str(path)), self.server.log_path, self.server.startup_timeout_s
+        )
         self.server.start()
         self.model = SERVED_NAME
 
@@ -391,7 +495,16 @@ class VLLMSession:
         self.e = engine
         self.seqs: dict[int, list[int]] = {}
 
-    def extend(self, slots: list[int], new_ids: list[list[int]], tries: list[TokenTrie | None], max_new_tokens: int, temperature: float, greedy: bool, seed: int) -> list[Generation]:
+    def extend(
+        self,
+        slots: list[int],
+        new_ids: list[list[int]],
+        tries: list[TokenTrie | None],
+        max_new_tokens: int,
+        temperature: float,
+        greedy: bool,
+        seed: int,
+    ) -> list[Generation]:
         self.seqs = {s: self.seqs.get(s, []) + list(ids) for s, ids in zip(slots, new_ids)}  # absent slots are done
         gens = self.e.generate([self.seqs[s] for s in slots], tries, max_new_tokens, temperature, greedy, seed)
         for s, g in zip(slots, gens):
@@ -403,8 +516,8 @@ def engine_from_config(cfg: TrainConfig, policy_path: str, end_ids: list[int]) -
     """An engine for ``cfg.engine.vllm``: reach ``url``, or start a server serving ``policy_path``
     (for a LoRA policy: its base model, with runtime adapter loading on) in the trainer's dtype, so
     sampler and learner run the same precision."""
-    from horizonrl import lora
-    from horizonrl.models import resolve_device, resolve_dtype
+    from horizonrl.models import lora
+    from horizonrl.models.loading import resolve_device, resolve_dtype
 
     v = cfg.engine.vllm
     if v.url is not None:

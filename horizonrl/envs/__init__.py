@@ -9,7 +9,7 @@ cooking spec), or with ``games`` (``env.games``) the user's own games from a fol
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 from horizonrl.envs.base import Env, EnvSuite, Task
 from horizonrl.envs.scienceworld_env import TASK_NAMES as SCIENCEWORLD_TASKS  # a name list; imports no scienceworld
@@ -91,7 +91,9 @@ def check_games(name: str, games: str, seed: int) -> None:
 def _textworld_only(name: str) -> None:
     if not name.startswith("textworld-"):
         textworld = ", ".join(n for n in SUITES if n.startswith("textworld-"))
-        raise ValueError(f"env.games is only for the TextWorld suites ({textworld}); env.name = {name!r} makes its own tasks")
+        raise ValueError(
+            f"env.games is only for the TextWorld suites ({textworld}); env.name = {name!r} makes its own tasks"
+        )
 
 
 def make_suite(name: str, seed: int = 0, games: str | None = None) -> EnvSuite:

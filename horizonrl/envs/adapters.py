@@ -27,19 +27,41 @@ import json
 import os
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from horizonrl.envs.base import Task
 from horizonrl.envs.progress import content_words, render_key, split_command, tidy, verb_label
 from horizonrl.seeding import derive_seed
 
 ALFWORLD_SPLITS = {"train": "train", "dev": "valid_seen", "test": "valid_unseen"}
-ALFWORLD_FAMILIES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
-                     "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_two_obj_and_place")
-ALFWORLD_VERBS = ("go to", "take", "put", "move", "open", "close", "heat", "cool", "clean", "slice", "use",
-                  "examine", "look", "inventory", "toggle")
+ALFWORLD_FAMILIES = (
+    "pick_and_place_simple",
+    "look_at_obj_in_light",
+    "pick_clean_then_place_in_recep",
+    "pick_heat_then_place_in_recep",
+    "pick_cool_then_place_in_recep",
+    "pick_two_obj_and_place",
+)
+ALFWORLD_VERBS = (
+    "go to",
+    "take",
+    "put",
+    "move",
+    "open",
+    "close",
+    "heat",
+    "cool",
+    "clean",
+    "slice",
+    "use",
+    "examine",
+    "look",
+    "inventory",
+    "toggle",
+)
 WEBSHOP_SPLITS = {"test": (0, 500), "dev": (500, 1500), "train": (1500, None)}
 WEBSHOP_NAVIGATION = ("back to search", "next >", "< prev")
 WEBSHOP_INFO = ("description", "features", "reviews", "attributes")
@@ -63,9 +85,11 @@ def _shuffled(items: list, *key: object) -> list:
 
 # ---------------------------------------------------------------- ALFWorld
 
-ALFWORLD_HELP = ("alfworld needs the ALFWorld package and its game files: `pip install alfworld` (it brings "
-                 "textworld), then `alfworld-download`, which writes json_2.1.1/{train,valid_seen,"
-                 "valid_unseen}/<task>/<trial>/game.tw-pddl under $ALFWORLD_DATA (default ~/.cache/alfworld).")
+ALFWORLD_HELP = (
+    "alfworld needs the ALFWorld package and its game files: `pip install alfworld` (it brings "
+    "textworld), then `alfworld-download`, which writes json_2.1.1/{train,valid_seen,"
+    "valid_unseen}/<task>/<trial>/game.tw-pddl under $ALFWORLD_DATA (default ~/.cache/alfworld)."
+)
 
 
 def alfworld_start(path: str, oracle: bool = False) -> Any:
@@ -98,10 +122,15 @@ class AlfworldTracker:
             self.transformed = True
 
     def key(self, family: str, won: bool) -> str:
-        return render_key(f"alfworld_v1|{family}", {
-            "held_goal": bool(content_words(self.held) & self.goal_words),
-            "at_goal": bool(content_words(self.at) & self.goal_words),
-            "transformed": self.transformed, "won": won})
+        return render_key(
+            f"alfworld_v1|{family}",
+            {
+                "held_goal": bool(content_words(self.held) & self.goal_words),
+                "at_goal": bool(content_words(self.at) & self.goal_words),
+                "transformed": self.transformed,
+                "won": won,
+            },
+        )
 
 
 class AlfworldEnv:
@@ -136,9 +165,15 @@ class AlfworldEnv:
 
     def _info_of(self, state: Any, valid: bool) -> dict[str, Any]:
         won = bool(state["won"])
-        return {"won": won, "admissible_commands": sorted(state["admissible_commands"]), "valid": valid,
-                "score": float(won), "progress_key": self._tracker.key(self._family, won),
-                "family": self._family, "goal": self._goal}
+        return {
+            "won": won,
+            "admissible_commands": sorted(state["admissible_commands"]),
+            "valid": valid,
+            "score": float(won),
+            "progress_key": self._tracker.key(self._family, won),
+            "family": self._family,
+            "goal": self._goal,
+        }
 
     def goal(self) -> str:
         return self._goal
@@ -166,15 +201,18 @@ class AlfworldSuite:
 
     name = "alfworld"
 
-    def __init__(self, seed: int = 0, data_dir: str | Path | None = None, start: Callable[..., Any] | None = None) -> None:
+    def __init__(
+        self, seed: int = 0, data_dir: str | Path | None = None, start: Callable[..., Any] | None = None
+    ) -> None:
         if start is None:
             _require("alfworld", ALFWORLD_HELP)
         self.seed, self._start = seed, start or alfworld_start
         self.data_dir = Path(data_dir or os.environ.get("ALFWORLD_DATA", "~/.cache/alfworld")).expanduser()
         missing = [s for s in ALFWORLD_SPLITS.values() if not (self.data_dir / "json_2.1.1" / s).is_dir()]
         if missing:
-            raise MissingBenchmark(f"{ALFWORLD_HELP} Missing under {self.data_dir}: "
-                                   + ", ".join(f"json_2.1.1/{s}" for s in missing))
+            raise MissingBenchmark(
+                f"{ALFWORLD_HELP} Missing under {self.data_dir}: " + ", ".join(f"json_2.1.1/{s}" for s in missing)
+            )
         self._lists: dict[str, list[Path]] = {}
 
     def games(self, split: str) -> list[Path]:
@@ -192,8 +230,12 @@ class AlfworldSuite:
         for index in _shuffled(range(len(self.games(split))), self.seed, self.name, split, tier):
             path = self.games(split)[index]
             family = path.parent.parent.name.partition("-")[0]
-            if (tier in ("all", family) and "movable" not in str(path) and "Sliced" not in str(path)
-                    and json.loads(path.read_text()).get("solvable", True)):
+            if (
+                tier in ("all", family)
+                and "movable" not in str(path)
+                and "Sliced" not in str(path)
+                and json.loads(path.read_text()).get("solvable", True)
+            ):
                 chosen.append((index, family))
             if len(chosen) == offset + n:
                 break
@@ -219,11 +261,13 @@ class AlfworldSuite:
 
 # ---------------------------------------------------------------- WebShop
 
-WEBSHOP_HELP = ("webshop needs the WebShop repository and its product data: `git clone "
-                "https://github.com/princeton-nlp/WebShop`, run its `./setup.sh -d small` (or `-d all`), which "
-                "installs its requirements (pyserini needs Java), downloads data/items_shuffle*.json, "
-                "data/items_ins_v2*.json and data/items_human_ins.json and builds search_engine/indexes*, then put "
-                "the repository on PYTHONPATH so that `import web_agent_site` works.")
+WEBSHOP_HELP = (
+    "webshop needs the WebShop repository and its product data: `git clone "
+    "https://github.com/princeton-nlp/WebShop`, run its `./setup.sh -d small` (or `-d all`), which "
+    "installs its requirements (pyserini needs Java), downloads data/items_shuffle*.json, "
+    "data/items_ins_v2*.json and data/items_human_ins.json and builds search_engine/indexes*, then put "
+    "the repository on PYTHONPATH so that `import web_agent_site` works."
+)
 
 
 @dataclass
@@ -241,7 +285,9 @@ def webshop_page(available: dict[str, Any]) -> str:
         return "search"
     if "buy now" in clickables:
         return "item"
-    return "results" if "next >" in clickables or any(re.fullmatch(r"b[0-9a-z]{9}", c) for c in clickables) else "detail"
+    return (
+        "results" if "next >" in clickables or any(re.fullmatch(r"b[0-9a-z]{9}", c) for c in clickables) else "detail"
+    )
 
 
 def webshop_label(instruction_words: frozenset[str], page: str, action: str) -> str:
@@ -281,7 +327,8 @@ class WebshopEnv:
     def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         command = action.strip()
         valid = command in self._info["admissible_commands"] or (
-            command.startswith("search[") and self._state.page == "search")
+            command.startswith("search[") and self._state.page == "search"
+        )
         observation, reward, done, _ = self._web.step(command)
         label = webshop_label(content_words(self._instruction), self._state.page, command)
         if label.startswith("OPTION"):
@@ -297,10 +344,17 @@ class WebshopEnv:
         commands = [f"click[{c}]" for c in available.get("clickables", []) if c != "search"]
         if available.get("has_search_bar"):
             commands.append(f"search[{self._instruction.lower()}]")
-        return {"won": done and reward >= 1.0, "admissible_commands": sorted(commands), "valid": valid,
-                "score": reward, "family": "webshop", "goal": self._instruction,
-                "progress_key": render_key("webshop_v1", {"page": self._state.page,
-                                                          "options": min(len(self._state.options), 3)})}
+        return {
+            "won": done and reward >= 1.0,
+            "admissible_commands": sorted(commands),
+            "valid": valid,
+            "score": reward,
+            "family": "webshop",
+            "goal": self._instruction,
+            "progress_key": render_key(
+                "webshop_v1", {"page": self._state.page, "options": min(len(self._state.options), 3)}
+            ),
+        }
 
     def goal(self) -> str:
         return self._instruction
@@ -320,8 +374,13 @@ class WebshopSuite:
 
     name = "webshop"
 
-    def __init__(self, seed: int = 0, num_products: int | None = 1000, backend: Callable[[], Any] | None = None,
-                 n_goals: int | None = None) -> None:
+    def __init__(
+        self,
+        seed: int = 0,
+        num_products: int | None = 1000,
+        backend: Callable[[], Any] | None = None,
+        n_goals: int | None = None,
+    ) -> None:
         if backend is None:
             _require("web_agent_site", WEBSHOP_HELP)
             from web_agent_site.utils import DEFAULT_FILE_PATH
@@ -336,8 +395,9 @@ class WebshopSuite:
             return self._backend()
         from web_agent_site.envs.web_agent_text_env import WebAgentTextEnv
 
-        web = WebAgentTextEnv(observation_mode="text", num_products=self.num_products, human_goals=True,
-                              server=self._server)
+        web = WebAgentTextEnv(
+            observation_mode="text", num_products=self.num_products, human_goals=True, server=self._server
+        )
         self._server = web.server
         return web
 
@@ -346,7 +406,9 @@ class WebshopSuite:
             self._n_goals = len(self._web().server.goals)
         start, stop = WEBSHOP_SPLITS[split]
         goals = _shuffled(list(range(start, min(stop or self._n_goals, self._n_goals))), self.seed, self.name, split)
-        return [Task(self.name, split, tier, offset + i, g, "webshop") for i, g in enumerate(goals[offset:offset + n])]
+        return [
+            Task(self.name, split, tier, offset + i, g, "webshop") for i, g in enumerate(goals[offset : offset + n])
+        ]
 
     def make(self) -> WebshopEnv:
         return WebshopEnv(self._web)
@@ -364,9 +426,11 @@ class WebshopSuite:
 
 # ---------------------------------------------------------------- AppWorld
 
-APPWORLD_HELP = ("appworld needs the AppWorld package and its data: `pip install appworld` (in its own "
-                 "environment if its pins clash), `appworld install`, then `appworld download data`, which writes "
-                 "./data (tasks, datasets, base_dbs) under $APPWORLD_ROOT (default: the working directory).")
+APPWORLD_HELP = (
+    "appworld needs the AppWorld package and its data: `pip install appworld` (in its own "
+    "environment if its pins clash), `appworld install`, then `appworld download data`, which writes "
+    "./data (tasks, datasets, base_dbs) under $APPWORLD_ROOT (default: the working directory)."
+)
 _API_CALL = re.compile(r"apis\.(\w+)\.(\w+)")
 
 
@@ -411,8 +475,15 @@ class AppworldEnv:
 
     def _info_of(self, won: bool, score: float, valid: bool, failed: bool) -> dict[str, Any]:
         key = render_key("appworld_v1", {"ok_calls": min(self._ok_calls, 5), "last_failed": failed})
-        return {"won": won, "admissible_commands": [], "valid": valid, "score": score, "progress_key": key,
-                "family": "appworld", "goal": self._instruction}
+        return {
+            "won": won,
+            "admissible_commands": [],
+            "valid": valid,
+            "score": score,
+            "progress_key": key,
+            "family": "appworld",
+            "goal": self._instruction,
+        }
 
     def goal(self) -> str:
         return self._instruction
@@ -434,8 +505,12 @@ class AppworldSuite:
 
     name = "appworld"
 
-    def __init__(self, seed: int = 0, open_world: Callable[[str], Any] | None = None,
-                 load_task_ids: Callable[[str], list[str]] | None = None) -> None:
+    def __init__(
+        self,
+        seed: int = 0,
+        open_world: Callable[[str], Any] | None = None,
+        load_task_ids: Callable[[str], list[str]] | None = None,
+    ) -> None:
         if open_world is None or load_task_ids is None:
             _require("appworld", APPWORLD_HELP)
             root = Path(os.environ.get("APPWORLD_ROOT", ".")).resolve()
@@ -460,7 +535,9 @@ class AppworldSuite:
 
     def tasks(self, split: str, tier: str, n: int, offset: int = 0) -> list[Task]:
         order = _shuffled(list(range(len(self.task_ids(split, tier)))), self.seed, self.name, split, tier)
-        return [Task(self.name, split, tier, offset + i, s, "appworld") for i, s in enumerate(order[offset:offset + n])]
+        return [
+            Task(self.name, split, tier, offset + i, s, "appworld") for i, s in enumerate(order[offset : offset + n])
+        ]
 
     def make(self) -> AppworldEnv:
         return AppworldEnv(self._open, lambda task: self.task_ids(task.split, task.tier)[task.seed])
@@ -476,4 +553,8 @@ class AppworldSuite:
         return lines
 
 
-ADAPTERS: dict[str, Callable[..., Any]] = {"alfworld": AlfworldSuite, "webshop": WebshopSuite, "appworld": AppworldSuite}
+ADAPTERS: dict[str, Callable[..., Any]] = {
+    "alfworld": AlfworldSuite,
+    "webshop": WebshopSuite,
+    "appworld": AppworldSuite,
+}

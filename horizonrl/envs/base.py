@@ -46,15 +46,14 @@ class Env(Protocol):
         ...
 
     def abstract_action(self, action: str) -> str:
-        """Goal-relative function label of ``action`` in the current state (ALGORITHMS.md 2.4)."""
+        """Goal-relative function label of ``action`` in the current state (docs/algorithms.md §2.4)."""
         ...
 
     def walkthrough(self) -> list[str]:
         """An oracle action list that solves the task from reset (tests and warm-start only)."""
         ...
 
-    def close(self) -> None:
-        ...
+    def close(self) -> None: ...
 
 
 @runtime_checkable

@@ -20,8 +20,9 @@ Results are identical between the two for deterministic environments, so the cho
 from __future__ import annotations
 
 import traceback
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 from horizonrl.envs.base import Env, EnvSuite, Task
 
@@ -43,7 +44,9 @@ class EpisodeBatch(Protocol):
 def reset_episode(env: Env, task: Task) -> tuple[str, dict[str, Any]]:
     """``env.reset`` checked, with the goal added to the info."""
     result = env.reset(task)
-    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], str) and isinstance(result[1], dict)):
+    if not (
+        isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], str) and isinstance(result[1], dict)
+    ):
         raise TypeError(f"reset returned {_brief(result)}, not (observation: str, info: dict)")
     obs, info = result
     return obs, {**_checked_info(info), "goal": env.goal()}
@@ -54,7 +57,9 @@ def step_episode(env: Env, action: str) -> StepResult:
     the abstract action of ``action`` in the state it was chosen in."""
     label = env.abstract_action(action)
     result = env.step(action)
-    if not (isinstance(result, tuple) and len(result) == 4 and isinstance(result[0], str) and isinstance(result[3], dict)):
+    if not (
+        isinstance(result, tuple) and len(result) == 4 and isinstance(result[0], str) and isinstance(result[3], dict)
+    ):
         raise TypeError(f"step returned {_brief(result)}, not (observation, reward, done, info)")
     obs, reward, done, info = result
     try:

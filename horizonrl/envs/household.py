@@ -1,6 +1,6 @@
 """``household``: an ALFWorld-like multi-room text world generated from a seed (rules in ``household_world``).
 
-Besides the game, this module holds the agent-side half that BLPO needs (ALGORITHMS.md §2.3-2.4):
+Besides the game, this module holds the agent-side half that BLPO needs (docs/algorithms.md §2.3-2.4):
 
 * ``Tracker``: ALFWorld's role_v1 ``TargetState``, updated only from the goal, the admissible
   commands the agent played and the observations it got back. It never reads the world.
@@ -18,15 +18,36 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable
+from typing import Any
 
 from horizonrl.envs.base import Task
 from horizonrl.envs.household_world import (
-    DIGITS, FAMILIES, FAMILY_TARGETS, LAMP, OBJECT_TYPES, RECEPTACLE_KINDS, ROOMS, TIERS, TOOL_VERB, VERB_STATE,
-    Goal, Layout, Receptacle, World, commands, describe_start, execute, generate_layout, is_won, kind_of,
-    partial_score, plan_search, plan_walkthrough,
+    DIGITS,
+    FAMILIES,
+    FAMILY_TARGETS,
+    LAMP,
+    OBJECT_TYPES,
+    RECEPTACLE_KINDS,
+    ROOMS,
+    TIERS,
+    TOOL_VERB,
+    VERB_STATE,
+    Goal,
+    Layout,
+    Receptacle,
+    World,
+    commands,
+    describe_start,
+    execute,
+    generate_layout,
+    is_won,
+    kind_of,
+    partial_score,
+    plan_search,
+    plan_walkthrough,
 )
 from horizonrl.seeding import derive_seed
 
@@ -35,12 +56,13 @@ TEST_SHARE = 10  # a layout is in the test split iff sha256(signature) % TEST_SH
 NOTHING_HAPPENS = "nothing happens ."  # the answer to an inadmissible command, as in ALFWorld
 _OBJECTS = frozenset(OBJECT_TYPES)
 _TOOL_ROLES = MappingProxyType({"microwave": "in_heater", "fridge": "in_cooler", "sinkbasin": "in_cleaner"})
-_TOOL_DONE_ROLES = MappingProxyType({"microwave": "heated_at:", "fridge": "cooled_at:",
-                                     "sinkbasin": "cleaned_at:"})
-_PLAIN_LABELS = MappingProxyType({"go_room": "NAVIGATE_ROOM", "close": "SEARCH", "look": "OBSERVE_ENV",
-                                  "inventory": "INVENTORY"})
-_SEPARATORS = MappingProxyType({"take": " from ", "put": " in/on ", "heat": " with ", "cool": " with ",
-                                "clean": " with "})
+_TOOL_DONE_ROLES = MappingProxyType({"microwave": "heated_at:", "fridge": "cooled_at:", "sinkbasin": "cleaned_at:"})
+_PLAIN_LABELS = MappingProxyType(
+    {"go_room": "NAVIGATE_ROOM", "close": "SEARCH", "look": "OBSERVE_ENV", "inventory": "INVENTORY"}
+)
+_SEPARATORS = MappingProxyType(
+    {"take": " from ", "put": " in/on ", "heat": " with ", "cool": " with ", "clean": " with "}
+)
 
 
 def _named(name: str, kinds: frozenset[str]) -> bool:
@@ -170,12 +192,23 @@ def _track_nothing(tracker: Tracker, first: str, second: str) -> None:
     """examine, look and inventory change no tracked fact beyond what their observation lists."""
 
 
-_TRACK: MappingProxyType[str, Callable[[Tracker, str, str], None]] = MappingProxyType({
-    "go": _track_go, "go_room": _track_go_room, "open": _track_open, "close": _track_close,
-    "take": _track_take, "put": _track_put, "use": _track_use,
-    "heat": _track_transform, "cool": _track_transform, "clean": _track_transform,
-    "examine": _track_nothing, "look": _track_nothing, "inventory": _track_nothing,
-})
+_TRACK: MappingProxyType[str, Callable[[Tracker, str, str], None]] = MappingProxyType(
+    {
+        "go": _track_go,
+        "go_room": _track_go_room,
+        "open": _track_open,
+        "close": _track_close,
+        "take": _track_take,
+        "put": _track_put,
+        "use": _track_use,
+        "heat": _track_transform,
+        "cool": _track_transform,
+        "clean": _track_transform,
+        "examine": _track_nothing,
+        "look": _track_nothing,
+        "inventory": _track_nothing,
+    }
+)
 
 
 def components(goal: Goal) -> tuple[str, ...]:
@@ -247,14 +280,20 @@ def _place_two_fields(goal: Goal, tracker: Tracker, kind: str) -> dict[str, Any]
     held, seen = _holds_target(goal, tracker), _target_seen(goal, tracker)
     count = min(tracker.placed.get((goal.target, goal.destination), 0), 2)
     stage = _stage(held or seen, count == 1, count == 1 and held, count >= 2)
-    return {"near": kind_of(tracker.at) == goal.destination, "count": count, "seen": seen,
-            "dest_seen": goal.destination in tracker.visited, "stage": stage}
+    return {
+        "near": kind_of(tracker.at) == goal.destination,
+        "count": count,
+        "seen": seen,
+        "dest_seen": goal.destination in tracker.visited,
+        "stage": stage,
+    }
 
 
 def _light_fields(goal: Goal, tracker: Tracker, kind: str) -> dict[str, Any]:
     seen, lamp_seen, near = _target_seen(goal, tracker), bool(tracker.lamp_at), _near_lamp(tracker)
-    stage = _stage(seen or lamp_seen, seen and (near or lamp_seen), seen and tracker.lamp_on,
-                   component_done(goal, tracker, kind))
+    stage = _stage(
+        seen or lamp_seen, seen and (near or lamp_seen), seen and tracker.lamp_on, component_done(goal, tracker, kind)
+    )
     return {"lamp_on": tracker.lamp_on, "near_lamp": near, "seen": seen, "lamp_seen": lamp_seen, "stage": stage}
 
 
@@ -262,14 +301,20 @@ def _target_seen(goal: Goal, tracker: Tracker) -> bool:
     return goal.target in tracker.seen or goal.target in tracker.role
 
 
-_FIELDS: MappingProxyType[str, Callable[[Goal, Tracker, str], dict[str, Any]]] = MappingProxyType({
-    "hot": _transform_fields, "cool": _transform_fields, "clean": _transform_fields,
-    "place": _place_fields, "place_count2": _place_two_fields, "examine_light": _light_fields,
-})
+_FIELDS: MappingProxyType[str, Callable[[Goal, Tracker, str], dict[str, Any]]] = MappingProxyType(
+    {
+        "hot": _transform_fields,
+        "cool": _transform_fields,
+        "clean": _transform_fields,
+        "place": _place_fields,
+        "place_count2": _place_two_fields,
+        "examine_light": _light_fields,
+    }
+)
 
 
 def progress_key(goal: Goal, tracker: Tracker) -> str:
-    """role_v1 key (ALGORITHMS.md §2.3): family, one descriptor per component, done flags; no instance ids.
+    """role_v1 key (docs/algorithms.md §2.3): family, one descriptor per component, done flags; no instance ids.
 
     A descriptor holds the simple object role, whether a target is held, the kind's target-relative flags
     and progress stage, and the completion of sibling components. Flags role_v1 repeats (done inside
@@ -294,7 +339,7 @@ def _render(kind: str, fields: dict[str, Any]) -> str:
 
 
 def abstract_action_label(goal: Goal, tracker: Tracker, action: str) -> str:
-    """Goal-relative function label of ``action`` (ALGORITHMS.md §2.4, BLPO ``actions.abstract_action``).
+    """Goal-relative function label of ``action`` (docs/algorithms.md §2.4, BLPO ``actions.abstract_action``).
 
     Like role_v1 the label reads the command text, not its admissibility (that is ``info["valid"]``);
     text that is not a well-formed command over this world's vocabulary is OTHER. ``go to <room>`` adds
@@ -452,8 +497,10 @@ class HouseholdSuite:
         if split not in SPLITS or tier not in TIERS:
             raise ValueError(f"household: split must be one of {SPLITS} and tier one of {tuple(TIERS)}")
         found = self._find(tier, split, offset + n)
-        return [Task(self.name, split, tier, offset + i, seed, family)
-                for i, (seed, family) in enumerate(found[offset:offset + n])]
+        return [
+            Task(self.name, split, tier, offset + i, seed, family)
+            for i, (seed, family) in enumerate(found[offset : offset + n])
+        ]
 
     def _find(self, tier: str, split: str, n: int) -> list[tuple[int, str]]:
         """The first ``n`` (seed, family) of ``split``, extending the tier's enumeration as needed."""
@@ -483,8 +530,7 @@ class HouseholdSuite:
 
     def _play_corpus(self, n_tasks: int) -> list[str]:
         lines = [" ".join((*OBJECT_TYPES, *sorted(RECEPTACLE_KINDS), *ROOMS, LAMP, *DIGITS)), NOTHING_HAPPENS]
-        lines += [Goal(family, target, "countertop").text()
-                  for family in FAMILIES for target in FAMILY_TARGETS[family]]
+        lines += [Goal(family, target, "countertop").text() for family in FAMILIES for target in FAMILY_TARGETS[family]]
         env = self.make()
         lines += _demo_lines(env)
         for tier in TIERS:
@@ -497,17 +543,38 @@ class HouseholdSuite:
 _DEMO_LAYOUT = Layout(
     Goal("pick_heat_then_place", "apple", "sidetable"),
     ("kitchen", "bedroom"),
-    (Receptacle("fridge 1", "kitchen"), Receptacle("microwave 1", "kitchen", True),
-     Receptacle("sinkbasin 1", "kitchen"), Receptacle("countertop 1", "kitchen"), Receptacle("sidetable 1", "bedroom")),
+    (
+        Receptacle("fridge 1", "kitchen"),
+        Receptacle("microwave 1", "kitchen", True),
+        Receptacle("sinkbasin 1", "kitchen"),
+        Receptacle("countertop 1", "kitchen"),
+        Receptacle("sidetable 1", "bedroom"),
+    ),
     (("apple 1", "fridge 1"),),
     "sidetable 1",
 )
 _DEMO_SCRIPT = (
-    "look", "inventory", "go to fridge 1", "open fridge 1", "examine fridge 1", "take apple 1 from fridge 1",
-    "close fridge 1", "cool apple 1 with fridge 1", "go to microwave 1", "heat apple 1 with microwave 1",
-    "go to sinkbasin 1", "clean apple 1 with sinkbasin 1", "examine apple 1", "inventory", "look",
-    "go to countertop 1", "put apple 1 in/on countertop 1", "go to bedroom", "go to sidetable 1",
-    "use desklamp 1", "use desklamp 1",
+    "look",
+    "inventory",
+    "go to fridge 1",
+    "open fridge 1",
+    "examine fridge 1",
+    "take apple 1 from fridge 1",
+    "close fridge 1",
+    "cool apple 1 with fridge 1",
+    "go to microwave 1",
+    "heat apple 1 with microwave 1",
+    "go to sinkbasin 1",
+    "clean apple 1 with sinkbasin 1",
+    "examine apple 1",
+    "inventory",
+    "look",
+    "go to countertop 1",
+    "put apple 1 in/on countertop 1",
+    "go to bedroom",
+    "go to sidetable 1",
+    "use desklamp 1",
+    "use desklamp 1",
 )
 
 

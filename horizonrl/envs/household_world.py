@@ -12,9 +12,9 @@ oracle that solves a layout from its start.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Callable
 
 FAMILIES = (
     "pick_and_place",
@@ -24,42 +24,106 @@ FAMILIES = (
     "pick_two",
     "look_at_obj_in_light",
 )
-ROOM_RECEPTACLES = MappingProxyType({
-    "kitchen": ("countertop", "cabinet", "drawer", "shelf", "table", "garbagecan", "fridge", "microwave",
-                "sinkbasin"),
-    "livingroom": ("sofa", "armchair", "coffeetable", "sidetable", "shelf", "cabinet", "drawer", "box",
-                   "garbagecan"),
-    "bedroom": ("bed", "desk", "sidetable", "dresser", "drawer", "shelf", "safe", "garbagecan"),
-    "bathroom": ("countertop", "cabinet", "drawer", "shelf", "sinkbasin", "garbagecan"),
-    "office": ("desk", "shelf", "drawer", "safe", "box", "sidetable", "garbagecan"),
-})
+ROOM_RECEPTACLES = MappingProxyType(
+    {
+        "kitchen": (
+            "countertop",
+            "cabinet",
+            "drawer",
+            "shelf",
+            "table",
+            "garbagecan",
+            "fridge",
+            "microwave",
+            "sinkbasin",
+        ),
+        "livingroom": (
+            "sofa",
+            "armchair",
+            "coffeetable",
+            "sidetable",
+            "shelf",
+            "cabinet",
+            "drawer",
+            "box",
+            "garbagecan",
+        ),
+        "bedroom": ("bed", "desk", "sidetable", "dresser", "drawer", "shelf", "safe", "garbagecan"),
+        "bathroom": ("countertop", "cabinet", "drawer", "shelf", "sinkbasin", "garbagecan"),
+        "office": ("desk", "shelf", "drawer", "safe", "box", "sidetable", "garbagecan"),
+    }
+)
 ROOMS = tuple(ROOM_RECEPTACLES)
 RECEPTACLE_KINDS = frozenset(kind for pool in ROOM_RECEPTACLES.values() for kind in pool)
 OPENABLE = frozenset({"cabinet", "drawer", "fridge", "microwave", "safe", "box"})
 TOOL_VERB = MappingProxyType({"microwave": "heat", "fridge": "cool", "sinkbasin": "clean"})
 VERB_STATE = MappingProxyType({"heat": "hot", "cool": "cool", "clean": "clean"})
-FAMILY_TOOL = MappingProxyType({
-    "pick_heat_then_place": "microwave",
-    "pick_cool_then_place": "fridge",
-    "pick_clean_then_place": "sinkbasin",
-})
+FAMILY_TOOL = MappingProxyType(
+    {
+        "pick_heat_then_place": "microwave",
+        "pick_cool_then_place": "fridge",
+        "pick_clean_then_place": "sinkbasin",
+    }
+)
 LAMP = "desklamp 1"
 LAMP_HOSTS = frozenset({"desk", "sidetable", "dresser"})
 DIGITS = tuple(str(i) for i in range(1, 10))
-SMALL_THINGS = ("book", "pen", "pencil", "cellphone", "keychain", "creditcard", "watch", "remotecontrol",
-                "cd", "vase", "candle", "newspaper", "alarmclock")
-OBJECT_TYPES = ("apple", "tomato", "potato", "egg", "bread", "lettuce", "mug", "cup", "plate", "bowl",
-                "knife", "spoon", "fork", "soapbar", "cloth") + SMALL_THINGS
-FAMILY_TARGETS = MappingProxyType({
-    "pick_and_place": OBJECT_TYPES,
-    "pick_heat_then_place": ("apple", "tomato", "potato", "egg", "bread", "mug", "cup", "plate", "bowl"),
-    "pick_cool_then_place": ("apple", "tomato", "potato", "egg", "bread", "lettuce", "mug", "cup", "plate",
-                             "bowl"),
-    "pick_clean_then_place": ("apple", "tomato", "potato", "lettuce", "mug", "cup", "plate", "bowl", "knife",
-                              "spoon", "fork", "soapbar", "cloth"),
-    "pick_two": OBJECT_TYPES,
-    "look_at_obj_in_light": SMALL_THINGS + ("mug", "bowl"),
-})
+SMALL_THINGS = (
+    "book",
+    "pen",
+    "pencil",
+    "cellphone",
+    "keychain",
+    "creditcard",
+    "watch",
+    "remotecontrol",
+    "cd",
+    "vase",
+    "candle",
+    "newspaper",
+    "alarmclock",
+)
+OBJECT_TYPES = (
+    "apple",
+    "tomato",
+    "potato",
+    "egg",
+    "bread",
+    "lettuce",
+    "mug",
+    "cup",
+    "plate",
+    "bowl",
+    "knife",
+    "spoon",
+    "fork",
+    "soapbar",
+    "cloth",
+) + SMALL_THINGS
+FAMILY_TARGETS = MappingProxyType(
+    {
+        "pick_and_place": OBJECT_TYPES,
+        "pick_heat_then_place": ("apple", "tomato", "potato", "egg", "bread", "mug", "cup", "plate", "bowl"),
+        "pick_cool_then_place": ("apple", "tomato", "potato", "egg", "bread", "lettuce", "mug", "cup", "plate", "bowl"),
+        "pick_clean_then_place": (
+            "apple",
+            "tomato",
+            "potato",
+            "lettuce",
+            "mug",
+            "cup",
+            "plate",
+            "bowl",
+            "knife",
+            "spoon",
+            "fork",
+            "soapbar",
+            "cloth",
+        ),
+        "pick_two": OBJECT_TYPES,
+        "look_at_obj_in_light": SMALL_THINGS + ("mug", "bowl"),
+    }
+)
 MAX_RECEPTACLES_PER_KIND = 4
 MAX_OBJECTS_PER_TYPE = 3
 
@@ -80,11 +144,13 @@ class Tier:
 
 # Uniform random play over admissible commands wins about 5.8 % of easy, 1 % of medium and 0.6 % of hard
 # tasks within the horizon; harder tiers also start more openables closed.
-TIERS = MappingProxyType({
-    "easy": Tier((1, 1), (4, 4), (3, 4), ("pick_and_place",), 0.5, 0.0, False, 15),
-    "medium": Tier((1, 2), (6, 8), (4, 6), FAMILIES, 0.4, 0.5, True, 30),
-    "hard": Tier((2, 3), (8, 12), (6, 10), FAMILIES, 0.3, 0.5, True, 50),
-})
+TIERS = MappingProxyType(
+    {
+        "easy": Tier((1, 1), (4, 4), (3, 4), ("pick_and_place",), 0.5, 0.0, False, 15),
+        "medium": Tier((1, 2), (6, 8), (4, 6), FAMILIES, 0.4, 0.5, True, 30),
+        "hard": Tier((2, 3), (8, 12), (6, 10), FAMILIES, 0.3, 0.5, True, 50),
+    }
+)
 
 
 def kind_of(name: str) -> str:
@@ -415,20 +481,22 @@ def _look(world: World) -> str:
     return f"you are in the middle of the {world.room} . {describe_room(world)}"
 
 
-_HANDLERS: MappingProxyType[str, Callable[..., str]] = MappingProxyType({
-    "go": _go,
-    "go_room": _go_room,
-    "open": _open,
-    "close": _close,
-    "take": _take,
-    "put": _put,
-    "transform": _transform,
-    "use": _use,
-    "examine_receptacle": describe_receptacle,
-    "examine_object": _examine_object,
-    "inventory": _inventory,
-    "look": _look,
-})
+_HANDLERS: MappingProxyType[str, Callable[..., str]] = MappingProxyType(
+    {
+        "go": _go,
+        "go_room": _go_room,
+        "open": _open,
+        "close": _close,
+        "take": _take,
+        "put": _put,
+        "transform": _transform,
+        "use": _use,
+        "examine_receptacle": describe_receptacle,
+        "examine_object": _examine_object,
+        "inventory": _inventory,
+        "look": _look,
+    }
+)
 
 
 def execute(world: World, op: tuple[str, ...]) -> str:
@@ -441,7 +509,8 @@ def _targets_in_destination(world: World) -> int:
     goal = world.layout.goal
     return sum(
         kind_of(obj) == goal.target and (not goal.state or goal.state in world.states[obj])
-        for rec, objs in world.contents.items() if kind_of(rec) == goal.destination
+        for rec, objs in world.contents.items()
+        if kind_of(rec) == goal.destination
         for obj in objs
     )
 
@@ -497,15 +566,18 @@ def plan_walkthrough(layout: Layout) -> list[str]:
     goal = layout.goal
     receptacles = {r.name: r for r in layout.receptacles}
     start = layout.rooms[0]
-    targets = sorted(((receptacles[rec].room != start, obj, rec) for obj, rec in layout.placements
-                      if kind_of(obj) == goal.target))
+    targets = sorted(
+        ((receptacles[rec].room != start, obj, rec) for obj, rec in layout.placements if kind_of(obj) == goal.target)
+    )
     route = _Route(layout, start)
     for _, obj, source in targets[: 2 if goal.family == "pick_two" else 1]:
         _take_and_deliver(route, receptacles, obj, source, lambda: layout.lamp_host)
     return route.actions
 
 
-def _take_and_deliver(route: _Route, receptacles: dict[str, Receptacle], obj: str, source: str, lamp_host: Callable[[], str]) -> None:
+def _take_and_deliver(
+    route: _Route, receptacles: dict[str, Receptacle], obj: str, source: str, lamp_host: Callable[[], str]
+) -> None:
     """Take ``obj`` from ``source``, transform it if the goal says so, then place it or light it (the lamp's
     receptacle comes from ``lamp_host``, called only for the lamp goal)."""
     layout, goal = route.layout, route.layout.goal
@@ -519,8 +591,9 @@ def _take_and_deliver(route: _Route, receptacles: dict[str, Receptacle], obj: st
         route.visit(receptacles[lamp_host()], need_open=False)
         route.actions.append(f"use {LAMP}")
     else:
-        destination = min((r.room != route.room, r.name) for r in layout.receptacles
-                          if kind_of(r.name) == goal.destination)[1]
+        destination = min(
+            (r.room != route.room, r.name) for r in layout.receptacles if kind_of(r.name) == goal.destination
+        )[1]
         route.visit(receptacles[destination], need_open=True)
         route.actions.append(f"put {obj} in/on {destination}")
 

@@ -37,9 +37,10 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from horizonrl.envs.base import EnvSuite, Task
 from horizonrl.envs.batch import StepResult, check_step_order, close_quietly, error_info, reset_episode, step_episode
@@ -77,8 +78,16 @@ class _Sent:
 class EnvPool:
     """Parallel episodes of one suite, addressed by slot (the index of their task in ``reset_many``)."""
 
-    def __init__(self, suite: SuiteRef, seed: int = 0, n_workers: int = 2, *, step_timeout_s: float = 60.0,
-                 reset_timeout_s: float = 600.0, start_method: str = "spawn") -> None:
+    def __init__(
+        self,
+        suite: SuiteRef,
+        seed: int = 0,
+        n_workers: int = 2,
+        *,
+        step_timeout_s: float = 60.0,
+        reset_timeout_s: float = 600.0,
+        start_method: str = "spawn",
+    ) -> None:
         self.suite, self.seed = suite, seed
         self.step_timeout_s, self.reset_timeout_s = step_timeout_s, reset_timeout_s
         self._context = multiprocessing.get_context(start_method)
@@ -214,8 +223,9 @@ class EnvPool:
         if ok and op in ("reset", "step", "restore"):
             self._episodes[slot].info = value[-1]
 
-    def _recover(self, w: int, queue: deque, op: str, items: Mapping[int, Any],
-                 results: dict[int, tuple[bool, Any]], why: str) -> None:
+    def _recover(
+        self, w: int, queue: deque, op: str, items: Mapping[int, Any], results: dict[int, tuple[bool, Any]], why: str
+    ) -> None:
         """Blame the slot in progress, restart worker ``w``, rebuild its other episodes, resend the rest."""
         culprit = queue.popleft()
         results[culprit] = (False, f"{op} failed: {why}")

@@ -1,6 +1,6 @@
 """Agent-side helpers shared by the benchmark environments (TextWorld, ScienceWorld, adapters).
 
-BLPO (ALGORITHMS.md §2.3-2.4) needs a progress key and a goal-relative action label computed only from
+BLPO (docs/algorithms.md §2.3-2.4) needs a progress key and a goal-relative action label computed only from
 what the agent has seen: the task description, the observations it got back and the score the game
 reported. These helpers never read a walkthrough, a gold path or the simulator's hidden state.
 
@@ -15,7 +15,8 @@ reported. These helpers never read a walkthrough, a gold path or the simulator's
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 STOP_WORDS = frozenset(
     "a an the and or of to in on at into onto from with for by is are be it its this that these those you your "
@@ -43,7 +44,7 @@ def split_command(action: str, verbs: Iterable[str]) -> tuple[str, str]:
     text = " ".join(action.lower().split())
     for verb in sorted(verbs, key=len, reverse=True):
         if text == verb or text.startswith(verb + " "):
-            return verb, text[len(verb):].strip()
+            return verb, text[len(verb) :].strip()
     first, _, rest = text.partition(" ")
     return first, rest
 

@@ -16,7 +16,7 @@ that every ``load`` reseeds: an episode loaded after another changes the other's
 which breaks replay. So each environment gets its own JVM (``SIMULATORS_PER_JVM = 1``; measured
 0.23 GB resident after 60 steps of ``boil``); ``JvmHost(per_jvm=n)`` trades that determinism for
 memory. Steps go through the benchmark's own ``ScienceWorldEnv.step``, whose ``info["valid"]`` lists
-the valid action-object combinations (26-29 ms a step on an idle core, STACK.md); the full
+the valid action-object combinations (26-29 ms a step measured on an idle core); the full
 enumeration ``get_possible_action_object_combinations`` is never called.
 
 Score is ScienceWorld's 0-100 sub-goal score (negative when the task failed, e.g. focusing on the
@@ -39,15 +39,36 @@ from horizonrl.envs.progress import content_words, render_key, split_command, ti
 from horizonrl.seeding import derive_seed
 
 TASK_NAMES = (
-    "boil", "melt", "freeze", "change-the-state-of-matter-of", "use-thermometer",
-    "measure-melting-point-known-substance", "measure-melting-point-unknown-substance", "power-component",
-    "power-component-renewable-vs-nonrenewable-energy", "test-conductivity", "test-conductivity-of-unknown-substances",
-    "find-living-thing", "find-non-living-thing", "find-plant", "find-animal", "grow-plant", "grow-fruit",
-    "chemistry-mix", "chemistry-mix-paint-secondary-color", "chemistry-mix-paint-tertiary-color",
-    "lifespan-longest-lived", "lifespan-shortest-lived", "lifespan-longest-lived-then-shortest-lived",
-    "identify-life-stages-1", "identify-life-stages-2", "inclined-plane-determine-angle",
-    "inclined-plane-friction-named-surfaces", "inclined-plane-friction-unnamed-surfaces",
-    "mendelian-genetics-known-plant", "mendelian-genetics-unknown-plant",
+    "boil",
+    "melt",
+    "freeze",
+    "change-the-state-of-matter-of",
+    "use-thermometer",
+    "measure-melting-point-known-substance",
+    "measure-melting-point-unknown-substance",
+    "power-component",
+    "power-component-renewable-vs-nonrenewable-energy",
+    "test-conductivity",
+    "test-conductivity-of-unknown-substances",
+    "find-living-thing",
+    "find-non-living-thing",
+    "find-plant",
+    "find-animal",
+    "grow-plant",
+    "grow-fruit",
+    "chemistry-mix",
+    "chemistry-mix-paint-secondary-color",
+    "chemistry-mix-paint-tertiary-color",
+    "lifespan-longest-lived",
+    "lifespan-shortest-lived",
+    "lifespan-longest-lived-then-shortest-lived",
+    "identify-life-stages-1",
+    "identify-life-stages-2",
+    "inclined-plane-determine-angle",
+    "inclined-plane-friction-named-surfaces",
+    "inclined-plane-friction-unnamed-surfaces",
+    "mendelian-genetics-known-plant",
+    "mendelian-genetics-unknown-plant",
 )  # scienceworld.constants.ID2TASK's values (checked by a test)
 SPLITS = ("train", "dev", "test")
 TIERS = {"easy": ("easy", 60), "medium": ("openDoors,openContainers", 80), "hard": ("", 100)}
@@ -55,12 +76,39 @@ SIMPLIFICATIONS = ("teleportAction", "selfWateringFlowerPots", "openContainers",
 JVM_OPTIONS = ("-Xmx384m", "-XX:+UseSerialGC")
 SIMULATORS_PER_JVM = 1  # simulators sharing a JVM share its random stream (see above)
 STEP_LIMIT = 100_000  # the benchmark's own step limit ends episodes; horizons are the caller's (max_turns)
-VERBS = ("open", "close", "activate", "deactivate", "connect", "disconnect", "dunk", "eat", "flush", "focus on",
-         "go to", "look around", "look at", "look in", "mix", "move", "pick up", "pour", "put down", "read",
-         "teleport to", "use", "wait1", "wait", "inventory", "task", "drop")
+VERBS = (
+    "open",
+    "close",
+    "activate",
+    "deactivate",
+    "connect",
+    "disconnect",
+    "dunk",
+    "eat",
+    "flush",
+    "focus on",
+    "go to",
+    "look around",
+    "look at",
+    "look in",
+    "mix",
+    "move",
+    "pick up",
+    "pour",
+    "put down",
+    "read",
+    "teleport to",
+    "use",
+    "wait1",
+    "wait",
+    "inventory",
+    "task",
+    "drop",
+)
 
 
 _log = logging.getLogger(__name__)  # reaches the terminal and Prefect through PREFECT_LOGGING_EXTRA_LOGGERS=horizonrl
+
 
 def simplification(tier: str) -> str:
     """The simplification string of a tier: a preset, or names joined by '+' or ','."""
@@ -69,8 +117,10 @@ def simplification(tier: str) -> str:
     names = tier.replace("+", ",").split(",")
     unknown = [n for n in names if n not in SIMPLIFICATIONS]
     if unknown:
-        raise ValueError(f"scienceworld: tier {tier!r} is neither {tuple(TIERS)} nor simplifications "
-                         f"joined by '+' from {SIMPLIFICATIONS}")
+        raise ValueError(
+            f"scienceworld: tier {tier!r} is neither {tuple(TIERS)} nor simplifications "
+            f"joined by '+' from {SIMPLIFICATIONS}"
+        )
     return ",".join(names)
 
 
@@ -120,11 +170,16 @@ class JvmHost:
             from py4j.java_gateway import GatewayParameters, JavaGateway, launch_gateway
             from scienceworld.constants import BASEPATH, JAR_PATH
         except ImportError as err:
-            raise RuntimeError("scienceworld suites need the extra: `pip install -e '.[scienceworld]'` "
-                               "(scienceworld==1.2.3) and Java 17 on PATH") from err
-        _log.info("ScienceWorld: starting a Java simulator (JVM %d of this process, a few seconds)", len(self._jvms) + 1)
-        port, process = launch_gateway(classpath=JAR_PATH, die_on_exit=True, cwd=BASEPATH,
-                                       javaopts=list(self.options), return_proc=True)
+            raise RuntimeError(
+                "scienceworld suites need the extra: `pip install -e '.[scienceworld]'` "
+                "(scienceworld==1.2.3) and Java 17 on PATH"
+            ) from err
+        _log.info(
+            "ScienceWorld: starting a Java simulator (JVM %d of this process, a few seconds)", len(self._jvms) + 1
+        )
+        port, process = launch_gateway(
+            classpath=JAR_PATH, die_on_exit=True, cwd=BASEPATH, javaopts=list(self.options), return_proc=True
+        )
         gateway = JavaGateway(gateway_parameters=GatewayParameters(auto_field=True, port=port), java_process=process)
         return _Jvm(gateway, process)
 
@@ -297,7 +352,7 @@ class ScienceWorldSuite:
         simplification(tier)
         order = list(self.variations(split))
         random.Random(derive_seed(self.seed, self.name, split)).shuffle(order)
-        chosen = order[offset:offset + n]
+        chosen = order[offset : offset + n]
         return [Task(self.name, split, tier, offset + i, v, self.task_name) for i, v in enumerate(chosen)]
 
     def make(self) -> ScienceWorldEnv:

@@ -34,34 +34,61 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from horizonrl.envs.base import Task
 from horizonrl.envs.progress import content_words, render_key, split_command, tidy, verb_label
 from horizonrl.envs.textworld_games import GameFolder, UserGame, load_games
 from horizonrl.seeding import derive_seed
 
-CHALLENGES = MappingProxyType({
-    "textworld-coin": "tw-coin_collector",
-    "textworld-treasure": "tw-treasure_hunter",
-    "textworld-cooking": "tw-cooking",
-})
-PRESETS = MappingProxyType({
-    "tw-coin_collector": {"easy": "level5", "medium": "level105", "hard": "level205"},
-    "tw-treasure_hunter": {"easy": "level5", "medium": "level15", "hard": "level25"},
-    "tw-cooking": {"easy": "recipe1-take1-go1", "medium": "recipe2-take2-go6-open-cook-cut",
-                   "hard": "recipe3-take3-go9-open-cook-cut-drop"},
-})
+CHALLENGES = MappingProxyType(
+    {
+        "textworld-coin": "tw-coin_collector",
+        "textworld-treasure": "tw-treasure_hunter",
+        "textworld-cooking": "tw-cooking",
+    }
+)
+PRESETS = MappingProxyType(
+    {
+        "tw-coin_collector": {"easy": "level5", "medium": "level105", "hard": "level205"},
+        "tw-treasure_hunter": {"easy": "level5", "medium": "level15", "hard": "level25"},
+        "tw-cooking": {
+            "easy": "recipe1-take1-go1",
+            "medium": "recipe2-take2-go6-open-cook-cut",
+            "hard": "recipe3-take3-go9-open-cook-cut-drop",
+        },
+    }
+)
 COOKING_SPLITS = MappingProxyType({"train": "train", "dev": "valid", "test": "test"})  # ours -> tw-cooking's
 TEST_SHARE = 10  # a seed is in test iff seed % 10 == 0, in dev iff == 1 (cooking), else in train
 FROTZ_SEED = 1234  # the z-machine's random seed: fixed so that replaying a game's actions replays its text
 _log = logging.getLogger(__name__)  # reaches the terminal and Prefect through PREFECT_LOGGING_EXTRA_LOGGERS=horizonrl
 GENERATE_TIMEOUT_S = 600
-VERBS = ("go", "take", "drop", "put", "insert", "open", "close", "unlock", "lock", "examine", "look", "inventory",
-         "eat", "cook", "slice", "dice", "chop", "prepare", "read")
+VERBS = (
+    "go",
+    "take",
+    "drop",
+    "put",
+    "insert",
+    "open",
+    "close",
+    "unlock",
+    "lock",
+    "examine",
+    "look",
+    "inventory",
+    "eat",
+    "cook",
+    "slice",
+    "dice",
+    "chop",
+    "prepare",
+    "read",
+)
 _NOISE = re.compile(r"^([\s_$|\\/<>]*|>.*)$")  # the title's ASCII art; the prompt with its status bar
 
 
@@ -109,7 +136,9 @@ def _cooking_options(spec: str) -> tuple[tuple[str, ...], int]:
         elif part in ("open", "cook", "cut", "drop"):
             options.append(f"--{part}")
         else:
-            raise ValueError(f"tw-cooking: unknown tier part {part!r} in {spec!r} (recipeN, takeN, goN, open, cook, cut, drop)")
+            raise ValueError(
+                f"tw-cooking: unknown tier part {part!r} in {spec!r} (recipeN, takeN, goN, open, cook, cut, drop)"
+            )
     flags = [f"--{name}={value}" for name, value in values.items()]
     return tuple(flags + options), 20 + 10 * values["recipe"] + 2 * values["go"]
 
@@ -129,10 +158,22 @@ def ensure_game(root: Path, spec: GameSpec, seed: int) -> Path:
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    _log.info("TextWorld: generating game %s seed %d with tw-make (3-6 s a game, cached in %s)", spec.name, seed, path.parent)
+    _log.info(
+        "TextWorld: generating game %s seed %d with tw-make (3-6 s a game, cached in %s)", spec.name, seed, path.parent
+    )
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".tmp-{seed}-") as tmp:
         out = Path(tmp) / "game.z8"
-        command = [tw_make_path(), spec.challenge, *spec.options, "--seed", str(seed), "--output", str(out), "--silent", "-f"]
+        command = [
+            tw_make_path(),
+            spec.challenge,
+            *spec.options,
+            "--seed",
+            str(seed),
+            "--output",
+            str(out),
+            "--silent",
+            "-f",
+        ]
         done = subprocess.run(command, capture_output=True, text=True, timeout=GENERATE_TIMEOUT_S)
         if done.returncode != 0 or not out.exists():
             raise RuntimeError(f"tw-make failed ({' '.join(command[1:])}): {(done.stderr or done.stdout)[-2000:]}")
@@ -205,9 +246,14 @@ class TextWorldEnv:
 
         self.close()
         self._user = self._user_game(task)
-        self._path = self._user.path if self._user else ensure_game(self.root, game_spec(self.challenge, task.tier, task.split), task.seed)
-        request = textworld.EnvInfos(admissible_commands=True, won=True, lost=True, score=True, max_score=True,
-                                     objective=True)
+        self._path = (
+            self._user.path
+            if self._user
+            else ensure_game(self.root, game_spec(self.challenge, task.tier, task.split), task.seed)
+        )
+        request = textworld.EnvInfos(
+            admissible_commands=True, won=True, lost=True, score=True, max_score=True, objective=True
+        )
         try:
             with warnings.catch_warnings():  # jericho cannot read TextWorld's score; TextWorld's wrapper tracks it
                 warnings.filterwarnings("ignore", message=".*is not fully supported.*")
@@ -268,8 +314,10 @@ class TextWorldEnv:
             raise RuntimeError("TextWorldEnv: call reset() first")
         if self._user is not None:
             if self._user.walkthrough is None:
-                raise ValueError(f"{self._path}: the game has no walkthrough (none in its .json metadata, none "
-                                 "TextWorld can derive from its quests)")
+                raise ValueError(
+                    f"{self._path}: the game has no walkthrough (none in its .json metadata, none "
+                    "TextWorld can derive from its quests)"
+                )
             return list(self._user.walkthrough)
         return list(json.loads(self._path.with_suffix(".json").read_text())["metadata"]["walkthrough"])
 
@@ -313,7 +361,7 @@ class TextWorldSuite:
             raise ValueError(f"{self.name}: split must be one of {self.splits}")
         if self.folder is not None:
             index = {name: i for i, name in enumerate(sorted(self.folder.games))}
-            names = self.folder.names(split)[offset:offset + n]
+            names = self.folder.names(split)[offset : offset + n]
             return [Task(self.name, split, tier, offset + i, index[g], g) for i, g in enumerate(names)]
         game_spec(self.challenge, tier, split)  # validates the tier
         state = self._seeds.setdefault(tier, _Seeds())
@@ -321,7 +369,7 @@ class TextWorldSuite:
             candidate = derive_seed(self.seed, self.name, tier, state.counter) % 2**31
             state.counter += 1
             state.found[split_of(candidate, self.splits)].append(candidate)
-        seeds = state.found[split][offset:offset + n]
+        seeds = state.found[split][offset : offset + n]
         return [Task(self.name, split, tier, offset + i, s, self.challenge) for i, s in enumerate(seeds)]
 
     def prepare(self, tasks: list[Task]) -> list[Path]:
@@ -345,7 +393,9 @@ class TextWorldSuite:
         env = self.make()
         for task in self.tasks("train", "easy", min(n_tasks, n_games)):
             oracle = self.folder is None or self.folder.games[task.family].walkthrough is not None
-            lines += (_episode_lines(env, task, oracle=True) if oracle else []) + _episode_lines(env, task, oracle=False)
+            lines += (_episode_lines(env, task, oracle=True) if oracle else []) + _episode_lines(
+                env, task, oracle=False
+            )
         env.close()
         return list(dict.fromkeys(lines))
 

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import glob
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -68,8 +69,10 @@ class GameFolder:
         """The split's games; a split with none is an error naming the folder and the rule."""
         names = self.splits[split]
         if not names:
-            raise ValueError(f"env.games = {self.source!r}: no game falls in split {split!r} ({self.rule}); "
-                             f"write {self.base / SPLITS_FILE} to choose the splits")
+            raise ValueError(
+                f"env.games = {self.source!r}: no game falls in split {split!r} ({self.rule}); "
+                f"write {self.base / SPLITS_FILE} to choose the splits"
+            )
         return names
 
 
@@ -77,7 +80,11 @@ def load_games(source: str, seed: int) -> GameFolder:
     """Find, split and check the games of ``source`` (a folder or a glob); ``ValueError`` names each problem."""
     base, paths = _find(source)
     names = {path.relative_to(base).as_posix(): path for path in paths}
-    splits, rule = _read_splits(base, names, source) if (base / SPLITS_FILE).is_file() else (_hash_splits(names, seed), "hash rule")
+    splits, rule = (
+        _read_splits(base, names, source)
+        if (base / SPLITS_FILE).is_file()
+        else (_hash_splits(names, seed), "hash rule")
+    )
     played = sorted({name for split in splits.values() for name in split})
     games, problems = {}, []
     for name in played:
@@ -87,8 +94,11 @@ def load_games(source: str, seed: int) -> GameFolder:
             problems.append(str(err))
     if problems:
         more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
-        raise ValueError(f"env.games = {source!r}: {len(problems)} game(s) TextWorld cannot load:\n  "
-                         + "\n  ".join(problems[:_MAX_LISTED]) + more)
+        raise ValueError(
+            f"env.games = {source!r}: {len(problems)} game(s) TextWorld cannot load:\n  "
+            + "\n  ".join(problems[:_MAX_LISTED])
+            + more
+        )
     ordered = {s: tuple(_shuffled(splits[s], seed, s)) for s in SPLITS}
     return GameFolder(source, base, MappingProxyType(games), MappingProxyType(ordered), rule)
 
@@ -100,7 +110,9 @@ def _find(source: str) -> tuple[Path, list[Path]]:
         parts = Path(expanded).parts
         fixed = next(i for i, part in enumerate(parts) if glob.has_magic(part))
         base = Path(*parts[:fixed]) if fixed else Path(".")
-        paths = [Path(p) for p in glob.glob(expanded, recursive=True) if Path(p).suffix in SUFFIXES and Path(p).is_file()]
+        paths = [
+            Path(p) for p in glob.glob(expanded, recursive=True) if Path(p).suffix in SUFFIXES and Path(p).is_file()
+        ]
         if not paths:
             raise ValueError(f"env.games = {source!r}: the pattern matches no game file ({' or '.join(SUFFIXES)})")
     else:
@@ -112,8 +124,10 @@ def _find(source: str) -> tuple[Path, list[Path]]:
         base = path
         paths = [p for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file()]
         if not paths:
-            raise ValueError(f"env.games = {source!r}: the folder {path.resolve()} holds no game file "
-                             f"({' or '.join(SUFFIXES)}, searched recursively)")
+            raise ValueError(
+                f"env.games = {source!r}: the folder {path.resolve()} holds no game file "
+                f"({' or '.join(SUFFIXES)}, searched recursively)"
+            )
     return base.resolve(), sorted(p.resolve() for p in paths)
 
 
@@ -160,12 +174,16 @@ def _shuffled(names: list[str], seed: int, split: str) -> list[str]:
 def _check(name: str, path: Path) -> UserGame:
     """The game, or ``ValueError`` naming its path and why TextWorld cannot load it."""
     if path.suffix == ".ulx":
-        raise ValueError(f"{path}: Glulx (.ulx) games are not supported by TextWorld 1.7 (textworld.start refuses "
-                         "them); compile the game to .z8")
+        raise ValueError(
+            f"{path}: Glulx (.ulx) games are not supported by TextWorld 1.7 (textworld.start refuses "
+            "them); compile the game to .z8"
+        )
     meta = path.with_suffix(".json")
     if not meta.is_file():
-        raise ValueError(f"{path}: no {meta.name} beside it (TextWorld reads the game's score, objective and "
-                         "admissible commands from the .json that tw-make writes next to the .z8)")
+        raise ValueError(
+            f"{path}: no {meta.name} beside it (TextWorld reads the game's score, objective and "
+            "admissible commands from the .json that tw-make writes next to the .z8)"
+        )
     problem = story_problem(path.read_bytes())
     if problem:
         raise ValueError(f"{path}: {problem}")
@@ -177,8 +195,10 @@ def story_problem(story: bytes) -> str | None:
     its file length (word 0x1A, in units of 8 bytes) and checksum (word 0x1C: the sum of the bytes from
     0x40 to that length, mod 2^16)."""
     if len(story) < 0x40 or story[0] != 8:
-        return (f"not a Z-machine version 8 story file (header version byte {story[0] if story else None}, "
-                f"{len(story)} bytes)")
+        return (
+            f"not a Z-machine version 8 story file (header version byte {story[0] if story else None}, "
+            f"{len(story)} bytes)"
+        )
     length = int.from_bytes(story[0x1A:0x1C], "big") * 8
     if length < 0x40 or len(story) < length:
         return f"truncated or damaged story file: its header says {length} bytes, the file has {len(story)}"

@@ -15,17 +15,20 @@ import shutil
 import sqlite3
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
-import mlflow
 import pandas as pd
-from mlflow import MlflowClient
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, Run, RunTag
 from mlflow.exceptions import MlflowException
 
+import mlflow
+from horizonrl.models import lora
+from mlflow import MlflowClient
+
 if TYPE_CHECKING:
-    from horizonrl.checkpoint import CheckpointRef
+    from horizonrl.training.checkpoint import CheckpointRef
 
 RUN_NAME_TAG = "horizonrl.run_name"
 DEFAULT_STORE = "mlflow"
@@ -91,8 +94,10 @@ def _copy_empty_store(path: Path) -> None:
     shutil.copyfile(_empty_store(), tmp)
     now = int(time.time() * 1000)
     with contextlib.closing(sqlite3.connect(tmp)) as db, db:
-        db.execute("UPDATE experiments SET artifact_location = ?, creation_time = ?, last_update_time = ? WHERE experiment_id = 0",
-                   (str(Path("mlruns", "0").resolve()), now, now))
+        db.execute(
+            "UPDATE experiments SET artifact_location = ?, creation_time = ?, last_update_time = ? WHERE experiment_id = 0",
+            (str(Path("mlruns", "0").resolve()), now, now),
+        )
     tmp.rename(path)
 
 
@@ -117,7 +122,12 @@ def find_run(c: MlflowClient, experiment: str, run_name: str) -> Run | None:
     exp = c.get_experiment_by_name(experiment)
     if exp is None:
         return None
-    found = c.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = {quoted(run_name)}", order_by=["attributes.start_time DESC"], max_results=1)
+    found = c.search_runs(
+        [exp.experiment_id],
+        filter_string=f"tags.`{RUN_NAME_TAG}` = {quoted(run_name)}",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
     return found[0] if found else None
 
 
@@ -156,14 +166,22 @@ def log_params(c: MlflowClient, run_id: str, params: dict[str, str]) -> None:
 def log_metrics(c: MlflowClient, run_id: str, stage: str, values: dict[str, float], step: int) -> None:
     """Log ``<stage>/<name>`` for every finite value at ``step``."""
     now = int(time.time() * 1000)
-    metrics = [Metric(f"{stage}/{k}", float(v), now, step) for k, v in sorted(values.items()) if v == v and abs(float(v)) != float("inf")]
+    metrics = [
+        Metric(f"{stage}/{k}", float(v), now, step)
+        for k, v in sorted(values.items())
+        if v == v and abs(float(v)) != float("inf")
+    ]
     for i in range(0, len(metrics), 1000):
         c.log_batch(run_id, metrics=metrics[i : i + 1000])
 
 
-def log_parquet_input(c: MlflowClient, run_id: str, name: str, path: str | Path, digest: str, context: str = "training") -> None:
+def log_parquet_input(
+    c: MlflowClient, run_id: str, name: str, path: str | Path, digest: str, context: str = "training"
+) -> None:
     """Record a Parquet file as a run input dataset (path plus content digest)."""
-    ds = Dataset(name=name, digest=digest[:36], source_type="local", source=json.dumps({"uri": str(Path(path).resolve())}))
+    ds = Dataset(
+        name=name, digest=digest[:36], source_type="local", source=json.dumps({"uri": str(Path(path).resolve())})
+    )
     inputs = [DatasetInput(ds, tags=[InputTag("mlflow.data.context", context)])]
     try:
         c.log_inputs(run_id, datasets=inputs)
@@ -192,7 +210,9 @@ def log_table(c: MlflowClient, run_id: str, frame: pd.DataFrame, artifact_file: 
 
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -223,8 +243,13 @@ def changed_code(commits: list[str]) -> list[str] | None:
     changed: set[str] = set()
     for other in commits[1:]:
         try:
-            out = subprocess.run(["git", "diff", "--name-only", commits[0], other, "--", *CODE_PATHS],
-                                 capture_output=True, text=True, check=True, timeout=30).stdout
+            out = subprocess.run(
+                ["git", "diff", "--name-only", commits[0], other, "--", *CODE_PATHS],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=30,
+            ).stdout
         except (OSError, subprocess.SubprocessError):
             return None
         changed.update(line for line in out.splitlines() if line)
@@ -246,13 +271,17 @@ def resolve_policy(c: MlflowClient, source: str) -> tuple[str, str]:
         try:
             return c.get_model_version(name, version).run_id, source
         except mlflow.exceptions.MlflowException as err:
-            raise ValueError(f"source {source!r}: no version {version} of a registered model {name!r} in {c.tracking_uri}") from err
+            raise ValueError(
+                f"source {source!r}: no version {version} of a registered model {name!r} in {c.tracking_uri}"
+            ) from err
     run_id = source.removeprefix("runs:/").split("/")[0]
     try:
         run = c.get_run(run_id)
     except mlflow.exceptions.MlflowException as err:
         raise ValueError(f"source {source!r}: no run with id {run_id!r} in {c.tracking_uri}") from err
-    models = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], filter_string=f"source_run_id = {quoted(run_id)}", output_format="list")
+    models = mlflow.search_logged_models(
+        experiment_ids=[run.info.experiment_id], filter_string=f"source_run_id = {quoted(run_id)}", output_format="list"
+    )
     if not models:
         raise ValueError(f"source run {run_id} has no logged policy model (it logs one when its training finishes)")
     return run_id, f"models:/{models[0].model_id}"
@@ -276,7 +305,7 @@ def download_policy(model_uri: str, cache: Path) -> CheckpointRef:
     from mlflow.models import Model
     from mlflow.models.model import MLMODEL_FILE_NAME
 
-    from horizonrl.checkpoint import STATE_FILE, CheckpointRef  # here: the checkpoint module imports torch
+    from horizonrl.training.checkpoint import STATE_FILE, CheckpointRef  # here: the checkpoint module imports torch
 
     dest = cache / model_uri.removeprefix("models:/").replace("/", "-")
     if not (dest / MLMODEL_FILE_NAME).is_file():
@@ -290,8 +319,20 @@ def register_policy(c: MlflowClient, run_id: str, model_name: str) -> str:
     """Register the policy logged by run ``run_id`` under ``model_name``; returns the version (the existing
     one if this run's policy is already registered under that name, so a rerun registers nothing new)."""
     mlflow.set_tracking_uri(c.tracking_uri)
-    models = mlflow.search_logged_models(experiment_ids=[c.get_run(run_id).info.experiment_id], filter_string=f"source_run_id = {quoted(run_id)}", output_format="list")
+    models = mlflow.search_logged_models(
+        experiment_ids=[c.get_run(run_id).info.experiment_id],
+        filter_string=f"source_run_id = {quoted(run_id)}",
+        output_format="list",
+    )
     if not models:
         raise ValueError(f"run {run_id} has no logged policy model")
     existing = c.search_model_versions(f"name = {quoted(model_name)} and run_id = {quoted(run_id)}")
-    return str(existing[0].version if existing else mlflow.register_model(f"models:/{models[0].model_id}", model_name).version)
+    return str(
+        existing[0].version if existing else mlflow.register_model(f"models:/{models[0].model_id}", model_name).version
+    )
+
+
+def log_adapter(c: MlflowClient, run_id: str, checkpoint: str | Path, iteration: int) -> None:
+    """Log a checkpoint's adapter files to the MLflow run under ``adapters/iter=<n>/``."""
+    for name in (lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS):
+        c.log_artifact(run_id, str(Path(checkpoint) / name), artifact_path=f"adapters/iter={iteration:05d}")

@@ -83,11 +83,19 @@ def attach_advantages(rows: list[TrainRow], adv_table: pa.Table) -> list[TrainRo
                 keep_idx.append(p)
                 adv.append(per_traj[row.rollout_id][f] if row.rollout_id in per_traj else value)
         if keep_idx:
-            out.append(TrainRow(
-                row.rollout_id, row.turn, row.input_ids, [row.positions[p] for p in keep_idx],
-                [row.allowed[p] for p in keep_idx], [row.sample_logp[p] for p in keep_idx],
-                [row.turn_id[p] for p in keep_idx], [row.flat_index[p] for p in keep_idx], adv,
-            ))
+            out.append(
+                TrainRow(
+                    row.rollout_id,
+                    row.turn,
+                    row.input_ids,
+                    [row.positions[p] for p in keep_idx],
+                    [row.allowed[p] for p in keep_idx],
+                    [row.sample_logp[p] for p in keep_idx],
+                    [row.turn_id[p] for p in keep_idx],
+                    [row.flat_index[p] for p in keep_idx],
+                    adv,
+                )
+            )
     return out
 
 

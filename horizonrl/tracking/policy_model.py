@@ -13,7 +13,13 @@ from mlflow.types.schema import Array, ColSpec, Schema
 
 # Logged with the model, so MLflow checks inputs at serving time (and warns about no missing signature).
 SIGNATURE = ModelSignature(
-    inputs=Schema([ColSpec("string", "goal"), ColSpec("string", "observation"), ColSpec(Array("string"), "admissible", required=False)]),
+    inputs=Schema(
+        [
+            ColSpec("string", "goal"),
+            ColSpec("string", "observation"),
+            ColSpec(Array("string"), "admissible", required=False),
+        ]
+    ),
     outputs=Schema([ColSpec("string")]),
 )
 
@@ -21,8 +27,8 @@ SIGNATURE = ModelSignature(
 class PolicyModel(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
         from horizonrl.engines.hf import TransformersEngine
-        from horizonrl.models import load_policy
-        from horizonrl.prompting import ChatFormat
+        from horizonrl.models.loading import load_policy
+        from horizonrl.rollout.prompting import ChatFormat
 
         self.model, tokenizer = load_policy(context.artifacts["policy"])
         self.fmt = ChatFormat.for_tokenizer(tokenizer)

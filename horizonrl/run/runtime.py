@@ -14,18 +14,19 @@ from pathlib import Path
 
 import torch
 
-from horizonrl import lora, tracking
-from horizonrl.checkpoint import CheckpointRef, checkpoint_dir, load_optimizer_state, read_state
 from horizonrl.config import MODEL_URI_PREFIXES, RayConfig, TrainConfig
 from horizonrl.engines.base import Engine
 from horizonrl.engines.hf import TransformersEngine
 from horizonrl.envs import EnvSuite, make_suite, suite_ref
 from horizonrl.envs.batch import EpisodeBatch, InProcess
 from horizonrl.envs.pool import EnvPool
-from horizonrl.models import load_policy, resolve_device, resolve_dtype, tiny_model_dir
-from horizonrl.prompting import ChatFormat
+from horizonrl.models import lora
+from horizonrl.models.loading import initial_adapter_dir, load_policy, resolve_device, resolve_dtype, tiny_model_dir
+from horizonrl.rollout.prompting import ChatFormat
 from horizonrl.seeding import derive_seed
-from horizonrl.tracking import tracking_uri
+from horizonrl.tracking import mlflow_runs
+from horizonrl.tracking.mlflow_runs import tracking_uri
+from horizonrl.training.checkpoint import CheckpointRef, checkpoint_dir, load_optimizer_state, read_state
 
 
 @dataclass
@@ -67,7 +68,11 @@ class PolicyRuntime:
             self.close_episodes()
             suite = self.suite(cfg)  # also sets HORIZONRL_DATA_DIR, which the workers inherit
             ref = suite_ref(cfg.env.name, cfg.env.games)
-            batch = EnvPool(ref, cfg.env.suite_seed, r.env_workers, step_timeout_s=r.step_timeout_s) if r.env_workers else InProcess(suite)
+            batch = (
+                EnvPool(ref, cfg.env.suite_seed, r.env_workers, step_timeout_s=r.step_timeout_s)
+                if r.env_workers
+                else InProcess(suite)
+            )
             self._episodes = (key, batch)
         return self._episodes[1]
 
@@ -89,8 +94,14 @@ class PolicyRuntime:
         if cfg.ray.address is not None:
             ray.init(address=cfg.ray.address, namespace="horizonrl")
         else:
-            ray.init(address="local", num_cpus=cfg.ray.num_cpus, object_store_memory=cfg.ray.object_store_mb * 2**20,
-                     include_dashboard=False, _node_ip_address="127.0.0.1", namespace="horizonrl")
+            ray.init(
+                address="local",
+                num_cpus=cfg.ray.num_cpus,
+                object_store_memory=cfg.ray.object_store_mb * 2**20,
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                namespace="horizonrl",
+            )
         self._ray = cfg.ray
 
     def close_ray(self) -> None:
@@ -120,7 +131,7 @@ class PolicyRuntime:
         else:
             base = tiny_model_dir(cfg.data_dir, cfg.env.name, cfg.model, self.suite(cfg).corpus())
         if cfg.model.lora is not None:  # fresh adapters over the base; checkpoints then hold adapters only
-            return lora.initial_adapter_dir(cfg.data_dir, base, cfg.model.lora, cfg.model.init_seed)
+            return initial_adapter_dir(cfg.data_dir, base, cfg.model.lora, cfg.model.init_seed)
         return base
 
     def get(self, cfg: TrainConfig, ref: CheckpointRef) -> Loaded:
@@ -131,9 +142,15 @@ class PolicyRuntime:
         model, tokenizer = load_policy(ref.path, resolve_dtype(cfg.model.dtype, device), cfg.model.attn_implementation)
         model.to(device)
         r = cfg.rollout
-        fmt = ChatFormat.for_tokenizer(tokenizer, enable_thinking=r.enable_thinking, free_format=r.free_format, format_penalty=r.format_penalty)
+        fmt = ChatFormat.for_tokenizer(
+            tokenizer, enable_thinking=r.enable_thinking, free_format=r.free_format, format_penalty=r.format_penalty
+        )
         end_ids = list(fmt.stop_ids)
-        engine = TransformersEngine(model, tokenizer.pad_token_id, end_ids, str(device)) if cfg.engine.name == "transformers" else self._vllm_engine(cfg, ref, end_ids)
+        engine = (
+            TransformersEngine(model, tokenizer.pad_token_id, end_ids, str(device))
+            if cfg.engine.name == "transformers"
+            else self._vllm_engine(cfg, ref, end_ids)
+        )
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay)
         load_optimizer_state(ref, optimizer)
         self.current = Loaded(ref, model, tokenizer, fmt, engine, optimizer, cfg)
@@ -152,7 +169,9 @@ class PolicyRuntime:
         """The frozen initial policy (checkpoint 0) for KL-to-reference losses; loaded once."""
         if self._reference is None:
             device = resolve_device(cfg.model.device)
-            model, _ = load_policy(checkpoint_dir(run_dir, 0), resolve_dtype(cfg.model.dtype, device), cfg.model.attn_implementation)
+            model, _ = load_policy(
+                checkpoint_dir(run_dir, 0), resolve_dtype(cfg.model.dtype, device), cfg.model.attn_implementation
+            )
             self._reference = model.to(device).eval().requires_grad_(False)
         return self._reference
 
@@ -169,7 +188,12 @@ class PolicyRuntime:
             self._vllm.sync(ref.path)
         cfg = self.current.cfg
         if cfg is not None and lora.is_adapter_dir(ref.path):
-            lora.log_adapter(tracking_uri(cfg.tracking_uri), read_state(ref)["mlflow_run_id"], ref.path, ref.iteration)
+            mlflow_runs.log_adapter(
+                mlflow_runs.client(tracking_uri(cfg.tracking_uri)),
+                read_state(ref)["mlflow_run_id"],
+                ref.path,
+                ref.iteration,
+            )
 
     def __reduce__(self) -> tuple:
         """A holder never travels: pickled (Ray ships a task's globals with it, and Prefect's context with
@@ -184,9 +208,9 @@ class PolicyRuntime:
 def policy_from_store(cfg: TrainConfig) -> CheckpointRef:
     """The checkpoint of ``model.path`` = ``models:/<name>/<version>`` or ``runs:/<run id>``, downloaded
     once under ``<data_dir>/policies``."""
-    c = tracking.client(tracking_uri(cfg.tracking_uri))
-    _, model_uri = tracking.resolve_policy(c, cfg.model.path)
-    return tracking.download_policy(model_uri, Path(cfg.data_dir) / "policies")
+    c = mlflow_runs.client(tracking_uri(cfg.tracking_uri))
+    _, model_uri = mlflow_runs.resolve_policy(c, cfg.model.path)
+    return mlflow_runs.download_policy(model_uri, Path(cfg.data_dir) / "policies")
 
 
 def sample_tasks(pool: list, n: int, seed: int, iteration: int) -> list:

@@ -39,7 +39,7 @@ class EpisodeRecord:
     task: Task
     context: str  # "window" | "full"
     sample_seed: int
-    kind: str = "initial"  # "initial" | "branch" | "demonstration" (horizonrl.demonstrations)
+    kind: str = "initial"  # "initial" | "branch" | "demonstration" (horizonrl.training.demonstrations)
     parent_rollout: int = -1
     branch_token: int = -1
     turns: list[TurnRecord] = field(default_factory=list)

@@ -17,8 +17,12 @@ def iteration_dir(run_dir: str | Path, iteration: int) -> Path:
     """``<run_dir>/iter=<n>``; the error names the iterations that are stored."""
     d = Path(run_dir) / f"iter={iteration:05d}"
     if not (d / "episodes.parquet").is_file():
-        stored = sorted(int(p.name.split("=")[1]) for p in Path(run_dir).glob("iter=*") if (p / "episodes.parquet").is_file())
-        raise ValueError(f"{run_dir}: iteration {iteration} is not stored (stored: {', '.join(map(str, stored)) or 'none'})")
+        stored = sorted(
+            int(p.name.split("=")[1]) for p in Path(run_dir).glob("iter=*") if (p / "episodes.parquet").is_file()
+        )
+        raise ValueError(
+            f"{run_dir}: iteration {iteration} is not stored (stored: {', '.join(map(str, stored)) or 'none'})"
+        )
     return d
 
 
@@ -27,7 +31,11 @@ def _advantages(d: Path) -> pd.DataFrame:
     merged = None
     for path in sorted(d.glob("advantages-*.parquet")):
         method = path.stem.removeprefix("advantages-")
-        table = store.read_table(path, "advantages", columns=["rollout_id", "turn", "adv"]).to_pandas().rename(columns={"adv": f"adv_{method}"})
+        table = (
+            store.read_table(path, "advantages", columns=["rollout_id", "turn", "adv"])
+            .to_pandas()
+            .rename(columns={"adv": f"adv_{method}"})
+        )
         merged = table if merged is None else merged.merge(table, on=["rollout_id", "turn"], how="outer")
     return merged if merged is not None else pd.DataFrame(columns=["rollout_id", "turn"])
 
@@ -35,10 +43,14 @@ def _advantages(d: Path) -> pd.DataFrame:
 def iteration_text(run_dir: str | Path, iteration: int) -> str:
     """One line per episode of the iteration: rollout id, group, task, return, turns, status."""
     ep = store.read_table(iteration_dir(run_dir, iteration) / "episodes.parquet", "episodes").to_pandas()
-    lines = [f"iteration {iteration}: {len(ep)} episodes, success {ep['won'].mean():.3f}, mean return {ep['episode_return'].mean():.3f}",
-             f"{'episode':>8} {'group':>6}  {'task':<32}{'return':>8} {'turns':>6}  {'kind':<8}status"]
+    lines = [
+        f"iteration {iteration}: {len(ep)} episodes, success {ep['won'].mean():.3f}, mean return {ep['episode_return'].mean():.3f}",
+        f"{'episode':>8} {'group':>6}  {'task':<32}{'return':>8} {'turns':>6}  {'kind':<8}status",
+    ]
     for e in ep.itertuples():
-        lines.append(f"{e.rollout_id:>8} {e.group_id:>6}  {e.task_id:<32}{e.episode_return:>8.3f} {e.n_turns:>6}  {e.kind:<8}{e.status}")
+        lines.append(
+            f"{e.rollout_id:>8} {e.group_id:>6}  {e.task_id:<32}{e.episode_return:>8.3f} {e.n_turns:>6}  {e.kind:<8}{e.status}"
+        )
     return "\n".join(lines)
 
 
@@ -50,12 +62,29 @@ def episode_text(run_dir: str | Path, iteration: int, rollout_id: int) -> str:
     if row.empty:
         raise ValueError(f"{d}: no episode {rollout_id} (episodes {ep['rollout_id'].min()}-{ep['rollout_id'].max()})")
     e = row.iloc[0]
-    turns = store.read_table(d / "turns.parquet", "turns", columns=["rollout_id", "turn", "observation", "action", "reward", "valid"]).to_pandas()
-    turns = turns[turns["rollout_id"] == rollout_id].merge(_advantages(d), on=["rollout_id", "turn"], how="left").sort_values("turn")
-    lines = [f"episode {rollout_id} of iteration {iteration} (group {e['group_id']}, {e['kind']}): task {e['task_id']}, "
-             f"return {e['episode_return']:.3f}, {'won' if e['won'] else 'not won'}, {e['n_turns']} turns, {e['status']}"]
+    turns = store.read_table(
+        d / "turns.parquet", "turns", columns=["rollout_id", "turn", "observation", "action", "reward", "valid"]
+    ).to_pandas()
+    turns = (
+        turns[turns["rollout_id"] == rollout_id]
+        .merge(_advantages(d), on=["rollout_id", "turn"], how="left")
+        .sort_values("turn")
+    )
+    lines = [
+        f"episode {rollout_id} of iteration {iteration} (group {e['group_id']}, {e['kind']}): task {e['task_id']}, "
+        f"return {e['episode_return']:.3f}, {'won' if e['won'] else 'not won'}, {e['n_turns']} turns, {e['status']}"
+    ]
     adv_columns = [c for c in turns.columns if c.startswith("adv_")]
     for t in turns.itertuples():
-        figures = [f"reward {t.reward:g}", *(f"advantage ({c[4:]}) {getattr(t, c):+.4f}" for c in adv_columns), *([] if t.valid else ["invalid action"])]
-        lines += ["", f"--- turn {t.turn}: {', '.join(figures)}", f"observation: {t.observation.strip()}", f"action:      {t.action.strip()}"]
+        figures = [
+            f"reward {t.reward:g}",
+            *(f"advantage ({c[4:]}) {getattr(t, c):+.4f}" for c in adv_columns),
+            *([] if t.valid else ["invalid action"]),
+        ]
+        lines += [
+            "",
+            f"--- turn {t.turn}: {', '.join(figures)}",
+            f"observation: {t.observation.strip()}",
+            f"action:      {t.action.strip()}",
+        ]
     return "\n".join(lines)

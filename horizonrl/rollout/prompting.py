@@ -4,7 +4,7 @@ Two context modes (config ``rollout.context``):
 
 * ``full``: one growing sequence ``system(goal) user(o_0) a_0 close user(o_1) a_1 close ...``. Each turn
   stores only the ids added since the previous action (``prompt_ids`` is a delta), so the trajectory is
-  rebuilt by concatenation (layout T, ALGORITHMS.md 0.1).
+  rebuilt by concatenation (layout T, docs/algorithms.md §0.1).
 * ``window``: each turn's prompt is ``system(goal)`` plus the last H turns plus the new observation, so
   every turn is its own sequence (layout S); ``prompt_ids`` is the whole prompt.
 
@@ -65,11 +65,20 @@ class ChatFormat:
     _commands: dict[str, list[int]] = field(default_factory=dict, compare=False, repr=False)  # encode cache
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: PreTrainedTokenizerBase, *, enable_thinking: bool = False, free_format: str = "plain", format_penalty: float = 0.0) -> "ChatFormat":
+    def for_tokenizer(
+        cls,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        enable_thinking: bool = False,
+        free_format: str = "plain",
+        format_penalty: float = 0.0,
+    ) -> ChatFormat:
         """Read the pieces off the tokenizer's chat template. ``enable_thinking`` needs a template that has
         a thinking block (``<think>`` in the vocabulary)."""
         if enable_thinking and "<think>" not in tokenizer.get_vocab():
-            raise ValueError("rollout.enable_thinking: this tokenizer's chat template has no thinking block (no <think> token)")
+            raise ValueError(
+                "rollout.enable_thinking: this tokenizer's chat template has no thinking block (no <think> token)"
+            )
         if free_format not in ("plain", "react"):
             raise ValueError(f"rollout.free_format = {free_format!r}: expected plain or react")
         options = dict(enable_thinking=enable_thinking, free_format=free_format, format_penalty=format_penalty)
@@ -79,8 +88,12 @@ class ChatFormat:
             return cls(tokenizer, None, eos[0], after, tuple(eos), **options)
         template, close = _read_template(tokenizer, enable_thinking)
         ids = list(tokenizer(close, add_special_tokens=False).input_ids)
-        if not ids or tokenizer.convert_ids_to_tokens(ids[0]) not in tokenizer.all_special_tokens + list(tokenizer.get_added_vocab()):
-            raise ValueError(f"chat template: an assistant message is closed by {close!r}, which does not start with a special token")
+        if not ids or tokenizer.convert_ids_to_tokens(ids[0]) not in tokenizer.all_special_tokens + list(
+            tokenizer.get_added_vocab()
+        ):
+            raise ValueError(
+                f"chat template: an assistant message is closed by {close!r}, which does not start with a special token"
+            )
         stop = tuple(dict.fromkeys([ids[0], *eos]))
         return cls(tokenizer, template, ids[0], tuple(ids[1:]), stop, **options)
 
@@ -93,7 +106,9 @@ class ChatFormat:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def _render(self, messages: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=self.enable_thinking)
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, enable_thinking=self.enable_thinking
+        )
 
     def system(self, goal: str) -> list[int]:
         """The goal as the system message (with the ReAct instruction in ``react`` format)."""
@@ -147,20 +162,26 @@ class ChatFormat:
             return command, ok and bool(command)
         lines = [line.strip() for line in text.splitlines() if line.strip()]
         actions = [line for line in lines if line.startswith(ACTION_PREFIX)]
-        command = actions[-1][len(ACTION_PREFIX):].strip() if actions else ""
+        command = actions[-1][len(ACTION_PREFIX) :].strip() if actions else ""
         return command, ok and len(actions) == 1 and lines[-1] == actions[0] and bool(command)
 
 
 def _reference(goal: str, observation: str = _NEXT) -> list[dict[str, str]]:
-    return [{"role": "system", "content": goal}, {"role": "user", "content": _OBS},
-            {"role": "assistant", "content": _ACT}, {"role": "user", "content": observation}]
+    return [
+        {"role": "system", "content": goal},
+        {"role": "user", "content": _OBS},
+        {"role": "assistant", "content": _ACT},
+        {"role": "user", "content": observation},
+    ]
 
 
 def _cut(text: str, head: str, tail: str, what: str) -> str:
     """``text`` without ``head`` and ``tail``, which the chat template must have rendered unchanged."""
     if not (text.startswith(head) and text.endswith(tail) and len(text) >= len(head) + len(tail)):
-        raise ValueError(f"chat template: the {what} changes the rest of the conversation; it cannot be rendered turn by turn")
-    return text[len(head):len(text) - len(tail)]
+        raise ValueError(
+            f"chat template: the {what} changes the rest of the conversation; it cannot be rendered turn by turn"
+        )
+    return text[len(head) : len(text) - len(tail)]
 
 
 def _read_template(tokenizer: PreTrainedTokenizerBase, enable_thinking: bool) -> tuple[_Template, str]:
@@ -168,11 +189,15 @@ def _read_template(tokenizer: PreTrainedTokenizerBase, enable_thinking: bool) ->
 
     A message begins at the special token that opens its role header (ChatML's ``<|im_start|>``, Llama 3's
     ``<|start_header_id|>``): the last special token before the role's name."""
-    text = tokenizer.apply_chat_template(_reference(_GOAL), tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking)
+    text = tokenizer.apply_chat_template(
+        _reference(_GOAL), tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+    )
     try:
         g, o, a, n = (text.index(m) for m in (_GOAL, _OBS, _ACT, _NEXT))
     except ValueError as err:
-        raise ValueError("chat template: it does not render a system, user, assistant, user conversation's contents") from err
+        raise ValueError(
+            "chat template: it does not render a system, user, assistant, user conversation's contents"
+        ) from err
     specials = set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab())
 
     def message_start(lo: int, hi: int) -> int:
@@ -184,19 +209,25 @@ def _read_template(tokenizer: PreTrainedTokenizerBase, enable_thinking: bool) ->
         return max(starts)
 
     user1, user2 = message_start(g + len(_GOAL), o), message_start(a + len(_ACT), n)
-    close = text[a + len(_ACT):user2]
-    system_parts, user_parts = (text[:g], text[g + len(_GOAL):user1]), (text[user2:n], text[n + len(_NEXT):])
+    close = text[a + len(_ACT) : user2]
+    system_parts, user_parts = (text[:g], text[g + len(_GOAL) : user1]), (text[user2:n], text[n + len(_NEXT) :])
     # Where the template inserts any content verbatim (ChatML, Qwen3; Llama 3 trims it), the pieces are
     # the parts around the marker, joined without a render per message (a probe with edge whitespace checks).
     probe = " \n a probe  \n"
-    render = lambda goal, obs: tokenizer.apply_chat_template(_reference(goal, obs), tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking)
+    render = lambda goal, obs: tokenizer.apply_chat_template(
+        _reference(goal, obs), tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+    )
     verbatim_system = render(probe, _NEXT) == probe.join(system_parts) + text[user1:]
     verbatim_user = render(_GOAL, probe) == text[:user2] + probe.join(user_parts)
-    template = _Template(text[:user2], text[user1:], system_parts if verbatim_system else None, user_parts if verbatim_user else None)
+    template = _Template(
+        text[:user2], text[user1:], system_parts if verbatim_system else None, user_parts if verbatim_user else None
+    )
     return template, close
 
 
-def window_prompt(fmt: ChatFormat, goal_ids: list[int], history: list[tuple[list[int], list[int]]], obs_ids: list[int], h: int) -> list[int]:
+def window_prompt(
+    fmt: ChatFormat, goal_ids: list[int], history: list[tuple[list[int], list[int]]], obs_ids: list[int], h: int
+) -> list[int]:
     """``system(goal) + last h (user(o_j) + a_j + close) turns + user(o_now)``; ``history`` holds (obs_ids, action_ids)."""
     ids = list(goal_ids)
     for o_ids, a_ids in history[len(history) - h :] if h > 0 else []:

@@ -17,16 +17,26 @@ from typing import Literal
 
 from horizonrl.engines.base import Generation, TokenTrie
 from horizonrl.envs.base import EnvSuite, Task
-from horizonrl.prompting import ChatFormat, full_delta, window_prompt
-from horizonrl.records import EpisodeRecord, TurnRecord
+from horizonrl.rollout.prompting import ChatFormat, full_delta, window_prompt
+from horizonrl.rollout.records import EpisodeRecord, TurnRecord
 from horizonrl.seeding import derive_seed
 
 DEMONSTRATION = "demonstration"  # the episodes table's ``kind`` of a demonstration
 
 
-def play_walkthroughs(suite: EnvSuite, tasks: list[Task], fmt: ChatFormat, *, action_mode: str, context: str,
-                      history_turns: int, max_turns: int, perturbed_share: float = 0.0, seed: int = 0,
-                      expert: Literal["walkthrough", "search"] = "walkthrough") -> list[EpisodeRecord]:
+def play_walkthroughs(
+    suite: EnvSuite,
+    tasks: list[Task],
+    fmt: ChatFormat,
+    *,
+    action_mode: str,
+    context: str,
+    history_turns: int,
+    max_turns: int,
+    perturbed_share: float = 0.0,
+    seed: int = 0,
+    expert: Literal["walkthrough", "search"] = "walkthrough",
+) -> list[EpisodeRecord]:
     """One demonstration per task (rollout id = group id = its index), played by ``expert``: the suite's
     ``walkthrough``, or the household's ``search_walkthrough``. A perturbed demonstration (the first
     ``round(perturbed_share * len(tasks))`` of a seeded shuffle) plays, at one seeded turn, a random other
@@ -37,15 +47,37 @@ def play_walkthroughs(suite: EnvSuite, tasks: list[Task], fmt: ChatFormat, *, ac
     perturbed = set(order[: round(perturbed_share * len(tasks))])
     env = suite.make()
     try:
-        return [_play_one(env, i, task, fmt, action_mode, context, history_turns, max_turns,
-                          random.Random(derive_seed(seed, "perturb", i)) if i in perturbed else None, expert)
-                for i, task in enumerate(tasks)]
+        return [
+            _play_one(
+                env,
+                i,
+                task,
+                fmt,
+                action_mode,
+                context,
+                history_turns,
+                max_turns,
+                random.Random(derive_seed(seed, "perturb", i)) if i in perturbed else None,
+                expert,
+            )
+            for i, task in enumerate(tasks)
+        ]
     finally:
         env.close()
 
 
-def _play_one(env, index: int, task: Task, fmt: ChatFormat, action_mode: str, context: str, history_turns: int,
-              max_turns: int, rng: random.Random | None, expert: str) -> EpisodeRecord:
+def _play_one(
+    env,
+    index: int,
+    task: Task,
+    fmt: ChatFormat,
+    action_mode: str,
+    context: str,
+    history_turns: int,
+    max_turns: int,
+    rng: random.Random | None,
+    expert: str,
+) -> EpisodeRecord:
     obs, info = env.reset(task)
     plan = (env.search_walkthrough() if expert == "search" else env.walkthrough())[:max_turns]
     swap = rng.randrange(len(plan)) if rng is not None and plan else -1
@@ -65,11 +97,26 @@ def _play_one(env, index: int, task: Task, fmt: ChatFormat, action_mode: str, co
         gen = _scripted(fmt, action, commands if action_mode == "admissible" else None)
         history.append((obs_ids, gen.token_ids))
         next_obs, reward, done, next_info = env.step(action)
-        record.turns.append(TurnRecord(
-            turn, obs, action, delta, gen, float(reward), bool(done), bool(next_info.get("won", False)),
-            bool(next_info.get("valid", action in commands)), True, float(next_info.get("score", 0.0)),
-            str(info.get("progress_key", "")), str(next_info.get("abstract_action", "")), len(commands), 0.0, 0.0,
-        ))
+        record.turns.append(
+            TurnRecord(
+                turn,
+                obs,
+                action,
+                delta,
+                gen,
+                float(reward),
+                bool(done),
+                bool(next_info.get("won", False)),
+                bool(next_info.get("valid", action in commands)),
+                True,
+                float(next_info.get("score", 0.0)),
+                str(info.get("progress_key", "")),
+                str(next_info.get("abstract_action", "")),
+                len(commands),
+                0.0,
+                0.0,
+            )
+        )
         obs, info = next_obs, next_info
         if done:
             record.status = "won" if next_info.get("won") else "done"

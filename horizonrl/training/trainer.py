@@ -1,4 +1,4 @@
-"""The PPO update over stored rollouts (ALGORITHMS.md 1.6): pi_old from the training model, then epochs of
+"""The PPO update over stored rollouts (docs/algorithms.md §1.6): pi_old from the training model, then epochs of
 shuffled minibatches, one AdamW step each, with grad-norm clipping, the trajectory-level KL early stop,
 and non-finite steps skipped and counted.
 
@@ -31,15 +31,15 @@ import math
 import random
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 import methods
-from horizonrl.engines.base import allowed_log_softmax
 from horizonrl.config import TrainConfig
-from horizonrl.sequences import TrainRow
+from horizonrl.engines.base import allowed_log_softmax
+from horizonrl.training.sequences import TrainRow
 from methods.losses import trajectory_kl_estimate
 from methods.registry import LossParams
 
@@ -68,9 +68,25 @@ class UpdateSettings:
         pi_old (module docstring); a sample of rows is still recomputed and compared every update."""
         loss_name, loss_params = cfg.loss_spec()
         u = cfg.update
-        learner_sampled = sampled_here and cfg.engine.name == "transformers" and cfg.model.lora is None and cfg.rollout.runner == "local"
-        return cls(loss_name, loss_params, cfg.epochs, u.minibatch_size, cfg.preset.fixed_row_divisor, u.grad_clip,
-                   u.high_kl_threshold, cfg.rollout.temperature, u.micro_batch_tokens, pad_id, u.pi_old_tol if learner_sampled else None)
+        learner_sampled = (
+            sampled_here
+            and cfg.engine.name == "transformers"
+            and cfg.model.lora is None
+            and cfg.rollout.runner == "local"
+        )
+        return cls(
+            loss_name,
+            loss_params,
+            cfg.epochs,
+            u.minibatch_size,
+            cfg.preset.fixed_row_divisor,
+            u.grad_clip,
+            u.high_kl_threshold,
+            cfg.rollout.temperature,
+            u.micro_batch_tokens,
+            pad_id,
+            u.pi_old_tol if learner_sampled else None,
+        )
 
     @property
     def needs_reference(self) -> bool:
@@ -112,7 +128,9 @@ def length_buckets(lengths: list[int], max_pad: float = MAX_PAD) -> list[list[in
     return buckets
 
 
-def policy_logprobs(model: torch.nn.Module, rows: list[TrainRow], temperature: float, pad_id: int, counts: Counter | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def policy_logprobs(
+    model: torch.nn.Module, rows: list[TrainRow], temperature: float, pad_id: int, counts: Counter | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(a_t | s_t) and the entropy of pi(. | s_t) at every policy token of ``rows``, flat (n,)
     in row order. Each row is cut after its last policy token. ``counts`` (if given) adds the real
     and the computed (padded) decoder positions."""
@@ -129,12 +147,16 @@ def policy_logprobs(model: torch.nn.Module, rows: list[TrainRow], temperature: f
         # Right padding under a causal mask: no real position attends to a pad, so no padding mask is
         # passed and attention takes the causal kernel (the explicit-mask path was 2x slower).
         hidden = model.get_decoder()(input_ids=ids.to(device), use_cache=False).last_hidden_state  # (b, L, H)
-        b_idx = torch.tensor([b for b, i in enumerate(bucket) for _ in rows[i].positions], dtype=torch.long, device=device)
+        b_idx = torch.tensor(
+            [b for b, i in enumerate(bucket) for _ in rows[i].positions], dtype=torch.long, device=device
+        )
         p_idx = torch.tensor([p - 1 for i in bucket for p in rows[i].positions], dtype=torch.long, device=device)
         picked.append(hidden[b_idx, p_idx])  # one gather per bucket: one scatter in backward
         if counts is not None:
             counts.update(real_tokens=sum(lengths[i] for i in bucket), computed_tokens=ids.numel())
-    order = torch.tensor([start[i] + j for i, r in enumerate(rows) for j in range(len(r.positions))], dtype=torch.long, device=device)
+    order = torch.tensor(
+        [start[i] + j for i, r in enumerate(rows) for j in range(len(r.positions))], dtype=torch.long, device=device
+    )
     targets = torch.tensor([r.input_ids[p] for r in rows for p in r.positions], dtype=torch.long, device=device)
     logits = model.get_output_embeddings()(torch.cat(picked)[order]).float() / temperature  # (n, V), row order
     logp_all = allowed_log_softmax(logits, [a for r in rows for a in r.allowed])  # (n, V)
@@ -153,7 +175,7 @@ def trajectory_units(rows: list[TrainRow]) -> list[list[int]]:
 
 def response_positions(row: TrainRow) -> list[int]:
     """Response position of each policy token of ``row``, (P,): what APPO's future-KL discount counts
-    (ALGORITHMS.md 3.7: every response position, observation tokens between turns included).
+    (docs/algorithms.md §3.7: every response position, observation tokens between turns included).
 
     Full context (``turn == -1``): the token's index in the trajectory's one sequence. Window context:
     a trajectory has no single sequence and each turn's observation is part of its own prompt (layout S),
@@ -174,7 +196,9 @@ def _chunks(units: list[list[int]], rows: list[TrainRow], max_tokens: int) -> li
     return out + ([cur] if cur else [])
 
 
-def _unit_tensors(units: list[list[int]], rows: list[TrainRow], flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _unit_tensors(
+    units: list[list[int]], rows: list[TrainRow], flat: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Regroup per-row flat values (n,) into (U, P) per unit, with the (U, P) mask of real entries."""
     offsets, k = {}, 0
     for u in units:
@@ -188,7 +212,9 @@ def _unit_tensors(units: list[list[int]], rows: list[TrainRow], flat: torch.Tens
     return flat[idx], mask
 
 
-def _unit_lists(units: list[list[int]], values: Callable[[int], list], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _unit_lists(
+    units: list[list[int]], values: Callable[[int], list], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """Per-row lists ``values(i)`` concatenated per unit and right-padded with 0 to (U, P)."""
     seqs = [[v for i in u for v in values(i)] for u in units]
     P = max(len(s) for s in seqs)
@@ -196,8 +222,10 @@ def _unit_lists(units: list[list[int]], values: Callable[[int], list], dtype: to
 
 
 @torch.no_grad()
-def recompute_old_logprobs(model: torch.nn.Module, rows: list[TrainRow], s: UpdateSettings, counts: Counter | None = None) -> list[list[float]]:
-    """pi_old with the training model, removing sampler/learner mismatch (ALGORITHMS.md 1.6)."""
+def recompute_old_logprobs(
+    model: torch.nn.Module, rows: list[TrainRow], s: UpdateSettings, counts: Counter | None = None
+) -> list[list[float]]:
+    """pi_old with the training model, removing sampler/learner mismatch (docs/algorithms.md §1.6)."""
     model.eval()
     old: list[list[float]] = []
     for start in range(0, len(rows), 256):
@@ -209,7 +237,9 @@ def recompute_old_logprobs(model: torch.nn.Module, rows: list[TrainRow], s: Upda
     return old
 
 
-def old_logprobs(model: torch.nn.Module, rows: list[TrainRow], s: UpdateSettings, seed: int, counts: Counter | None = None) -> tuple[list[list[float]], dict[str, float]]:
+def old_logprobs(
+    model: torch.nn.Module, rows: list[TrainRow], s: UpdateSettings, seed: int, counts: Counter | None = None
+) -> tuple[list[list[float]], dict[str, float]]:
     """pi_old per row, and how it was obtained: ``pi_old_shortcut`` (1: the stored sampling log-probs,
     0: the check failed and every row was recomputed) and ``pi_old_max_diff`` (max |stored - recomputed|
     over the checked rows); no figures when ``s.pi_old_tol`` is None (every row recomputed)."""
@@ -218,13 +248,24 @@ def old_logprobs(model: torch.nn.Module, rows: list[TrainRow], s: UpdateSettings
     picked = random.Random(seed).sample(range(len(rows)), min(PI_OLD_CHECK_ROWS, len(rows)))
     checked = recompute_old_logprobs(model, [rows[i] for i in picked], s, counts)
     stored = torch.tensor([v for i in picked for v in rows[i].sample_logp], dtype=torch.float64)
-    diff = float((torch.tensor([v for c in checked for v in c], dtype=torch.float64) - stored).abs().max()) if stored.numel() else 0.0
+    diff = (
+        float((torch.tensor([v for c in checked for v in c], dtype=torch.float64) - stored).abs().max())
+        if stored.numel()
+        else 0.0
+    )
     if diff <= s.pi_old_tol:  # False for NaN: a non-finite stored value falls back
         return [list(r.sample_logp) for r in rows], {"pi_old_shortcut": 1.0, "pi_old_max_diff": diff}
     return recompute_old_logprobs(model, rows, s, counts), {"pi_old_shortcut": 0.0, "pi_old_max_diff": diff}
 
 
-def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: list[TrainRow], s: UpdateSettings, seed: int, ref_model: torch.nn.Module | None = None) -> UpdateResult:
+def ppo_update(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rows: list[TrainRow],
+    s: UpdateSettings,
+    seed: int,
+    ref_model: torch.nn.Module | None = None,
+) -> UpdateResult:
     """Epochs of minibatch PPO over the trajectories of ``rows``; pi_old is frozen for the whole call.
 
     ``ref_model`` (frozen initial policy) is needed only by losses with a KL-to-reference term."""
@@ -255,13 +296,31 @@ def ppo_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: l
             break
     elapsed = time.perf_counter() - t0
     result.stats = {k: float(sum(v) / len(v)) if v else 0.0 for k, v in agg.items()}
-    result.stats.update(steps=steps, kl_stop=float(stopped), nonfinite_steps=result.nonfinite_steps, rows=len(rows), trajectories=len(units),
-                        policy_tokens=sum(len(r.positions) for r in rows), tokens_per_s=tokens / max(elapsed, 1e-9), seconds=elapsed,
-                        pad_fraction=1.0 - counts["real_tokens"] / max(counts["computed_tokens"], 1), **pi_old_stats)
+    result.stats.update(
+        steps=steps,
+        kl_stop=float(stopped),
+        nonfinite_steps=result.nonfinite_steps,
+        rows=len(rows),
+        trajectories=len(units),
+        policy_tokens=sum(len(r.positions) for r in rows),
+        tokens_per_s=tokens / max(elapsed, 1e-9),
+        seconds=elapsed,
+        pad_fraction=1.0 - counts["real_tokens"] / max(counts["computed_tokens"], 1),
+        **pi_old_stats,
+    )
     return result
 
 
-def _minibatch_step(model, optimizer, rows: list[TrainRow], old: list[list[float]], mb: list[list[int]], s: UpdateSettings, ref_model, counts: Counter) -> dict[str, float]:
+def _minibatch_step(
+    model,
+    optimizer,
+    rows: list[TrainRow],
+    old: list[list[float]],
+    mb: list[list[int]],
+    s: UpdateSettings,
+    ref_model,
+    counts: Counter,
+) -> dict[str, float]:
     """Forward/backward over micro-batches of whole trajectories, then one clipped AdamW step.
 
     The step is skipped (not taken) when the pre-step trajectory KL exceeds the threshold or any loss
@@ -270,9 +329,19 @@ def _minibatch_step(model, optimizer, rows: list[TrainRow], old: list[list[float
     n_terms = _loss_terms(s.loss_params, rows, mb)
     row_div = s.minibatch_size if s.fixed_row_divisor else len(mb)
     optimizer.zero_grad(set_to_none=True)
-    out = {"loss": 0.0, "traj_kl": 0.0, "tokens": 0, "clip_frac": 0.0, "approx_kl": 0.0, "ratio_mean": 0.0, "entropy": 0.0}
+    out = {
+        "loss": 0.0,
+        "traj_kl": 0.0,
+        "tokens": 0,
+        "clip_frac": 0.0,
+        "approx_kl": 0.0,
+        "ratio_mean": 0.0,
+        "entropy": 0.0,
+    }
     n_tok = sum(len(rows[i].positions) for u in mb for i in u)
-    kl_parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (U, P) log pi, log pi_old, mask per micro-batch
+    kl_parts: list[
+        tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    ] = []  # (U, P) log pi, log pi_old, mask per micro-batch
     for micro in _chunks(mb, rows, s.micro_batch_tokens):
         flat_rows = [i for u in micro for i in u]
         logp_flat, ent_flat = policy_logprobs(model, [rows[i] for i in flat_rows], s.temperature, s.pad_id, counts)
@@ -289,7 +358,18 @@ def _minibatch_step(model, optimizer, rows: list[TrainRow], old: list[list[float
         if ref_model is not None:
             with torch.no_grad():
                 ref_lp, _ = _unit_tensors(local, sub, policy_logprobs(ref_model, sub, s.temperature, s.pad_id)[0])
-        terms = loss_fn(logp, old_lp, adv, mask, turn_id, s.loss_params, ref_logp=ref_lp, n_rows_div=row_div, n_tokens_div=n_terms, positions=positions)
+        terms = loss_fn(
+            logp,
+            old_lp,
+            adv,
+            mask,
+            turn_id,
+            s.loss_params,
+            ref_logp=ref_lp,
+            n_rows_div=row_div,
+            n_tokens_div=n_terms,
+            positions=positions,
+        )
         terms.loss.backward()
         w = float(mask.sum()) / max(n_tok, 1)
         out["loss"] += float(terms.loss.detach())

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from horizonrl.faults import kill_point
+from horizonrl.files import file_digest, fsync_dir
 
 STATE_FILE = "state.json"
 MANIFEST = "manifest.json"
@@ -48,7 +49,16 @@ def checkpoint_dir(run_dir: Path, iteration: int) -> Path:
     return run_dir / "checkpoints" / f"iter={iteration:05d}"
 
 
-def save_checkpoint(run_dir: Path, iteration: int, model: torch.nn.Module, tokenizer: Any, optimizer: torch.optim.Optimizer | None, state: dict[str, Any], estimator_state: dict | None = None, keep_last: int = 2) -> CheckpointRef:
+def save_checkpoint(
+    run_dir: Path,
+    iteration: int,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer | None,
+    state: dict[str, Any],
+    estimator_state: dict | None = None,
+    keep_last: int = 2,
+) -> CheckpointRef:
     """Write checkpoint ``iteration`` atomically; older ones beyond ``keep_last`` are removed (not 0).
 
     A failed write (safetensors and torch raise their own error types on a full disk) removes the
@@ -65,12 +75,14 @@ def save_checkpoint(run_dir: Path, iteration: int, model: torch.nn.Module, token
         if estimator_state is not None:
             (tmp / "estimator_state.json").write_text(json.dumps(estimator_state, sort_keys=True))
         (tmp / STATE_FILE).write_text(json.dumps({"iteration": iteration, **state}, indent=1, sort_keys=True))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         (tmp / MANIFEST).write_text(json.dumps({"files": _inventory(tmp)}, indent=1, sort_keys=True))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
     except Exception as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointWriteError(f"could not write checkpoint {final}: {err}; earlier checkpoints are untouched") from err
+        raise CheckpointWriteError(
+            f"could not write checkpoint {final}: {err}; earlier checkpoints are untouched"
+        ) from err
     kill_point("checkpoint", iteration)
     if final.exists():
         shutil.rmtree(final)
@@ -149,13 +161,8 @@ def _prune(run_dir: Path, keep_last: int) -> None:
 
 def _inventory(folder: Path, exclude: str | None = None) -> dict[str, dict[str, Any]]:
     """{relative path: {size, sha256}} of every file under ``folder``."""
-    from horizonrl.store import file_digest
-
-    return {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": file_digest(p)}
-            for p in sorted(folder.rglob("*")) if p.is_file() and str(p.relative_to(folder)) != exclude}
-
-
-def _fsync_dir(path: Path) -> None:
-    for f in path.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    return {
+        str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": file_digest(p)}
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and str(p.relative_to(folder)) != exclude
+    }

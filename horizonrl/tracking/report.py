@@ -108,7 +108,9 @@ class Curve:
     low: list[float] = field(default_factory=list)
     high: list[float] = field(default_factory=list)
     wall_s: list[float] = field(default_factory=list)  # the seeds' mean training wall time at that iteration
-    seeds: list[dict[str, list[float]]] = field(default_factory=list)  # per seed: iterations, env_steps, wall_s, success
+    seeds: list[dict[str, list[float]]] = field(
+        default_factory=list
+    )  # per seed: iterations, env_steps, wall_s, success
 
 
 @dataclass(frozen=True)
@@ -155,9 +157,14 @@ class Drift:
 
 
 CLAIMS = [
-    Claim("LOOP: importance ratio per token > per turn > per trajectory",
-          ["loop", "loop loss_params.ratio_level=turn", "loop loss_params.ratio_level=trajectory"]),
-    Claim("LOOP: std normalisation of the advantage hurts (without > with)", ["loop", "loop advantage_params.normalize_std=True"]),
+    Claim(
+        "LOOP: importance ratio per token > per turn > per trajectory",
+        ["loop", "loop loss_params.ratio_level=turn", "loop loss_params.ratio_level=trajectory"],
+    ),
+    Claim(
+        "LOOP: std normalisation of the advantage hurts (without > with)",
+        ["loop", "loop advantage_params.normalize_std=True"],
+    ),
     Claim("BLPO > GiGPO > GRPO on long-horizon household tasks", ["blpo", "gigpo", "grpo"]),
     Claim("APPO above its GRPO-style baseline", ["appo", "grpo"]),
 ]
@@ -200,7 +207,10 @@ def wilson(p: float, n: int) -> tuple[float, float]:
     if n <= 0:
         return float("nan"), float("nan")
     z = 1.959963984540054
-    centre, spread = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    centre, spread = (
+        (p + z * z / (2 * n)) / (1 + z * z / n),
+        z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n),
+    )
     return max(0.0, centre - spread), min(1.0, centre + spread)
 
 
@@ -232,7 +242,10 @@ def cells_start(cells: list[CellHistory]) -> tuple[Pooled, int] | None:
     by_seed: dict[int, list[CellHistory]] = {}
     for c in cells:
         by_seed.setdefault(c.seed, []).append(c)
-    if any(len({(c.success[min(c.success)], c.eval_episodes.get(min(c.success))) for c in group}) != 1 for group in by_seed.values()):
+    if any(
+        len({(c.success[min(c.success)], c.eval_episodes.get(min(c.success))) for c in group}) != 1
+        for group in by_seed.values()
+    ):
         return None
     start = pooled([group[0] for group in by_seed.values()], last=False)
     return (start, len(by_seed)) if start is not None else None
@@ -244,7 +257,9 @@ def pooled_change(group: list[CellHistory]) -> PooledChange | None:
     first, final = pooled(group, last=False), pooled(group, last=True)
     if first is None or final is None or any(len(c.success) < 2 for c in group):
         return None
-    return PooledChange(newcombe(first.rate, first.episodes, final.rate, final.episodes), first.episodes, final.episodes)
+    return PooledChange(
+        newcombe(first.rate, first.episodes, final.rate, final.episodes), first.episodes, final.episodes
+    )
 
 
 def compare(a: VariantSummary, b: VariantSummary) -> str:
@@ -292,8 +307,15 @@ def seed_figures(cell: CellHistory) -> dict[str, float]:
     tokens = sum(n * cell.tokens_per_episode.get(it, 0.0) for it, n in cell.episodes.items())
     steps = env_steps(cell)
     final = cell.success[max(cell.success)]
-    return {"final": final, "best": max(cell.success.values()), "auc": auc(cell.success), "change": final - cell.success[min(cell.success)],
-            "tokens": float(tokens), "train_s": cell.train_s, "env_steps": steps[max(steps)]}
+    return {
+        "final": final,
+        "best": max(cell.success.values()),
+        "auc": auc(cell.success),
+        "change": final - cell.success[min(cell.success)],
+        "tokens": float(tokens),
+        "train_s": cell.train_s,
+        "env_steps": steps[max(steps)],
+    }
 
 
 def summarize(cells: list[CellHistory]) -> list[VariantSummary]:
@@ -302,9 +324,22 @@ def summarize(cells: list[CellHistory]) -> list[VariantSummary]:
     for variant, group in _by_variant(cells).items():
         figs = [seed_figures(c) for c in group]
         col = {k: [f[k] for f in figs] for k in figs[0]}
-        out.append(VariantSummary(variant, len(group), interval(col["final"]), interval(col["best"]), interval(col["auc"]),
-                                  float(np.mean(col["tokens"])), float(np.mean(col["train_s"])), float(np.mean(col["env_steps"])),
-                                  interval(col["change"]), _family_finals(group), pooled_change(group), pooled(group, last=True)))
+        out.append(
+            VariantSummary(
+                variant,
+                len(group),
+                interval(col["final"]),
+                interval(col["best"]),
+                interval(col["auc"]),
+                float(np.mean(col["tokens"])),
+                float(np.mean(col["train_s"])),
+                float(np.mean(col["env_steps"])),
+                interval(col["change"]),
+                _family_finals(group),
+                pooled_change(group),
+                pooled(group, last=True),
+            )
+        )
     return out
 
 
@@ -330,9 +365,15 @@ def curves(cells: list[CellHistory]) -> list[Curve]:
             high.append(ci.high)
             xs.append(float(np.mean([at_iteration(s, it) for s in steps])))
             ws.append(float(np.mean([at_iteration(w, it) for w in walls])))
-        seeds = [{"iterations": [float(it) for it in sorted(c.success)], "env_steps": [at_iteration(s, it) for it in sorted(c.success)],
-                  "wall_s": [at_iteration(w, it) for it in sorted(c.success)], "success": [c.success[it] for it in sorted(c.success)]}
-                 for c, s, w in zip(group, steps, walls)]
+        seeds = [
+            {
+                "iterations": [float(it) for it in sorted(c.success)],
+                "env_steps": [at_iteration(s, it) for it in sorted(c.success)],
+                "wall_s": [at_iteration(w, it) for it in sorted(c.success)],
+                "success": [c.success[it] for it in sorted(c.success)],
+            }
+            for c, s, w in zip(group, steps, walls)
+        ]
         half = [(h - lo) / 2 for lo, h in zip(low, high)]
         out.append(Curve(variant, iterations, xs, mean, half, low, high, ws, seeds))
     return out
@@ -403,51 +444,96 @@ def _commit_lines(ctx: PageContext) -> list[str]:
         changed = "none (only documentation, tests or scripts differ)"
     else:
         changed = ", ".join(f"`{f}`" for f in ctx.code_changes)
-    return [f"- commits: the cells ran at {len(ctx.commits)} commits: {', '.join(f'`{c}`' for c in ctx.commits)}",
-            f"- code and configs that differ between those commits: {changed}"]
+    return [
+        f"- commits: the cells ran at {len(ctx.commits)} commits: {', '.join(f'`{c}`' for c in ctx.commits)}",
+        f"- code and configs that differ between those commits: {changed}",
+    ]
 
 
 def results_page(cells: list[CellHistory], ctx: PageContext, figures: dict[str, str]) -> str:
     """The published page: ``figures`` maps each x axis of ``X_AXES`` to the figure's file name beside it."""
     summaries = summarize(cells)
-    lines = [f"# {ctx.title}", "",
-             "Generated by the report command from finished runs in the MLflow store; do not edit by hand.", "",
-             *_commit_lines(ctx),
-             f"- configs: {', '.join(f'`{c}`' for c in ctx.configs)}",
-             f"- MLflow: `{ctx.tracking_uri}`, sweep parent run `{ctx.parent_run_id}`"]
+    lines = [
+        f"# {ctx.title}",
+        "",
+        "Generated by the report command from finished runs in the MLflow store; do not edit by hand.",
+        "",
+        *_commit_lines(ctx),
+        f"- configs: {', '.join(f'`{c}`' for c in ctx.configs)}",
+        f"- MLflow: `{ctx.tracking_uri}`, sweep parent run `{ctx.parent_run_id}`",
+    ]
     if ctx.warm_start is not None:
-        lines.append(f"- every cell starts from the warm start `{ctx.warm_start.model_uri}` (run `{ctx.warm_start.run_id}`)")
-    lines.append(f"- cells: {len(cells)} finished" + (f"; **{len(ctx.unfinished)} not finished, left out**: {', '.join(f'`{n}`' for n in ctx.unfinished)}"
-                                                     if ctx.unfinished else ", every cell of the sweep"))
-    lines += ["", "## Held-out success", "", *_table_lines(summaries, ctx.warm_start, cells_start(cells) if ctx.warm_start else None), "",
-              "Each cell: mean over seeds [95% percentile-bootstrap interval of the mean, resampling seeds]; "
-              "the warm start: its own last evaluation, and below it the cells' first evaluations of the same policy "
-              "[95% Wilson interval over the held-out episodes]; they differ only in the sampling seed, so their gap is "
-              "the evaluation's noise. "
-              "AUC: area under success against iteration over the iterations spanned (the curve's mean height). "
-              "Change: final minus the cell's first evaluation (its starting policy, evaluated in the same run).", ""]
+        lines.append(
+            f"- every cell starts from the warm start `{ctx.warm_start.model_uri}` (run `{ctx.warm_start.run_id}`)"
+        )
+    lines.append(
+        f"- cells: {len(cells)} finished"
+        + (
+            f"; **{len(ctx.unfinished)} not finished, left out**: {', '.join(f'`{n}`' for n in ctx.unfinished)}"
+            if ctx.unfinished
+            else ", every cell of the sweep"
+        )
+    )
+    lines += [
+        "",
+        "## Held-out success",
+        "",
+        *_table_lines(summaries, ctx.warm_start, cells_start(cells) if ctx.warm_start else None),
+        "",
+        "Each cell: mean over seeds [95% percentile-bootstrap interval of the mean, resampling seeds]; "
+        "the warm start: its own last evaluation, and below it the cells' first evaluations of the same policy "
+        "[95% Wilson interval over the held-out episodes]; they differ only in the sampling seed, so their gap is "
+        "the evaluation's noise. "
+        "AUC: area under success against iteration over the iterations spanned (the curve's mean height). "
+        "Change: final minus the cell's first evaluation (its starting policy, evaluated in the same run).",
+        "",
+    ]
     lines += _separation_warnings(summaries)
-    lines += ["## Against the starting policy", "",
-              "Judged by two 95% intervals of the change (final minus first evaluation): over seeds (percentile bootstrap; "
-              "with few seeds narrower than they warrant) and pooled over every seed's held-out episodes (Newcombe's interval "
-              "for a difference of two proportions; it leaves out the spread between seeds). *improves* when both lie above 0, "
-              "*worsens* when both lie below, else *no change told apart*.", ""]
+    lines += [
+        "## Against the starting policy",
+        "",
+        "Judged by two 95% intervals of the change (final minus first evaluation): over seeds (percentile bootstrap; "
+        "with few seeds narrower than they warrant) and pooled over every seed's held-out episodes (Newcombe's interval "
+        "for a difference of two proportions; it leaves out the spread between seeds). *improves* when both lie above 0, "
+        "*worsens* when both lie below, else *no change told apart*.",
+        "",
+    ]
     verdicts = {s.variant: improvement(s) for s in summaries}
-    lines += [f"- {s.variant}: **{verdicts[s.variant]}** ({_ci(s.change, signed=True)} over seeds{_pooled(s.pooled_change)})" for s in summaries]
+    lines += [
+        f"- {s.variant}: **{verdicts[s.variant]}** ({_ci(s.change, signed=True)} over seeds{_pooled(s.pooled_change)})"
+        for s in summaries
+    ]
     better = [v for v, verdict in verdicts.items() if verdict == "improves"]
-    lines += ["", f"Improves on its starting policy with 95% intervals above no change: {', '.join(better) if better else 'no variant'}.", ""]
+    lines += [
+        "",
+        f"Improves on its starting policy with 95% intervals above no change: {', '.join(better) if better else 'no variant'}.",
+        "",
+    ]
     lines += _family_lines(summaries)
     lines += ["## Learning curves", ""]
     for n, (x, name) in enumerate(figures.items(), start=1):
-        lines += [f"![held-out success against {X_AXES[x]}]({name})", "",
-                  f"*Figure {n}. Held-out success against {X_AXES[x]}, one panel per variant: thin lines are single seeds, the thick "
-                  "line their mean, the band the 95% percentile-bootstrap interval of the mean over seeds at each evaluation; grey "
-                  "lines are the other variants' means. The y axis spans the data, not 0 to 1.*", ""]
-    lines += ["## What was tuned", "", " ".join((ctx.tuning or "The sweep file does not say (its `tuning` field).").split()), ""]
-    lines += ["## The papers' claims at this scale", "",
-              "Judged by final success as variants are ordered above (intervals over seeds disjoint and, where episodes "
-              "are counted, the pooled interval of the difference on the same side of 0): *holds* when each claimed-better "
-              "variant is above the next, *does not hold* when one is below, else *cannot be told apart*.", ""]
+        lines += [
+            f"![held-out success against {X_AXES[x]}]({name})",
+            "",
+            f"*Figure {n}. Held-out success against {X_AXES[x]}, one panel per variant: thin lines are single seeds, the thick "
+            "line their mean, the band the 95% percentile-bootstrap interval of the mean over seeds at each evaluation; grey "
+            "lines are the other variants' means. The y axis spans the data, not 0 to 1.*",
+            "",
+        ]
+    lines += [
+        "## What was tuned",
+        "",
+        " ".join((ctx.tuning or "The sweep file does not say (its `tuning` field).").split()),
+        "",
+    ]
+    lines += [
+        "## The papers' claims at this scale",
+        "",
+        "Judged by final success as variants are ordered above (intervals over seeds disjoint and, where episodes "
+        "are counted, the pooled interval of the difference on the same side of 0): *holds* when each claimed-better "
+        "variant is above the next, *does not hold* when one is below, else *cannot be told apart*.",
+        "",
+    ]
     by = {s.variant: s for s in summaries}
     for c in CLAIMS:
         figures = " > ".join(f"{v} {_ci(by[v].final)}" for v in c.order if v in by)
@@ -455,7 +541,10 @@ def results_page(cells: list[CellHistory], ctx: PageContext, figures: dict[str, 
     if ctx.previous is not None:
         found = drifts(summaries, ctx.previous_summaries)
         lines += ["", f"## Compared with the previous instance ({ctx.previous})", ""]
-        lines += [f"- ⚠ {d.variant}: final success {d.now:.3f}, outside the previous interval [{d.before.low:.3f}, {d.before.high:.3f}]" for d in found]
+        lines += [
+            f"- ⚠ {d.variant}: final success {d.now:.3f}, outside the previous interval [{d.before.low:.3f}, {d.before.high:.3f}]"
+            for d in found
+        ]
         lines += [] if found else ["- every variant's final success lies inside the previous instance's interval"]
     lines += ["", "## Regenerate", "", f"    {ctx.command}", ""]
     return "\n".join(lines)
@@ -474,10 +563,17 @@ def plot(curve_list: list[Curve], x: str):
 
     ncols = min(4, len(curve_list))
     nrows = -(-len(curve_list) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.2 * ncols, 2.6 * nrows + 0.4), dpi=100, sharex=True, sharey=True, squeeze=False)
+    fig, axes = plt.subplots(
+        nrows, ncols, figsize=(3.2 * ncols, 2.6 * nrows + 0.4), dpi=100, sharex=True, sharey=True, squeeze=False
+    )
     colours = plt.get_cmap("tab10").colors
     means = [(np.asarray(getattr(c, x), dtype=float), c.mean) for c in curve_list]
-    ys = [v for c in curve_list for v in [*c.mean, *c.low, *c.high, *(y for s in c.seeds for y in s["success"])] if not math.isnan(v)]
+    ys = [
+        v
+        for c in curve_list
+        for v in [*c.mean, *c.low, *c.high, *(y for s in c.seeds for y in s["success"])]
+        if not math.isnan(v)
+    ]
     for k, (ax, c) in enumerate(zip(axes.flat, curve_list)):
         colour = colours[k % 10]
         for j, (xs, mean) in enumerate(means):
@@ -508,20 +604,33 @@ def plot(curve_list: list[Curve], x: str):
     return fig
 
 
-def _table_lines(summaries: list[VariantSummary], warm: WarmStart | None, start: tuple[Pooled, int] | None = None) -> list[str]:
-    lines = ["| variant | seeds | final | best | AUC | change | env steps | tokens | wall time (s) | note |", "|---|---|---|---|---|---|---|---|---|---|"]
+def _table_lines(
+    summaries: list[VariantSummary], warm: WarmStart | None, start: tuple[Pooled, int] | None = None
+) -> list[str]:
+    lines = [
+        "| variant | seeds | final | best | AUC | change | env steps | tokens | wall time (s) | note |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     if warm is not None:
         low, high = wilson(warm.success, warm.episodes)
-        lines.append(f"| warm start (`{warm.model_uri}`) | 1 | {warm.success:.3f} [{low:.3f}, {high:.3f}] | | | | | | | starting point |")
+        lines.append(
+            f"| warm start (`{warm.model_uri}`) | 1 | {warm.success:.3f} [{low:.3f}, {high:.3f}] | | | | | | | starting point |"
+        )
     if start is not None:
         p, seeds = start
         low, high = wilson(p.rate, p.episodes)
-        lines.append(f"| the same, as the cells first evaluated it | {seeds} | {p.rate:.3f} [{low:.3f}, {high:.3f}] | | | | | | | "
-                     f"each seed's first evaluation, pooled over {p.episodes:,} episodes |")
+        lines.append(
+            f"| the same, as the cells first evaluated it | {seeds} | {p.rate:.3f} [{low:.3f}, {high:.3f}] | | | | | | | "
+            f"each seed's first evaluation, pooled over {p.episodes:,} episodes |"
+        )
     for s in summaries:
         cells = " | ".join([*(_ci(ci) for ci in (s.final, s.best, s.auc)), _ci(s.change, signed=True)])
-        note = f"⚠ {s.seeds} seed{'s' if s.seeds != 1 else ''}: too few to separate methods" if s.seeds < MIN_SEEDS else ""
-        lines.append(f"| {s.variant} | {s.seeds} | {cells} | {s.env_steps:,.0f} | {s.tokens:,.0f} | {s.train_s:,.0f} | {note} |")
+        note = (
+            f"⚠ {s.seeds} seed{'s' if s.seeds != 1 else ''}: too few to separate methods" if s.seeds < MIN_SEEDS else ""
+        )
+        lines.append(
+            f"| {s.variant} | {s.seeds} | {cells} | {s.env_steps:,.0f} | {s.tokens:,.0f} | {s.train_s:,.0f} | {note} |"
+        )
     return lines
 
 
@@ -531,8 +640,15 @@ def _family_lines(summaries: list[VariantSummary]) -> list[str]:
     if not names:
         return []
     lines = ["## By task family", "", "| variant | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    lines += [f"| {s.variant} | " + " | ".join(_ci(s.families[f]) if f in s.families else "" for f in names) + " |" for s in summaries]
-    return lines + ["", "Final held-out success per task family: mean over seeds [95% percentile-bootstrap interval of the mean].", ""]
+    lines += [
+        f"| {s.variant} | " + " | ".join(_ci(s.families[f]) if f in s.families else "" for f in names) + " |"
+        for s in summaries
+    ]
+    return lines + [
+        "",
+        "Final held-out success per task family: mean over seeds [95% percentile-bootstrap interval of the mean].",
+        "",
+    ]
 
 
 def _separation_warnings(summaries: list[VariantSummary]) -> list[str]:
@@ -540,18 +656,25 @@ def _separation_warnings(summaries: list[VariantSummary]) -> list[str]:
     rather than the pairs not told apart, which are most pairs in a study of many variants."""
     if len(summaries) < 2:
         return []
-    verdicts = [(a.variant, b.variant, compare(a, b)) for i, a in enumerate(summaries) for b in summaries[i + 1:]]
+    verdicts = [(a.variant, b.variant, compare(a, b)) for i, a in enumerate(summaries) for b in summaries[i + 1 :]]
     ordered = [(a, b) if verdict == "above" else (b, a) for a, b, verdict in verdicts if verdict != "overlap"]
     total = len(summaries) * (len(summaries) - 1) // 2
     if not ordered:
         return [f"⚠ These seeds order none of the {total} pairs of variants by final success.", "", _ORDER_RULE, ""]
-    return [f"⚠ These seeds order {len(ordered)} of the {total} pairs of variants by final success (higher first): "
-            f"{'; '.join(f'{a} > {b}' for a, b in sorted(ordered))}. No other pair is told apart.", "", _ORDER_RULE, ""]
+    return [
+        f"⚠ These seeds order {len(ordered)} of the {total} pairs of variants by final success (higher first): "
+        f"{'; '.join(f'{a} > {b}' for a, b in sorted(ordered))}. No other pair is told apart.",
+        "",
+        _ORDER_RULE,
+        "",
+    ]
 
 
-_ORDER_RULE = ("Two variants are ordered when their final-success intervals over seeds are disjoint and, where the "
-               "evaluations' episodes are counted, the 95% interval of the difference with every seed's episodes pooled "
-               "(Newcombe) excludes 0 on the same side.")
+_ORDER_RULE = (
+    "Two variants are ordered when their final-success intervals over seeds are disjoint and, where the "
+    "evaluations' episodes are counted, the 95% interval of the difference with every seed's episodes pooled "
+    "(Newcombe) excludes 0 on the same side."
+)
 
 
 def _order(a: Interval, b: Interval) -> str:

@@ -1,12 +1,9 @@
 """One typed configuration for a training run, validated before any work starts.
 
 Defaults live only here. Loading names any bad field (pydantic's error path, e.g. ``update.lr``).
-A *method* (``loop``, ``grpo``, ...) is a preset (``METHODS``): an advantage estimator, a policy loss and
-the loss settings that the method's paper or code uses (ALGORITHMS.md 1.7, 2.10, 3.8, 4), and what the
-pipeline must do for it (play APPO's branches, divide LOOP's loss by the fixed minibatch size). LOOP has
-no KL term; GRPO and APPO a low-variance KL loss of 0.001 to the initial policy, GiGPO and BLPO 0.01
-(BLPO's actor settings are an assumption, ALGORITHMS.md 6.1), REINFORCE++-baseline an MSE KL loss of
-0.001 (verl's example). A loss with ``kl_coef > 0`` loads the frozen initial policy as reference.
+A *method* (``loop``, ``grpo``, ...) is a preset (``methods.presets.METHODS``): an advantage estimator, a
+policy loss with its settings, and what the pipeline must do for it. A loss with ``kl_coef > 0`` loads the
+frozen initial policy as reference.
 
 Three dictionaries override single fields of the chosen method's presets and are checked against the
 params dataclasses of its estimator (``advantage_params``), loss (``loss_params``) and, for a method that
@@ -28,15 +25,12 @@ from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 import methods
 from methods.appo import BranchingParams
+from methods.presets import METHODS, MethodPreset
 from methods.registry import LossParams
-
-
-CONFIG_FILE = "config.yaml"  # a run's config as it ran: in its data folder and among its MLflow artifacts
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._=+,@-]{0,199}")
 """Run and experiment names: a plain folder name (no path separator, no quote, no leading dot), since a
@@ -59,46 +53,10 @@ class Strict(BaseModel):
         annotation = cls.model_fields[info.field_name].annotation
         is_int = annotation is int or (get_origin(annotation) in (Union, UnionType) and int in get_args(annotation))
         if v is not None and is_int and type(v) is not int:
-            raise ValueError(f"{v!r} is not a valid integer (write integers without quotes or decimal point; true/false are not integers)")
+            raise ValueError(
+                f"{v!r} is not a valid integer (write integers without quotes or decimal point; true/false are not integers)"
+            )
         return v
-
-
-@dataclasses.dataclass(frozen=True)
-class MethodPreset:
-    """What a method is and what the pipeline does for it: tasks read these, never the method's name."""
-
-    advantage: str  # name in methods.ADVANTAGES
-    loss: str  # name in methods.LOSSES
-    loss_params: dict[str, Any]  # the method's loss settings (kl_coef > 0 loads the reference policy)
-    min_group_size: int  # rollouts per task the estimator needs
-    epochs: int
-    fixed_row_divisor: bool = False  # LOOP divides by the fixed minibatch size (ALGORITHMS.md 1.5)
-    branches: bool = False  # APPO: branch rollouts planned over the initial ones (params: BranchingParams)
-
-
-_VERL_CLIP = {"clip_mode": "asymmetric", "eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 3.0}  # verl's PPO clip (ALGORITHMS.md 4)
-
-METHODS: dict[str, MethodPreset] = {
-    "loop": MethodPreset("loo", "ppo_clip", {"clip_mode": "loop", "eps": 0.1, "aggregation": "seq-mean-token-mean"}, 2, 2, fixed_row_divisor=True),
-    "rloo": MethodPreset("rloo", "ppo_clip", {**_VERL_CLIP, "aggregation": "token-mean"}, 2, 1),
-    "grpo": MethodPreset("grpo", "ppo_clip", {**_VERL_CLIP, "aggregation": "token-mean", "kl_coef": 0.001}, 2, 1),
-    "drgrpo": MethodPreset("drgrpo", "ppo_clip", {**_VERL_CLIP, "aggregation": "seq-mean-token-sum-norm"}, 2, 1),
-    "reinforce_pp_baseline": MethodPreset("reinforce_pp_baseline", "ppo_clip", {**_VERL_CLIP, "aggregation": "token-mean", "kl_coef": 0.001, "kl_kind": "mse"}, 2, 1),
-    "gigpo": MethodPreset("gigpo", "ppo_clip", {**_VERL_CLIP, "aggregation": "token-mean", "kl_coef": 0.01}, 2, 1),
-    "blpo": MethodPreset("blpo", "ppo_clip", {**_VERL_CLIP, "aggregation": "token-mean", "kl_coef": 0.01}, 1, 1),
-    "appo": MethodPreset("appo", "appo_future_kl", {"kl_coef": 0.001}, 2, 1, branches=True),
-}
-
-
-def estimator_of(name: str) -> str:
-    """The advantage estimator a method stands for, or ``name`` itself if it is an estimator's name.
-
-    Raises ``ValueError`` naming both lists when it is neither."""
-    if name in METHODS:
-        return METHODS[name].advantage
-    if name in methods.ADVANTAGES:
-        return name
-    raise ValueError(f"{name!r} is neither a method ({', '.join(sorted(METHODS))}) nor an estimator ({', '.join(methods.ADVANTAGES.names())})")
 
 
 class EnvConfig(Strict):
@@ -115,7 +73,7 @@ class EnvConfig(Strict):
     games: str | None = None
     """TextWorld suites only: a folder (searched recursively) or glob of the user's own games (``.z8``
     with their ``.json``), played instead of generated challenge games; split by a ``splits.yaml`` in the
-    folder, else by a hash of each file name and ``suite_seed`` (README, "Your own TextWorld games").
+    folder, else by a hash of each file name and ``suite_seed`` (docs/configuration.md).
     ``tier`` is then only a label in task ids."""
 
 
@@ -180,8 +138,10 @@ class ModelConfig(Strict):
         if looks_local and not Path(v).expanduser().is_dir():
             raise ValueError(f"model path {v!r} does not exist (give a local model directory or a hub id 'org/name')")
         if looks_local and not (Path(v).expanduser() / "config.json").is_file():
-            raise ValueError(f"model path {v!r} holds no config.json: not a transformers model folder "
-                             f"(expected {str(Path(v) / 'config.json')!r})")
+            raise ValueError(
+                f"model path {v!r} holds no config.json: not a transformers model folder "
+                f"(expected {str(Path(v) / 'config.json')!r})"
+            )
         return v
 
 
@@ -199,7 +159,7 @@ class RolloutConfig(Strict):
     max_action_tokens: int = Field(24, ge=1)
     free_format: Literal["plain", "react"] = "plain"
     """Free mode's output format: plain = the whole reply is the command; react = a thought, then one final
-    line ``Action: <command>`` (README, "Models and tokenizers"). A reply that breaks it is a format error."""
+    line ``Action: <command>`` (docs/configuration.md). A reply that breaks it is a format error."""
     format_penalty: float = Field(0.0, ge=0)
     """Subtracted from the step reward of a turn whose reply is a format error (cut at the token budget,
     empty, or not in ``free_format``)."""
@@ -237,7 +197,7 @@ class UpdateConfig(Strict):
     """Rows per optimizer step (trajectories in layout T, steps in layout S)."""
     grad_clip: float = Field(1.0, gt=0)
     high_kl_threshold: float = Field(20.0, gt=0)
-    """Abandon the iteration's remaining steps when |trajectory KL| exceeds this (ALGORITHMS.md 1.6)."""
+    """Abandon the iteration's remaining steps when |trajectory KL| exceeds this (docs/algorithms.md §1.6)."""
     max_nan_skips: int = Field(20, ge=0)
     """Abort the run after more non-finite steps than this."""
     micro_batch_tokens: int = Field(16_384, ge=64)
@@ -272,7 +232,7 @@ class WarmStartConfig(Strict):
     """Behaviour cloning on walkthrough demonstrations (the ``warmstart`` flow): where RL starts from.
 
     Fewer demonstrations, fewer epochs or a larger perturbed share give a weaker starting policy; the
-    study wants one with room both ways (README, "Warm start")."""
+    study wants one with room both ways (docs/study.md)."""
 
     demonstrations: int = Field(64, ge=1)
     """Training tasks whose walkthrough is played and stored (the first N of the train split)."""
@@ -324,7 +284,7 @@ class RayConfig(Strict):
 
 
 class TraceConfig(Strict):
-    """Which episodes become MLflow traces (``horizonrl/traces.py``): a sample, so the trace store stays small."""
+    """Which episodes become MLflow traces (``horizonrl/tracking/traces.py``): a sample, so the trace store stays small."""
 
     eval_episodes: int = Field(16, ge=0)
     """Held-out episodes traced per evaluation (the first ones, by rollout id); 0 traces none."""
@@ -389,8 +349,10 @@ class TrainConfig(Strict):
     @classmethod
     def _plain_name(cls, v: str, info: ValidationInfo) -> str:
         if not NAME_PATTERN.fullmatch(v):
-            raise ValueError(f"{info.field_name} = {v!r} is not a plain name: up to 200 letters, digits and . _ = + , @ -, "
-                             "not starting with a dot")
+            raise ValueError(
+                f"{info.field_name} = {v!r} is not a plain name: up to 200 letters, digits and . _ = + , @ -, "
+                "not starting with a dot"
+            )
         return v
 
     @field_validator("method")
@@ -401,7 +363,7 @@ class TrainConfig(Strict):
         return v
 
     @model_validator(mode="after")
-    def _check_method_fit(self) -> "TrainConfig":
+    def _check_method_fit(self) -> TrainConfig:
         preset = METHODS[self.method]
         if self.rollout.group_size < preset.min_group_size:
             raise ValueError(
@@ -425,18 +387,26 @@ class TrainConfig(Strict):
         else:
             check_tier(self.env.name, self.env.tier)
         if self.warmstart.expert == "search" and self.env.name != "household":
-            raise ValueError(f"warmstart.expert = 'search' is built for env.name = 'household', not {self.env.name!r}: use 'walkthrough'")
+            raise ValueError(
+                f"warmstart.expert = 'search' is built for env.name = 'household', not {self.env.name!r}: use 'walkthrough'"
+            )
         return self
 
     @model_validator(mode="after")
-    def _check_shards(self) -> "TrainConfig":
+    def _check_shards(self) -> TrainConfig:
         r = self.rollout
         if r.shards > r.tasks_per_iteration:
-            raise ValueError(f"rollout.shards = {r.shards}: more shards than rollout.tasks_per_iteration ({r.tasks_per_iteration})")
+            raise ValueError(
+                f"rollout.shards = {r.shards}: more shards than rollout.tasks_per_iteration ({r.tasks_per_iteration})"
+            )
         if r.enable_thinking and r.action_mode != "free":
-            raise ValueError("rollout.enable_thinking needs rollout.action_mode = 'free': the admissible trie has no room for a thinking block")
+            raise ValueError(
+                "rollout.enable_thinking needs rollout.action_mode = 'free': the admissible trie has no room for a thinking block"
+            )
         if r.runner == "ray" and self.engine.name != "transformers":
-            raise ValueError("rollout.runner = 'ray' needs engine.name = 'transformers': each Ray worker would start its own vLLM server")
+            raise ValueError(
+                "rollout.runner = 'ray' needs engine.name = 'transformers': each Ray worker would start its own vLLM server"
+            )
         return self
 
     # derived values -------------------------------------------------------------------------------
@@ -473,7 +443,9 @@ class TrainConfig(Strict):
         return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _check_params(where: str, method: str, given: dict[str, dict[str, Any]], under: dict[str, dict[str, Any]] | None = None) -> None:
+def _check_params(
+    where: str, method: str, given: dict[str, dict[str, Any]], under: dict[str, dict[str, Any]] | None = None
+) -> None:
     """Check ``given`` (the three params dictionaries) against ``method``'s dataclasses, over the preset's
     loss settings and the ``under`` dictionaries (its ``per_method`` section); errors name ``where`` + key."""
     preset, under = METHODS[method], under or {}
@@ -492,7 +464,9 @@ def _check_fields(where: str, params_cls: type, values: dict[str, Any], base: di
     names = {f.name for f in dataclasses.fields(params_cls)}
     for key, value in values.items():
         if key not in names:
-            raise ValueError(f"{where}.{key} is not a field of {params_cls.__name__}; fields: {', '.join(sorted(names))}")
+            raise ValueError(
+                f"{where}.{key} is not a field of {params_cls.__name__}; fields: {', '.join(sorted(names))}"
+            )
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{where}.{key} = {value}: numbers must be finite")
     try:
@@ -512,63 +486,6 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _set_path(d: dict[str, Any], dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = d
-    for p in parts[:-1]:
-        if node.get(p) is None:  # absent, or an empty section in the file
-            node[p] = {}
-        node = node[p]
-        if not isinstance(node, dict):
-            raise ValueError(f"--set {dotted}: {p!r} is not a section")
-    node[parts[-1]] = value
-
-
-class _YAMLLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that also reads ``3e-4`` and ``1.0e5`` as floats (YAML 1.2). PyYAML follows
-    YAML 1.1, where they are strings, and an untyped field (``loss_params``) would keep the string."""
-
-
-_YAMLLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
-
-
-def _parse_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_YAMLLoader)  # noqa: S506 (a SafeLoader subclass)
-
-
 def run_dir(cfg: TrainConfig) -> Path:
     """The run's folder: ``<data_dir>/<experiment>/<run_name>``."""
     return Path(cfg.data_dir) / cfg.experiment / cfg.run_name
-
-
-def train_config(config_path: str | None, overrides: list[str] | None, config: dict[str, Any] | None) -> TrainConfig:
-    """The train flow's config from its parameters: a whole ``config`` dict, else a file plus overrides."""
-    return TrainConfig.model_validate(config) if config is not None else load_config(config_path, overrides)
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """Read a YAML file (safe loader, YAML 1.2 floats), apply ``key.sub=value`` overrides, validate.
-
-    Raises ``ValueError`` naming the file or the field on any problem.
-    """
-    raw: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"config file {str(p)!r} does not exist")
-        try:
-            raw = _parse_yaml(p.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ValueError(f"config file {str(p)!r} is not valid YAML: {err}") from err
-        if not isinstance(raw, dict):
-            raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
-    for item in overrides or []:
-        key, eq, text = item.partition("=")
-        if not eq or not all(key.strip().split(".")):
-            raise ValueError(f"--set {item!r}: expected key=value")
-        try:
-            value = _parse_yaml(text)
-        except yaml.YAMLError as err:
-            raise ValueError(f"--set {item!r}: the value is not valid YAML: {err}") from err
-        _set_path(raw, key.strip(), value)
-    return TrainConfig.model_validate(raw)

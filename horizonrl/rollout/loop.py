@@ -3,7 +3,7 @@
 ``collect`` plays K rollouts of each task in lockstep: build each episode's prompt, one batched
 ``generate``, step every environment (one ``step_many`` on an ``EpisodeBatch``: in this process or in
 worker processes), repeat until all are done or the horizon is reached, as ``SamplingSettings`` say. It
-returns plain records (``horizonrl.records``) that the store writes as Parquet. An environment that fails ends its
+returns plain records (``horizonrl.rollout.records``) that the store writes as Parquet. An environment that fails ends its
 episode with status ``error`` and the reason; the rest of the batch goes on.
 
 With ``overlap`` the episodes form two fixed halves, A (the first ceil(n/2)) and B, played as a
@@ -26,8 +26,8 @@ from horizonrl.config import TrainConfig
 from horizonrl.engines.base import Engine, Generation, Session, TokenTrie
 from horizonrl.envs.base import EnvSuite, Task
 from horizonrl.envs.batch import EpisodeBatch, StepResult, as_batch, error_info
-from horizonrl.prompting import ChatFormat, full_delta, window_prompt
-from horizonrl.records import EpisodeRecord, TurnRecord
+from horizonrl.rollout.prompting import ChatFormat, full_delta, window_prompt
+from horizonrl.rollout.records import EpisodeRecord, TurnRecord
 from horizonrl.seeding import derive_seed
 
 
@@ -65,7 +65,17 @@ class SamplingSettings:
         """The run's settings; the horizon is ``env.max_turns`` or the tier's."""
         r = cfg.rollout
         max_turns = cfg.env.max_turns or suite.max_turns(cfg.env.tier)
-        return cls(r.action_mode, r.context, r.history_turns, max_turns, r.max_action_tokens, r.temperature, seed, r.overlap, greedy)
+        return cls(
+            r.action_mode,
+            r.context,
+            r.history_turns,
+            max_turns,
+            r.max_action_tokens,
+            r.temperature,
+            seed,
+            r.overlap,
+            greedy,
+        )
 
 
 @dataclass(frozen=True)
@@ -114,7 +124,9 @@ def collect(
         for slot, (obs, info) in enumerate(starts):
             g = slot // group_size
             rid = first_rollout_id + slot
-            rec = EpisodeRecord(rid, first_group_id + g, tasks[g], settings.context, derive_seed(settings.seed, "sample", rid))
+            rec = EpisodeRecord(
+                rid, first_group_id + g, tasks[g], settings.context, derive_seed(settings.seed, "sample", rid)
+            )
             ep = LiveEpisode(rec, slot, obs, info, fmt.system(info.get("goal", "")))
             if "error" in info:
                 end_with_error(ep, info["error"])
@@ -147,12 +159,14 @@ def split_shards(tasks: list[Task], n_shards: int, group_size: int, seed: int) -
     for s in range(n):
         size = len(tasks) // n + (s < len(tasks) % n)
         shard_seed = seed if n_shards == 1 else derive_seed(seed, "shard", s)
-        shards.append(Shard(s, tasks[start:start + size], start, start * group_size, shard_seed))
+        shards.append(Shard(s, tasks[start : start + size], start, start * group_size, shard_seed))
         start += size
     return shards
 
 
-def play(live: list[LiveEpisode], envs: EpisodeBatch, engine: Engine, fmt: ChatFormat, settings: SamplingSettings, seed: int) -> list[EpisodeRecord]:
+def play(
+    live: list[LiveEpisode], envs: EpisodeBatch, engine: Engine, fmt: ChatFormat, settings: SamplingSettings, seed: int
+) -> list[EpisodeRecord]:
     """Play every live episode until all are done or have ``settings.max_turns`` turns, sampling with
     ``seed``: in lockstep, or with ``settings.overlap`` as the two-half pipeline."""
     full = bool(live) and live[0].record.context == "full"
@@ -167,7 +181,9 @@ def play(live: list[LiveEpisode], envs: EpisodeBatch, engine: Engine, fmt: ChatF
     return [ep.record for ep in live]
 
 
-def _run_lockstep(live: list[LiveEpisode], envs: EpisodeBatch, sampling: _Sampling, full: bool, max_turns: int, seed: int) -> None:
+def _run_lockstep(
+    live: list[LiveEpisode], envs: EpisodeBatch, sampling: _Sampling, full: bool, max_turns: int, seed: int
+) -> None:
     """Every episode still playing in each engine call, then one ``step_many``; one session (KV cache)
     across turns in full context."""
     session = sampling.engine.session() if full else None
@@ -182,7 +198,9 @@ def _run_lockstep(live: list[LiveEpisode], envs: EpisodeBatch, sampling: _Sampli
         _record(turn, results)
 
 
-def _run_halves(live: list[LiveEpisode], envs: EpisodeBatch, sampling: _Sampling, full: bool, max_turns: int, seed: int) -> None:
+def _run_halves(
+    live: list[LiveEpisode], envs: EpisodeBatch, sampling: _Sampling, full: bool, max_turns: int, seed: int
+) -> None:
     """The two-half pipeline: generate one half while the other half's step is in flight, then gather
     that step, send this half's, and swap. Each half has its own session (a session keeps only the
     episodes of its latest call, so halves cannot share one) and its own turn counter; it stops when it
@@ -196,7 +214,10 @@ def _run_halves(live: list[LiveEpisode], envs: EpisodeBatch, sampling: _Sampling
     sessions = [sampling.engine.session() if full else None for _ in halves]
     steps = [0, 0]
     flight: _Turn | None = None  # the other half's turn while its step is in flight
-    h, idle = 0, 0  # idle: halves in a row with nothing to play; a half found idle stays idle (none of its steps is in flight)
+    h, idle = (
+        0,
+        0,
+    )  # idle: halves in a row with nothing to play; a half found idle stays idle (none of its steps is in flight)
     try:
         while idle < 2:
             batch = [ep for ep in halves[h] if not ep.done and len(ep.record.turns) < max_turns]
@@ -245,7 +266,9 @@ def _generate(batch: list[LiveEpisode], sampling: _Sampling, session: Session | 
     if session is None:
         gens = sampling.engine.generate(inputs, tries, n_tokens, temperature, greedy, seed)
     else:
-        gens = session.extend([ep.record.rollout_id for ep in batch], inputs, tries, n_tokens, temperature, greedy, seed)
+        gens = session.extend(
+            [ep.record.rollout_id for ep in batch], inputs, tries, n_tokens, temperature, greedy, seed
+        )
     gen_s = (time.perf_counter() - t0) / len(batch)
     actions = []
     for ep, gen, trie in zip(batch, gens, tries):
@@ -259,16 +282,40 @@ def _generate(batch: list[LiveEpisode], sampling: _Sampling, session: Session | 
 
 def _record(turn: _Turn, results: dict[int, StepResult]) -> None:
     """Record ``turn``'s step results; an episode whose generation was broken ends as an error, unplayed."""
-    results = {**results, **{ep.slot: ("", 0.0, True, error_info(ep.info, turn.broken[ep.slot])) for ep in turn.batch if turn.broken[ep.slot]}}
+    results = {
+        **results,
+        **{
+            ep.slot: ("", 0.0, True, error_info(ep.info, turn.broken[ep.slot]))
+            for ep in turn.batch
+            if turn.broken[ep.slot]
+        },
+    }
     env_s = turn.env_s / len(turn.batch)
     for ep, delta, (gen, action, format_valid) in zip(turn.batch, turn.deltas, turn.actions):
-        _record_turn(ep, len(ep.record.turns), delta, gen, action, format_valid, results[ep.slot], turn.gen_s, env_s, turn.format_penalty)
+        _record_turn(
+            ep,
+            len(ep.record.turns),
+            delta,
+            gen,
+            action,
+            format_valid,
+            results[ep.slot],
+            turn.gen_s,
+            env_s,
+            turn.format_penalty,
+        )
 
 
 def _join(prefix: Generation, rest: Generation) -> Generation:
     """A branch's action: the parent's tokens up to the split, then the branch's own continuation."""
-    return Generation(prefix.token_ids + rest.token_ids, prefix.logprobs + rest.logprobs, prefix.entropy + rest.entropy,
-                      prefix.policy_mask + rest.policy_mask, prefix.allowed + rest.allowed, rest.finished)
+    return Generation(
+        prefix.token_ids + rest.token_ids,
+        prefix.logprobs + rest.logprobs,
+        prefix.entropy + rest.entropy,
+        prefix.policy_mask + rest.policy_mask,
+        prefix.allowed + rest.allowed,
+        rest.finished,
+    )
 
 
 def _engine_fault(gen: Generation) -> str:
@@ -288,8 +335,18 @@ def _action_text(gen: Generation, trie: TokenTrie | None, fmt: ChatFormat) -> tu
     return fmt.parse_action(gen.token_ids, gen.finished)
 
 
-def _record_turn(ep: LiveEpisode, turn: int, delta: list[int], gen: Generation, action: str, format_valid: bool, result: StepResult,
-                 gen_s: float, env_s: float, format_penalty: float) -> None:
+def _record_turn(
+    ep: LiveEpisode,
+    turn: int,
+    delta: list[int],
+    gen: Generation,
+    action: str,
+    format_valid: bool,
+    result: StepResult,
+    gen_s: float,
+    env_s: float,
+    format_penalty: float,
+) -> None:
     """Record one turn; a format error's step reward is lowered by ``format_penalty`` (rollout.format_penalty)."""
     admissible = ep.info["admissible_commands"]
     obs, reward, done, info = result
@@ -297,9 +354,22 @@ def _record_turn(ep: LiveEpisode, turn: int, delta: list[int], gen: Generation, 
     ep.history[-1] = (ep.history[-1][0], gen.token_ids)
     ep.record.turns.append(
         TurnRecord(
-            turn, ep.obs, action, delta, gen, float(reward), bool(done), bool(info.get("won", False)),
-            bool(info.get("valid", action in admissible)), format_valid, float(info.get("score", 0.0)),
-            str(ep.info.get("progress_key", "")), str(info.get("abstract_action", "")), len(admissible), gen_s, env_s,
+            turn,
+            ep.obs,
+            action,
+            delta,
+            gen,
+            float(reward),
+            bool(done),
+            bool(info.get("won", False)),
+            bool(info.get("valid", action in admissible)),
+            format_valid,
+            float(info.get("score", 0.0)),
+            str(ep.info.get("progress_key", "")),
+            str(info.get("abstract_action", "")),
+            len(admissible),
+            gen_s,
+            env_s,
         )
     )
     ep.obs, ep.info = obs, info

@@ -20,10 +20,11 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
 LOCK_FILE = ".lock"
 
@@ -62,12 +63,22 @@ def hold(run_dir: str | Path) -> Iterator[RunLock]:
         f.seek(0)
         holder = _parse(f.read())
         f.close()
-        raise RunInUse(f"run folder {run_dir} is in use by {describe(holder)}; wait for it to end, or stop it "
-                       f"(lock file {path})") from None
+        raise RunInUse(
+            f"run folder {run_dir} is in use by {describe(holder)}; wait for it to end, or stop it (lock file {path})"
+        ) from None
     f.seek(0)
     previous = _parse(f.read())
-    lock = RunLock(path, f, None if previous.get("released", True) else previous,
-                   {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "released": False})
+    lock = RunLock(
+        path,
+        f,
+        None if previous.get("released", True) else previous,
+        {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "released": False,
+        },
+    )
     _write(f, lock.holder)
     try:
         yield lock

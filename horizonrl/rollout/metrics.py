@@ -7,11 +7,10 @@ figures of rollouts that were written before a crash.
 
 from __future__ import annotations
 
-import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from horizonrl.records import EpisodeRecord
+from horizonrl.rollout.records import EpisodeRecord
 
 FAMILY_SUCCESS = "success_rate/"  # then a task family: that family's success rate (logged under the stage's prefix)
 
@@ -22,7 +21,9 @@ def episode_metrics(episodes: pa.Table) -> dict[str, float]:
     (share of groups with at least one win), episodes, and ``success_rate/<family>`` for each task family
     present (a suite mean hides which kinds of task a method learns). Over initial rollouts only (APPO
     branches are reported by the collect stage separately)."""
-    df = episodes.select(["group_id", "kind", "family", "n_turns", "episode_return", "won", "n_invalid", "gen_tokens", "status"]).to_pandas()
+    df = episodes.select(
+        ["group_id", "kind", "family", "n_turns", "episode_return", "won", "n_invalid", "gen_tokens", "status"]
+    ).to_pandas()
     df = df[df["kind"] == "initial"]
     if df.empty:
         return {"episodes": 0.0}
@@ -48,8 +49,11 @@ def branch_metrics(episodes: pa.Table) -> dict[str, float]:
     branch = df[df["kind"] == "branch"]
     new_branch = float((branch["gen_tokens"] - branch["branch_token"] - 1).sum())
     total = float(df.loc[df["kind"] == "initial", "gen_tokens"].sum()) + new_branch
-    return {"branches": float(len(branch)), "branch_success_rate": float(branch["won"].mean()) if len(branch) else 0.0,
-            "branch_token_share": new_branch / total if total else 0.0}
+    return {
+        "branches": float(len(branch)),
+        "branch_success_rate": float(branch["won"].mean()) if len(branch) else 0.0,
+        "branch_token_share": new_branch / total if total else 0.0,
+    }
 
 
 def sample_episodes(records: list[EpisodeRecord], n: int = 8) -> pd.DataFrame:
@@ -57,6 +61,17 @@ def sample_episodes(records: list[EpisodeRecord], n: int = 8) -> pd.DataFrame:
     rows = []
     for r in records[:n]:
         for t in r.turns:
-            rows.append({"rollout_id": r.rollout_id, "task_id": r.task.task_id, "turn": t.turn, "observation": t.observation,
-                         "action": t.action, "reward": t.reward, "valid": t.valid, "won": t.won, "status": r.status})
+            rows.append(
+                {
+                    "rollout_id": r.rollout_id,
+                    "task_id": r.task.task_id,
+                    "turn": t.turn,
+                    "observation": t.observation,
+                    "action": t.action,
+                    "reward": t.reward,
+                    "valid": t.valid,
+                    "won": t.won,
+                    "status": r.status,
+                }
+            )
     return pd.DataFrame(rows)

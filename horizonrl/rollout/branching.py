@@ -1,10 +1,10 @@
-"""APPO's branches: planned over the collected initial rollouts (ALGORITHMS.md 3.2-3.3, 6.4), then
+"""APPO's branches: planned over the collected initial rollouts (docs/algorithms.md §3.2-3.3, §6.4), then
 replayed to their split and played on (``collect_branches``).
 
 For every initial rollout the branching score is computed over its policy tokens, from the entropies the
 engine recorded. Omega compares the current policy with the sampling policy; here the sampler *is* the
 current policy (one model, no update in between), so Omega is constant by construction and the
-documented fallback (BS = Z(H) where Z(H) > 0, ALGORITHMS.md 6.4) applies; ``omega_fallback_fraction``
+documented fallback (BS = Z(H) where Z(H) > 0, docs/algorithms.md §6.4) applies; ``omega_fallback_fraction``
 reports how often it did. Split points are never the last token of a turn's action, so a branch always
 has something left to generate.
 """
@@ -19,9 +19,9 @@ import numpy as np
 from horizonrl.engines.base import Engine, Generation
 from horizonrl.envs.base import EnvSuite
 from horizonrl.envs.batch import EpisodeBatch, as_batch
-from horizonrl.prompting import ChatFormat
-from horizonrl.records import EpisodeRecord
-from horizonrl.rollout import LiveEpisode, SamplingSettings, end_with_error, play
+from horizonrl.rollout.loop import LiveEpisode, SamplingSettings, end_with_error, play
+from horizonrl.rollout.prompting import ChatFormat
+from horizonrl.rollout.records import EpisodeRecord
 from horizonrl.seeding import derive_seed
 from methods.appo import BranchingParams, branching_score, select_branch_points
 
@@ -51,7 +51,9 @@ def _policy_tokens(ep: EpisodeRecord, tokenizer) -> tuple[np.ndarray, np.ndarray
     return np.asarray(flat, dtype=np.int64), np.asarray(ent), np.asarray(logp), np.asarray(cand, dtype=bool)
 
 
-def plan_branches(initial: list[EpisodeRecord], budget: int, params: BranchingParams, tokenizer) -> tuple[list[BranchStart], list[float], dict[str, float]]:
+def plan_branches(
+    initial: list[EpisodeRecord], budget: int, params: BranchingParams, tokenizer
+) -> tuple[list[BranchStart], list[float], dict[str, float]]:
     """Branch starts for every task group (``budget`` per group), their scores, and planning figures."""
     groups: dict[int, list[EpisodeRecord]] = defaultdict(list)
     for ep in initial:
@@ -73,8 +75,11 @@ def plan_branches(initial: list[EpisodeRecord], budget: int, params: BranchingPa
             scores.append(p.score)
     n_groups = max(len(groups), 1)
     stats = {f"branch_{k}": v / n_groups for k, v in counts.items()}
-    stats.update(branches_per_group=len(starts) / n_groups, omega_fallback_fraction=fallbacks / max(len(initial), 1),
-                 mean_branching_score=float(np.mean(scores)) if scores else 0.0)
+    stats.update(
+        branches_per_group=len(starts) / n_groups,
+        omega_fallback_fraction=fallbacks / max(len(initial), 1),
+        mean_branching_score=float(np.mean(scores)) if scores else 0.0,
+    )
     return starts, scores, stats
 
 
@@ -101,13 +106,21 @@ def collect_branches(
             _check_replay(b.parent, 0, obs, info)
             replayed.append((obs, info))
         for t in range(max((turn for turn, _ in split_turns), default=0)):
-            todo = {i: b.parent.turns[t].action for i, b in enumerate(starts) if t < split_turns[i][0] and "error" not in replayed[i][1]}
+            todo = {
+                i: b.parent.turns[t].action
+                for i, b in enumerate(starts)
+                if t < split_turns[i][0] and "error" not in replayed[i][1]
+            }
             for i, (obs, _, _, info) in envs.step_many(todo).items():
                 _check_replay(starts[i].parent, t + 1, obs, info)
                 replayed[i] = (obs, info)
         live = []
         for i, (b, (turn, offset)) in enumerate(zip(starts, split_turns)):
-            live.append(_branch_live(b, turn, offset, i, *replayed[i], fmt, settings.context, first_rollout_id + i, settings.seed))
+            live.append(
+                _branch_live(
+                    b, turn, offset, i, *replayed[i], fmt, settings.context, first_rollout_id + i, settings.seed
+                )
+            )
         return play(live, envs, engine, fmt, settings, derive_seed(settings.seed, "branches"))
 
 
@@ -123,18 +136,48 @@ def _split_turn(b: BranchStart) -> tuple[int, int]:
 
 def _check_replay(parent: EpisodeRecord, turn: int, obs: str, info: dict) -> None:
     if "error" not in info and obs != parent.turns[turn].observation:
-        raise RuntimeError(f"replay of rollout {parent.rollout_id} diverged at turn {turn}: the environment is not deterministic")
+        raise RuntimeError(
+            f"replay of rollout {parent.rollout_id} diverged at turn {turn}: the environment is not deterministic"
+        )
 
 
-def _branch_live(b: BranchStart, turn: int, offset: int, slot: int, obs: str, info: dict, fmt: ChatFormat, context: str, rollout_id: int, seed: int) -> LiveEpisode:
+def _branch_live(
+    b: BranchStart,
+    turn: int,
+    offset: int,
+    slot: int,
+    obs: str,
+    info: dict,
+    fmt: ChatFormat,
+    context: str,
+    rollout_id: int,
+    seed: int,
+) -> LiveEpisode:
     parent = b.parent
-    rec = EpisodeRecord(rollout_id, parent.group_id, parent.task, context, derive_seed(seed, "sample", rollout_id),
-                        kind="branch", parent_rollout=parent.rollout_id, branch_token=b.split, branch_score=b.score,
-                        turns=list(parent.turns[:turn]))
+    rec = EpisodeRecord(
+        rollout_id,
+        parent.group_id,
+        parent.task,
+        context,
+        derive_seed(seed, "sample", rollout_id),
+        kind="branch",
+        parent_rollout=parent.rollout_id,
+        branch_token=b.split,
+        branch_score=b.score,
+        turns=list(parent.turns[:turn]),
+    )
     g = parent.turns[turn].gen
     k = offset + 1
     pending = Generation(g.token_ids[:k], g.logprobs[:k], g.entropy[:k], g.policy_mask[:k], g.allowed[:k])
-    ep = LiveEpisode(rec, slot, obs, info, fmt.system(info.get("goal", "")), [(fmt.user(t.observation), t.gen.token_ids) for t in rec.turns], pending=pending)
+    ep = LiveEpisode(
+        rec,
+        slot,
+        obs,
+        info,
+        fmt.system(info.get("goal", "")),
+        [(fmt.user(t.observation), t.gen.token_ids) for t in rec.turns],
+        pending=pending,
+    )
     if context == "full":
         ep.engine_prefix = [i for t in rec.turns for i in t.prompt_ids + t.gen.token_ids]
     if "error" in info:

@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import torch
 
-from horizonrl.sequences import TrainRow
-from horizonrl.trainer import policy_logprobs
+from horizonrl.training.sequences import TrainRow
+from horizonrl.training.trainer import policy_logprobs
 
 
-def clone_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: list[TrainRow], minibatch_size: int,
-                grad_clip: float, pad_id: int, seed: int) -> list[float]:
+def clone_epoch(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rows: list[TrainRow],
+    minibatch_size: int,
+    grad_clip: float,
+    pad_id: int,
+    seed: int,
+) -> list[float]:
     """One shuffled pass over ``rows`` (rows without a policy token are skipped), one clipped AdamW step
     per ``minibatch_size`` rows; returns each step's loss."""
     rows = [r for r in rows if r.positions]

@@ -1,0 +1,47 @@
+"""The run's typed configuration (``schema``) and how it is read from YAML and ``--set`` (``loader``).
+
+Importers take names from here (``from horizonrl.config import TrainConfig, load_config``)."""
+
+from horizonrl.config.loader import CONFIG_FILE, load_config, train_config
+from horizonrl.config.schema import (
+    MODEL_URI_PREFIXES,
+    NAME_PATTERN,
+    EngineConfig,
+    EnvConfig,
+    EvalConfig,
+    LoraConfig,
+    MethodParams,
+    ModelConfig,
+    RayConfig,
+    RolloutConfig,
+    TinyModelConfig,
+    TraceConfig,
+    TrainConfig,
+    UpdateConfig,
+    VLLMConfig,
+    WarmStartConfig,
+    run_dir,
+)
+
+__all__ = [
+    "CONFIG_FILE",
+    "MODEL_URI_PREFIXES",
+    "NAME_PATTERN",
+    "EngineConfig",
+    "EnvConfig",
+    "EvalConfig",
+    "LoraConfig",
+    "MethodParams",
+    "ModelConfig",
+    "RayConfig",
+    "RolloutConfig",
+    "TinyModelConfig",
+    "TraceConfig",
+    "TrainConfig",
+    "UpdateConfig",
+    "VLLMConfig",
+    "WarmStartConfig",
+    "load_config",
+    "run_dir",
+    "train_config",
+]

@@ -1,0 +1,73 @@
+"""Reading a run's config: a YAML file (safe loader, YAML 1.2 floats) plus ``--set key.sub=value`` overrides,
+validated into the typed ``TrainConfig`` (``horizonrl.config.schema``)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from horizonrl.config.schema import TrainConfig
+
+CONFIG_FILE = "config.yaml"  # a run's config as it ran: in its data folder and among its MLflow artifacts
+
+
+def _set_path(d: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = d
+    for p in parts[:-1]:
+        if node.get(p) is None:  # absent, or an empty section in the file
+            node[p] = {}
+        node = node[p]
+        if not isinstance(node, dict):
+            raise ValueError(f"--set {dotted}: {p!r} is not a section")
+    node[parts[-1]] = value
+
+
+class _YAMLLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that also reads ``3e-4`` and ``1.0e5`` as floats (YAML 1.2). PyYAML follows
+    YAML 1.1, where they are strings, and an untyped field (``loss_params``) would keep the string."""
+
+
+_YAMLLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
+
+
+def _parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_YAMLLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def train_config(config_path: str | None, overrides: list[str] | None, config: dict[str, Any] | None) -> TrainConfig:
+    """The train flow's config from its parameters: a whole ``config`` dict, else a file plus overrides."""
+    return TrainConfig.model_validate(config) if config is not None else load_config(config_path, overrides)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a YAML file (safe loader, YAML 1.2 floats), apply ``key.sub=value`` overrides, validate.
+
+    Raises ``ValueError`` naming the file or the field on any problem.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file {str(p)!r} does not exist")
+        try:
+            raw = _parse_yaml(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(f"config file {str(p)!r} is not valid YAML: {err}") from err
+        if not isinstance(raw, dict):
+            raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
+    for item in overrides or []:
+        key, eq, text = item.partition("=")
+        if not eq or not all(key.strip().split(".")):
+            raise ValueError(f"--set {item!r}: expected key=value")
+        try:
+            value = _parse_yaml(text)
+        except yaml.YAMLError as err:
+            raise ValueError(f"--set {item!r}: the value is not valid YAML: {err}") from err
+        _set_path(raw, key.strip(), value)
+    return TrainConfig.model_validate(raw)

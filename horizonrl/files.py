@@ -1,0 +1,38 @@
+"""Files written whole or not at all, and their digests: shared by the trajectory store and the checkpoints."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+
+def write_json(obj: dict, path: str | Path) -> None:
+    """Write ``obj`` as JSON atomically (temporary file, fsync, rename), e.g. an estimator's state."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def file_digest(path: str | Path) -> str:
+    """The sha256 of a file's bytes, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush every file directly under ``path`` to disk (before the folder is renamed into place)."""
+    for f in path.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())

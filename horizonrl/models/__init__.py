@@ -1,0 +1,1 @@
+"""Building and loading policies and tokenizers, and LoRA adapters."""

@@ -1,0 +1,1 @@
+"""The per-process runtime holder and the run lock."""

@@ -1,0 +1,1 @@
+"""Training rows, the PPO trainer, checkpoints, behaviour cloning and demonstrations."""
