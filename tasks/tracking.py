@@ -18,7 +18,7 @@ from horizonrl.files import file_digest
 from horizonrl.rollout.metrics import episode_metrics
 from horizonrl.rollout.records import EpisodeRecord
 from horizonrl.seeding import derive_seed
-from horizonrl.tracking import mlflow_runs, report, traces
+from horizonrl.tracking import mlflow_runs, traces
 from tasks.context import RunContext
 
 
@@ -74,18 +74,13 @@ def trace_evaluation(ctx: RunContext, iteration: int, records: list[EpisodeRecor
 
 def log_success_by_env_steps(ctx: RunContext, iteration: int, success: float) -> None:
     """``eval/success_by_env_steps``: held-out success with the run's cumulative environment steps as the
-    step (counted as the sweep report counts them), so the experiment's chart view plots every run's
-    success against environment steps."""
-    c = ctx.mlflow()
-    h = {
-        k: {m.step: m.value for m in c.get_metric_history(ctx.mlflow_run_id, f"collect/{k}")}
-        for k in ("episodes", "mean_turns")
-    }
-    steps = int(
-        report.at_iteration(report.env_steps(report.CellHistory("", 0, {}, h["episodes"], h["mean_turns"])), iteration)
-    )
+    step, counted from the stored episodes (``store.env_steps``, APPO's branches included) like
+    ``time/env_steps`` and the step budget, so the experiment's chart view plots every run's success
+    against the same x."""
+    cfg = ctx.cfg
+    steps = store.env_steps(cfg.data_dir, cfg.experiment, cfg.run_name, range(1, iteration + 1))
     if not logged(ctx, "eval/success_by_env_steps", steps):
-        mlflow_runs.log_metrics(c, ctx.mlflow_run_id, "eval", {"success_by_env_steps": success}, steps)
+        mlflow_runs.log_metrics(ctx.mlflow(), ctx.mlflow_run_id, "eval", {"success_by_env_steps": success}, steps)
 
 
 class Progress:

@@ -655,7 +655,7 @@ def test_registered_with_params():
         FutureKLParams(clip_ratio_c=1.0)
     with pytest.raises(ValueError):
         BranchingParams(omega_fallback="sometimes")
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         APPOParams().eps = 0.1  # frozen
 
 

@@ -101,6 +101,22 @@ def test_appo_run_through_the_flow(prefect_harness, tmp_path, tracking_uri):
     with_tokens = adv.dropna(subset=["adv_tokens"])
     assert set(with_tokens.rollout_id) >= set(episodes[episodes.kind == "initial"].rollout_id)
     assert torch.isfinite(torch.tensor([v for row in with_tokens.adv_tokens for v in row])).all()
+    # One x for every figure: the evaluation curve's steps are the stored episodes' turns, branches included,
+    # the same count as time/env_steps (a count of initial rollouts only would fall short by the branches').
+    time_steps = {m.step: m.value for m in c.get_metric_history(run.info.run_id, "time/env_steps")}
+    with_branches = sum(
+        int(
+            store.read_table(
+                store.iteration_dir(tmp_path / "data", "test", "appo", it) / "episodes.parquet", "episodes"
+            )
+            .column("n_turns")
+            .to_numpy()
+            .sum()
+        )
+        for it in (1, 2)
+    )
+    assert time_steps[2] == with_branches and branches.n_turns.sum() > 0
+    assert steps(c, run.info.run_id, "eval/success_by_env_steps") == [0, int(time_steps[1]), int(time_steps[2])]
 
 
 def _replay_on(suite, tmp_path, n_tasks: int, tier: str, max_turns: int) -> None:

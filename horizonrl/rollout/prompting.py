@@ -214,9 +214,10 @@ def _read_template(tokenizer: PreTrainedTokenizerBase, enable_thinking: bool) ->
     # Where the template inserts any content verbatim (ChatML, Qwen3; Llama 3 trims it), the pieces are
     # the parts around the marker, joined without a render per message (a probe with edge whitespace checks).
     probe = " \n a probe  \n"
-    render = lambda goal, obs: tokenizer.apply_chat_template(
-        _reference(goal, obs), tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
-    )
+    def render(goal, obs):
+        return tokenizer.apply_chat_template(
+            _reference(goal, obs), tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+        )
     verbatim_system = render(probe, _NEXT) == probe.join(system_parts) + text[user1:]
     verbatim_user = render(_GOAL, probe) == text[:user2] + probe.join(user_parts)
     template = _Template(
