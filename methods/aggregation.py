@@ -20,6 +20,7 @@ class LossTerms:
     clip_frac: float  # share of policy tokens whose ratio was clipped
     approx_kl: float  # mean over policy tokens of (log pi_old - log pi_theta) (k1 estimator)
     ratio_mean: float  # mean ratio over policy tokens
+    kl_ref: float = 0.0  # the KL term to the reference policy, aggregated as the loss is (0 for a loss without one)
     extra: dict[str, float] | None = None  # method-specific figures (e.g. APPO scaling factor)
 
 

@@ -224,12 +224,12 @@ def appo_future_kl_loss(
             "mean_scale": _masked_mean(scale, mask),
             "dual_clip_frac": _masked_mean(dual_clipped.to(logp.dtype), mask),
             "rows_dropped": float(((~row_ok) & mask.any(dim=1)).sum()),
-            "kl_loss": kl_value,
         }
         return LossTerms(
             loss=loss,
             clip_frac=_masked_mean(clipped.to(logp.dtype), mask),
             approx_kl=_masked_mean(-delta, mask),
             ratio_mean=_masked_mean(ratio, mask),
+            kl_ref=kl_value,
             extra=extra,
         )

@@ -166,7 +166,7 @@ def ppo_clip(
 
     Returns:
         ``LossTerms``: loss () with grad; clip_frac, ratio_mean and extra["dual_clip_frac"] over the
-        terms; approx_kl = mean over policy tokens of (log π_old − log π_θ); extra["kl_ref"] the
+        terms; approx_kl = mean over policy tokens of (log π_old − log π_θ); ``kl_ref`` the
         aggregated KL to the reference (0.0 without ``ref_logp``).
     """
     _check_inputs(logp, old_logp, adv, mask, turn_id, ref_logp, params)
@@ -192,7 +192,8 @@ def ppo_clip(
         clip_frac=_masked_mean(out["clipped"].to(dtype), term_mask),
         approx_kl=_masked_mean(-tok["log_ratio"], mask),
         ratio_mean=_masked_mean(out["ratio"], term_mask),
-        extra={"dual_clip_frac": _masked_mean(out["dual"].to(dtype), term_mask), "kl_ref": kl_ref},
+        kl_ref=kl_ref,
+        extra={"dual_clip_frac": _masked_mean(out["dual"].to(dtype), term_mask)},
     )
 
 

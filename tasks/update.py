@@ -75,9 +75,6 @@ def update(
         RUNTIME.drop()
         raise
     RUNTIME.advance(ref)
-    stats = {
-        ("kl_ref" if k == "kl_loss" else k): v for k, v in stats.items()
-    }  # one name for the KL to the reference, every method
     stats["skipped"] = float(not rows)
     stats["lr"] = lr
     if not rows:

@@ -627,7 +627,7 @@ def test_kl_loss_low_var():
     mask = torch.ones(1, 2, dtype=torch.bool)
     terms = appo_future_kl_loss(logp, logp, adv, mask, None, FutureKLParams(kl_coef=0.5), ref_logp=ref)
     assert float(terms.loss) == pytest.approx(0.5 * (0.5 + math.log(2) - 1), abs=1e-12)
-    assert terms.extra["kl_loss"] == pytest.approx(0.5 + math.log(2) - 1, abs=1e-12)
+    assert terms.kl_ref == pytest.approx(0.5 + math.log(2) - 1, abs=1e-12)
     with pytest.raises(ValueError, match="ref_logp"):
         appo_future_kl_loss(logp, logp, adv, mask, None, FutureKLParams(kl_coef=0.5))
 

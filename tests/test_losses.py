@@ -188,7 +188,7 @@ def test_kl_to_reference_penalty(kl_kind, expected):
     params = PPOLossParams(kl_coef=0.1, kl_kind=kl_kind)
     out = ppo_clip(logp, old_logp, torch.zeros_like(old_logp), mask, turn_id, params, ref_logp=ref_logp)
     assert out.loss.item() == pytest.approx(0.1 * expected, abs=TOL)
-    assert out.extra["kl_ref"] == pytest.approx(expected, abs=TOL)
+    assert out.kl_ref == pytest.approx(expected, abs=TOL)
 
 
 def test_kl_penalty_without_reference_raises():
@@ -246,7 +246,7 @@ def test_every_registered_loss_runs_on_a_random_batch(name):
     assert out.loss.shape == () and torch.isfinite(out.loss)
     out.loss.backward()
     assert logp.grad.shape == logp.shape and torch.all(torch.isfinite(logp.grad))
-    assert 0.0 <= out.clip_frac <= 1.0 and set(out.extra) == {"dual_clip_frac", "kl_ref"}
+    assert 0.0 <= out.clip_frac <= 1.0 and set(out.extra) == {"dual_clip_frac"}
     with pytest.raises(ValueError):
         entry.fn(logp, old_logp[:, :-1], adv, mask, turn_id, entry.params_cls())
 

@@ -336,6 +336,7 @@ def _minibatch_step(
         "clip_frac": 0.0,
         "approx_kl": 0.0,
         "ratio_mean": 0.0,
+        "kl_ref": 0.0,
         "entropy": 0.0,
     }
     n_tok = sum(len(rows[i].positions) for u in mb for i in u)
@@ -373,6 +374,7 @@ def _minibatch_step(
         terms.loss.backward()
         w = float(mask.sum()) / max(n_tok, 1)
         out["loss"] += float(terms.loss.detach())
+        out["kl_ref"] += terms.kl_ref  # a micro-batch's share under the minibatch's divisors, like the loss
         kl_parts.append((logp.detach(), old_lp, mask))
         out["tokens"] += sum(rows[i].positions[-1] + 1 for i in flat_rows)
         out["clip_frac"] += terms.clip_frac * w
