@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from horizonrl.config import TrainConfig, load_config, run_dir
 from horizonrl.rollout.metrics import FAMILY_SUCCESS
 from horizonrl.run import runlock
-from horizonrl.tracking import mlflow_runs, report
+from horizonrl.tracking import mlflow_runs, plots, report, results_page
 from mlflow import MlflowClient
 
 HISTORIES = (
@@ -271,9 +271,9 @@ def sweep_report(
         stem = Path(out).stem
         pages["out"] = (out, {x: f"{stem}_{x}.png" for x in report.X_AXES})
     for where, (page, figures) in pages.items():
-        md = report.results_page(cells, ctx, figures)
+        md = results_page.results_page(cells, ctx, figures)
         for x, name in figures.items():
-            fig = report.plot(curves, x)
+            fig = plots.plot(curves, x)
             if where == "report":
                 c.log_figure(parent.info.run_id, fig, f"report/{name}")
             else:
@@ -292,7 +292,7 @@ def sweep_report(
         description=f"Sweep {sweep_name}: held-out success per variant (mean, 95% bootstrap interval over seeds)",
     )
     create_markdown_artifact(
-        report.markdown(f"Sweep {sweep_name}", summaries),
+        results_page.markdown(f"Sweep {sweep_name}", summaries),
         key=f"{key}-summary",
         description=f"Sweep {sweep_name}: comparison",
     )
@@ -354,7 +354,7 @@ def _page_context(
     sweep_path: str | None,
     out: str | None,
     previous: Any | None,
-) -> report.PageContext:
+) -> results_page.PageContext:
     """What the page prints besides the numbers: commit, configs, warm start, the regenerate command."""
     cell_runs = _cell_runs(c, parent.info.run_id)
     runs = [r for r in cell_runs if r.info.run_id in found]
@@ -379,7 +379,7 @@ def _page_context(
         h = {m.step: m.value for m in c.get_metric_history(source, "eval/success_rate")}
         n = {m.step: m.value for m in c.get_metric_history(source, "eval/episodes")}
         if h:
-            warm = report.WarmStart(model_uri, source, h[max(h)], int(n.get(max(h), 0)))
+            warm = results_page.WarmStart(model_uri, source, h[max(h)], int(n.get(max(h), 0)))
     command = (
         f"horizonrl report {sweep_path or '<sweep file>'}"
         + (f" --instance {instance}" if instance else "")
@@ -387,7 +387,7 @@ def _page_context(
     )
     uri = c.tracking_uri
     before = list(_histories(c, previous.info.run_id).values()) if previous is not None else []
-    return report.PageContext(
+    return results_page.PageContext(
         f"Results: {parent.info.run_name}",
         commits,
         configs,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from horizonrl.tracking import mlflow_runs, report
+from horizonrl.tracking import mlflow_runs, stats
 from mlflow import MlflowClient
 
 
@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
     [base] = histories(c, experiment, control, "collect/success_rate")
     for name in names:
         collect, held_out = histories(c, experiment, name, "collect/success_rate", "eval/success_rate")
-        diff, n = report.paired_difference(base, collect, first, last)
+        diff, n = stats.paired_difference(base, collect, first, last)
         print(
             f"{name}: collect success minus {control}'s, iterations {first}-{last} ({n}): {diff.mean:+.3f} "
             f"[{diff.low:+.3f}, {diff.high:+.3f}]; held-out {', '.join(f'{held_out[i]:.3f}' for i in sorted(held_out))}"

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from horizonrl.tracking import report
+from horizonrl.tracking import plots, report, results_page, stats
 from horizonrl.tracking.report import CellHistory
 
 FIXTURE = Path(__file__).parent / "fixtures" / "report_histories.json"
@@ -62,14 +62,14 @@ def _fixture() -> list[CellHistory]:
     ]
 
 
-CTX = report.PageContext(
+CTX = results_page.PageContext(
     "Results: fixture",
     ["0123abcd"],
     ["configs/sweeps/x.yaml", "configs/x.yaml"],
     "horizonrl report configs/sweeps/x.yaml --out docs/results.md",
     "sqlite:///mlflow/mlflow.db",
     "parent-id",
-    report.WarmStart("models:/ws/1", "ws-run", 0.3, 200),
+    results_page.WarmStart("models:/ws/1", "ws-run", 0.3, 200),
 )
 FIGURES = {x: f"results_{x}.png" for x in report.X_AXES}
 
@@ -94,43 +94,43 @@ def test_seed_figures():
 def test_bootstrap_interval_of_two_or_three_seeds_is_their_range():
     # every resample's mean lies in [min, max], and the extremes (all-min, all-max) have probability
     # 1/4 (2 seeds) or 1/27 (3 seeds), both above 2.5%: the percentiles are the extremes
-    assert report.interval([0.5, 1.0]) == report.Interval(0.75, 0.5, 1.0)
-    ci = report.interval([0.1, 0.2, 0.6])
+    assert stats.interval([0.5, 1.0]) == stats.Interval(0.75, 0.5, 1.0)
+    ci = stats.interval([0.1, 0.2, 0.6])
     assert (ci.mean, ci.low, ci.high) == (
         pytest.approx(0.3),
         pytest.approx(0.1, abs=1e-15),
         pytest.approx(0.6, abs=1e-15),
     )
-    assert math.isnan(report.interval([0.4]).low) and report.interval([0.4]).mean == 0.4
+    assert math.isnan(stats.interval([0.4]).low) and stats.interval([0.4]).mean == 0.4
 
 
 def test_bootstrap_interval_stays_inside_zero_one_and_is_fixed():
     values = [0.0, 0.0, 0.05, 0.9, 1.0, 1.0]
-    ci = report.interval(values)
+    ci = stats.interval(values)
     assert 0.0 <= ci.low < ci.mean < ci.high <= 1.0
-    assert report.interval(values) == ci, "the bootstrap draws from a fixed generator"
+    assert stats.interval(values) == ci, "the bootstrap draws from a fixed generator"
     se = np.std(values, ddof=1) / math.sqrt(len(values))
     assert ci.high - ci.low == pytest.approx(2 * 1.96 * se, rel=0.25)  # near the normal interval's width
 
 
 def test_newcombe_interval_of_a_difference():
     # Newcombe (1998), Stat. Med. 17:873, Table II example (a): 56/70 - 48/80, method 10: 0.0524 to 0.3339
-    d = report.newcombe(48 / 80, 80, 56 / 70, 70)
+    d = stats.newcombe(48 / 80, 80, 56 / 70, 70)
     assert (d.mean, round(d.low, 4), round(d.high, 4)) == (pytest.approx(0.2), 0.0524, 0.3339)
     # pooled over seeds: loop's three seeds, 200 episodes at each end (by hand: +0.350 [+0.298, +0.400])
     loop = [c for c in _fixture() if c.variant == "loop"]
     p = report.pooled_change(loop)
     assert (p.first_episodes, p.final_episodes) == (600, 600) and p.change.mean == pytest.approx(0.55 - 0.2)
-    assert p.change == report.newcombe(0.2, 600, 0.55, 600)
+    assert p.change == stats.newcombe(0.2, 600, 0.55, 600)
     assert (
         report.pooled_change([replace(loop[0], eval_episodes={0: 200})]) is None
     )  # the last evaluation's count is missing
 
 
 def test_wilson_interval():
-    low, high = report.wilson(0.3, 200)  # 60 / 200: [0.2407, 0.3668] (Wilson's formula, by hand)
+    low, high = stats.wilson(0.3, 200)  # 60 / 200: [0.2407, 0.3668] (Wilson's formula, by hand)
     assert (low, high) == (pytest.approx(0.24075, abs=1e-4), pytest.approx(0.36680, abs=1e-4))
-    assert report.wilson(0.0, 10)[0] == 0.0 and report.wilson(1.0, 10)[1] == pytest.approx(1.0, abs=1e-12)
+    assert stats.wilson(0.0, 10)[0] == 0.0 and stats.wilson(1.0, 10)[1] == pytest.approx(1.0, abs=1e-12)
 
 
 def test_summary_does_not_depend_on_seed_order():
@@ -208,8 +208,8 @@ def test_drifts_flag_finals_outside_the_previous_interval():
 
 def test_results_page_is_deterministic_and_complete(tmp_path):
     cells = _fixture()
-    page = report.results_page(cells, CTX, FIGURES)
-    assert report.results_page(list(reversed(cells)), CTX, FIGURES) == page, "cell order changed the page"
+    page = results_page.results_page(cells, CTX, FIGURES)
+    assert results_page.results_page(list(reversed(cells)), CTX, FIGURES) == page, "cell order changed the page"
     assert "| warm start (`models:/ws/1`) | 1 | 0.300 [0.241, 0.367] |" in page
     assert "| loop | 3 | 0.550 [0.500, 0.600] |" in page
     assert "| appo | 2 | 0.250 [0.200, 0.300] |" in page and "⚠ 2 seeds: too few to separate methods" in page
@@ -226,7 +226,7 @@ def test_results_page_is_deterministic_and_complete(tmp_path):
     assert "`0123abcd`" in page and "configs/sweeps/x.yaml" in page and CTX.command in page
     assert f"- cells: {len(cells)} finished, every cell of the sweep" in page
     assert "## What was tuned\n\nThe sweep file does not say" in page
-    told = report.results_page(cells, replace(CTX, tuning="Only the\n  learning rate, on LOOP."), FIGURES)
+    told = results_page.results_page(cells, replace(CTX, tuning="Only the\n  learning rate, on LOOP."), FIGURES)
     assert "## What was tuned\n\nOnly the learning rate, on LOOP.\n" in told
     assert (
         "| loop | 3 | 0.550 [0.500, 0.600] | 0.550 [0.500, 0.600] | 0.380 [0.350, 0.405] | +0.350 [+0.300, +0.400] |"
@@ -250,14 +250,14 @@ def test_results_page_is_deterministic_and_complete(tmp_path):
     assert "| variant | pick_and_place | pick_two |" in page
     assert "| loop | 0.750 [0.700, 0.800] | 0.350 [0.300, 0.400] |" in page
     assert "| grpo |  | 0.050 |" in page and "| blpo |  |  |" in page
-    assert report.results_page([CellHistory("w", 0, {0: 0.5})], CTX, FIGURES).count("By task family") == 0
+    assert results_page.results_page([CellHistory("w", 0, {0: 0.5})], CTX, FIGURES).count("By task family") == 0
 
     images = []
     for attempt in range(2):
         out = tmp_path / str(attempt)
         out.mkdir()
         for x, name in FIGURES.items():
-            fig = report.plot(report.curves(cells), x)
+            fig = plots.plot(report.curves(cells), x)
             fig.savefig(out / name, metadata={"Software": None})
         images.append({name: (out / name).read_bytes() for name in FIGURES.values()})
     assert images[0] == images[1] and all(b[:4] == b"\x89PNG" for b in images[0].values())
@@ -265,7 +265,7 @@ def test_results_page_is_deterministic_and_complete(tmp_path):
 
 def test_plot_draws_each_seed_thin_under_the_mean_with_integer_ticks():
     cells = _fixture()
-    fig = report.plot(report.curves(cells), "iterations")
+    fig = plots.plot(report.curves(cells), "iterations")
     panels = [ax for ax in fig.axes if ax.get_visible()]
     variants = sorted({c.variant for c in cells})
     assert [ax.get_title().replace("\n", " ") for ax in panels] == variants  # one panel per variant
@@ -290,18 +290,18 @@ def test_paired_difference_pairs_iterations_inside_the_window():
     """Only iterations both runs have, inside first..last, are paired; the interval is the bootstrap of those differences."""
     control = {1: 0.20, 2: 0.30, 3: 0.10, 5: 0.40}
     run = {1: 0.25, 2: 0.25, 3: 0.20, 4: 0.90, 5: 0.50}
-    diff, n = report.paired_difference(control, run, 1, 4)
+    diff, n = stats.paired_difference(control, run, 1, 4)
     assert n == 3 and diff.mean == pytest.approx((0.05 - 0.05 + 0.10) / 3)
-    assert diff == report.interval([run[i] - control[i] for i in (1, 2, 3)])
+    assert diff == stats.interval([run[i] - control[i] for i in (1, 2, 3)])
     assert diff.low < diff.mean < diff.high and diff.low >= -0.05 - 1e-12 and diff.high <= 0.10 + 1e-12
-    assert report.paired_difference(control, run, 4, 4)[1] == 0
+    assert stats.paired_difference(control, run, 4, 4)[1] == 0
 
 
 def test_the_page_says_what_code_differs_between_the_commits_the_cells_ran_at():
-    one = report.results_page(_fixture(), CTX, FIGURES)
+    one = results_page.results_page(_fixture(), CTX, FIGURES)
     assert "- commit: `0123abcd`" in one and "differ between" not in one
     lines = {
-        changes: report.results_page(
+        changes: results_page.results_page(
             _fixture(),
             replace(CTX, commits=["0123abcd", "4567ef01"], code_changes=None if changes is None else list(changes)),
             FIGURES,
@@ -356,8 +356,8 @@ def test_the_starting_policy_as_the_cells_evaluated_it_counts_each_seed_once():
     cells = [replace(c, eval_episodes={min(c.success): 100, max(c.success): 100}) for c in _fixture()]
     start, seeds = report.cells_start(cells)  # every cell starts at 0.2; seeds 0, 1, 2
     assert (start, seeds) == (report.Pooled(pytest.approx(0.2), 300), 3)
-    low, high = report.wilson(0.2, 300)
-    assert f"| the same, as the cells first evaluated it | 3 | 0.200 [{low:.3f}, {high:.3f}] |" in report.results_page(
+    low, high = stats.wilson(0.2, 300)
+    assert f"| the same, as the cells first evaluated it | 3 | 0.200 [{low:.3f}, {high:.3f}] |" in results_page.results_page(
         cells, CTX, FIGURES
     )
     other = replace(cells[0], success={**cells[0].success, 0: 0.25})  # one cell of seed 0 started elsewhere

@@ -13,10 +13,8 @@ wall time are means over seeds.
 Environment steps per iteration are the train flow's ``time/env_steps`` (cumulative, every episode's turns,
 APPO's branches included); runs that predate it fall back to ``collect/episodes`` x ``collect/mean_turns``.
 
-``results_page`` writes the published page (``docs/results.md``): the table with the warm-start row, the
-learning curves (each seed thin under the mean and its band), one line per paper claim judged by the
-intervals, the comparison with a previous instance, and how to regenerate it. Same histories in, same page
-out.
+This module summarises and judges; ``stats`` holds the intervals, ``results_page`` renders the published
+page (``docs/results.md``) and ``plots`` its figures.
 """
 
 from __future__ import annotations
@@ -27,8 +25,11 @@ from typing import Any
 
 import numpy as np
 
-BOOTSTRAP = 10_000  # resamples of the seeds
+from horizonrl.tracking.stats import Interval, interval, newcombe
+
 MIN_SEEDS = 3  # below this a variant has no interval (1 seed) or just its two values: too few to separate methods
+
+
 X_AXES = {"iterations": "iteration", "env_steps": "environment steps", "wall_s": "training wall time (s)"}
 
 
@@ -47,18 +48,6 @@ class CellHistory:
     wall_s: dict[int, float] = field(default_factory=dict)  # time/train_s (cumulative)
     families: dict[str, dict[int, float]] = field(default_factory=dict)  # eval/success_rate/<family>, by family
     eval_episodes: dict[int, float] = field(default_factory=dict)  # eval/episodes: held-out episodes behind each point
-
-
-@dataclass(frozen=True)
-class Interval:
-    mean: float
-    low: float  # 95% interval of the mean (NaN for one seed)
-    high: float
-
-    @property
-    def half(self) -> float:
-        """Half the interval's width (NaN for one seed)."""
-        return (self.high - self.low) / 2
 
 
 @dataclass(frozen=True)
@@ -114,34 +103,6 @@ class Curve:
 
 
 @dataclass(frozen=True)
-class WarmStart:
-    """The policy every cell starts from: its model URI, source run and held-out success."""
-
-    model_uri: str
-    run_id: str
-    success: float
-    episodes: int  # held-out episodes behind ``success`` (for its binomial interval)
-
-
-@dataclass(frozen=True)
-class PageContext:
-    """Where the page's numbers come from, printed on it so anyone can regenerate it."""
-
-    title: str
-    commits: list[str]
-    configs: list[str]  # sweep file and base config, repository paths
-    command: str  # the command that regenerates the page
-    tracking_uri: str
-    parent_run_id: str
-    warm_start: WarmStart | None = None
-    previous: str | None = None  # name of the instance compared against
-    previous_summaries: list[VariantSummary] = field(default_factory=list)
-    unfinished: list[str] = field(default_factory=list)  # cell runs of the sweep left out: not finished yet
-    code_changes: list[str] | None = None  # files a cell runs that differ between ``commits``; None: not compared
-    tuning: str | None = None  # the sweep file's account of what was tuned
-
-
-@dataclass(frozen=True)
 class Claim:
     text: str
     order: list[str]  # variants, claimed best first
@@ -176,51 +137,6 @@ def variant_name(coords: dict[str, Any]) -> str:
     rest = [f"{k}={v}" for k, v in sorted(coords.items()) if k not in ("method", "seed")]
     method = [str(coords["method"])] if "method" in coords else []
     return " ".join(method + rest) or "base"
-
-
-def interval(values: list[float]) -> Interval:
-    """Mean and the 95% percentile-bootstrap interval of the mean over seeds (fixed generator)."""
-    x = np.asarray(values, dtype=float)
-    if len(x) < 2:
-        return Interval(float(x.mean()) if len(x) else float("nan"), float("nan"), float("nan"))
-    rng = np.random.default_rng(0)
-    means = x[rng.integers(0, len(x), size=(BOOTSTRAP, len(x)))].mean(axis=1)  # (B,)
-    low, high = np.percentile(means, [2.5, 97.5])
-    return Interval(float(x.mean()), float(low), float(high))
-
-
-def paired_difference(control: dict[int, float], run: dict[int, float], first: int, last: int) -> tuple[Interval, int]:
-    """Mean of ``run[i] - control[i]`` over the iterations ``first..last`` both have, with the 95%
-    percentile-bootstrap interval of that mean (resampling iterations), and how many iterations it used.
-
-    Why: two runs of one seed sample the same training tasks at each iteration, so their collect success
-    differs by the update alone plus sampling noise; against a run whose update moves nothing (a frozen
-    control), the paired difference shows an effect far smaller than the per-iteration task mix hides.
-    The interval treats iterations as independent draws: it is the sampling noise of one seed's
-    comparison, not the spread between seeds (run another seed with its own control for that)."""
-    shared = [i for i in range(first, last + 1) if i in control and i in run]
-    return interval([run[i] - control[i] for i in shared]), len(shared)
-
-
-def wilson(p: float, n: int) -> tuple[float, float]:
-    """95% Wilson score interval of a success rate ``p`` over ``n`` episodes (inside [0, 1])."""
-    if n <= 0:
-        return float("nan"), float("nan")
-    z = 1.959963984540054
-    centre, spread = (
-        (p + z * z / (2 * n)) / (1 + z * z / n),
-        z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n),
-    )
-    return max(0.0, centre - spread), min(1.0, centre + spread)
-
-
-def newcombe(p1: float, n1: int, p2: float, n2: int) -> Interval:
-    """``p2 - p1`` and its 95% interval from the two Wilson intervals (Newcombe's hybrid score method):
-    inside [-1, 1], sound near 0 and 1 where the Wald interval is not."""
-    l1, u1 = wilson(p1, n1)
-    l2, u2 = wilson(p2, n2)
-    d = p2 - p1
-    return Interval(d, d - math.sqrt((p2 - l2) ** 2 + (u1 - p1) ** 2), d + math.sqrt((u2 - p2) ** 2 + (p1 - l1) ** 2))
 
 
 def pooled(group: list[CellHistory], last: bool) -> Pooled | None:
@@ -428,255 +344,6 @@ def drifts(now: list[VariantSummary], before: list[VariantSummary]) -> list[Drif
     return out
 
 
-def markdown(title: str, summaries: list[VariantSummary]) -> str:
-    """The table alone as Markdown (the sweep's Prefect artifact)."""
-    return "\n".join([f"# {title}", "", *_table_lines(summaries, None), ""])
-
-
-def _commit_lines(ctx: PageContext) -> list[str]:
-    """The code behind the numbers: a sweep resumed after a pull runs its later cells (and the rest of a
-    killed one) at newer commits, so the page says what differs between them that a cell runs."""
-    if len(ctx.commits) <= 1:
-        return [f"- commit: {''.join(f'`{c}`' for c in ctx.commits) or 'unknown'}"]
-    if ctx.code_changes is None:
-        changed = "not compared (git here does not know every commit)"
-    elif not ctx.code_changes:
-        changed = "none (only documentation, tests or scripts differ)"
-    else:
-        changed = ", ".join(f"`{f}`" for f in ctx.code_changes)
-    return [
-        f"- commits: the cells ran at {len(ctx.commits)} commits: {', '.join(f'`{c}`' for c in ctx.commits)}",
-        f"- code and configs that differ between those commits: {changed}",
-    ]
-
-
-def results_page(cells: list[CellHistory], ctx: PageContext, figures: dict[str, str]) -> str:
-    """The published page: ``figures`` maps each x axis of ``X_AXES`` to the figure's file name beside it."""
-    summaries = summarize(cells)
-    lines = [
-        f"# {ctx.title}",
-        "",
-        "Generated by the report command from finished runs in the MLflow store; do not edit by hand.",
-        "",
-        *_commit_lines(ctx),
-        f"- configs: {', '.join(f'`{c}`' for c in ctx.configs)}",
-        f"- MLflow: `{ctx.tracking_uri}`, sweep parent run `{ctx.parent_run_id}`",
-    ]
-    if ctx.warm_start is not None:
-        lines.append(
-            f"- every cell starts from the warm start `{ctx.warm_start.model_uri}` (run `{ctx.warm_start.run_id}`)"
-        )
-    lines.append(
-        f"- cells: {len(cells)} finished"
-        + (
-            f"; **{len(ctx.unfinished)} not finished, left out**: {', '.join(f'`{n}`' for n in ctx.unfinished)}"
-            if ctx.unfinished
-            else ", every cell of the sweep"
-        )
-    )
-    lines += [
-        "",
-        "## Held-out success",
-        "",
-        *_table_lines(summaries, ctx.warm_start, cells_start(cells) if ctx.warm_start else None),
-        "",
-        "Each cell: mean over seeds [95% percentile-bootstrap interval of the mean, resampling seeds]; "
-        "the warm start: its own last evaluation, and below it the cells' first evaluations of the same policy "
-        "[95% Wilson interval over the held-out episodes]; they differ only in the sampling seed, so their gap is "
-        "the evaluation's noise. "
-        "AUC: area under success against iteration over the iterations spanned (the curve's mean height). "
-        "Change: final minus the cell's first evaluation (its starting policy, evaluated in the same run).",
-        "",
-    ]
-    lines += _separation_warnings(summaries)
-    lines += [
-        "## Against the starting policy",
-        "",
-        "Judged by two 95% intervals of the change (final minus first evaluation): over seeds (percentile bootstrap; "
-        "with few seeds narrower than they warrant) and pooled over every seed's held-out episodes (Newcombe's interval "
-        "for a difference of two proportions; it leaves out the spread between seeds). *improves* when both lie above 0, "
-        "*worsens* when both lie below, else *no change told apart*.",
-        "",
-    ]
-    verdicts = {s.variant: improvement(s) for s in summaries}
-    lines += [
-        f"- {s.variant}: **{verdicts[s.variant]}** ({_ci(s.change, signed=True)} over seeds{_pooled(s.pooled_change)})"
-        for s in summaries
-    ]
-    better = [v for v, verdict in verdicts.items() if verdict == "improves"]
-    lines += [
-        "",
-        f"Improves on its starting policy with 95% intervals above no change: {', '.join(better) if better else 'no variant'}.",
-        "",
-    ]
-    lines += _family_lines(summaries)
-    lines += ["## Learning curves", ""]
-    for n, (x, name) in enumerate(figures.items(), start=1):
-        lines += [
-            f"![held-out success against {X_AXES[x]}]({name})",
-            "",
-            f"*Figure {n}. Held-out success against {X_AXES[x]}, one panel per variant: thin lines are single seeds, the thick "
-            "line their mean, the band the 95% percentile-bootstrap interval of the mean over seeds at each evaluation; grey "
-            "lines are the other variants' means. The y axis spans the data, not 0 to 1.*",
-            "",
-        ]
-    lines += [
-        "## What was tuned",
-        "",
-        " ".join((ctx.tuning or "The sweep file does not say (its `tuning` field).").split()),
-        "",
-    ]
-    lines += [
-        "## The papers' claims at this scale",
-        "",
-        "Judged by final success as variants are ordered above (intervals over seeds disjoint and, where episodes "
-        "are counted, the pooled interval of the difference on the same side of 0): *holds* when each claimed-better "
-        "variant is above the next, *does not hold* when one is below, else *cannot be told apart*.",
-        "",
-    ]
-    by = {s.variant: s for s in summaries}
-    for c in CLAIMS:
-        figures = " > ".join(f"{v} {_ci(by[v].final)}" for v in c.order if v in by)
-        lines.append(f"- {c.text}: **{judge(c, summaries)}**" + (f" ({figures})" if figures else ""))
-    if ctx.previous is not None:
-        found = drifts(summaries, ctx.previous_summaries)
-        lines += ["", f"## Compared with the previous instance ({ctx.previous})", ""]
-        lines += [
-            f"- ⚠ {d.variant}: final success {d.now:.3f}, outside the previous interval [{d.before.low:.3f}, {d.before.high:.3f}]"
-            for d in found
-        ]
-        lines += [] if found else ["- every variant's final success lies inside the previous instance's interval"]
-    lines += ["", "## Regenerate", "", f"    {ctx.command}", ""]
-    return "\n".join(lines)
-
-
-def plot(curve_list: list[Curve], x: str):
-    """Success against ``x`` (a key of ``X_AXES``), one panel per variant on shared axes: each seed thin
-    (label ``_seed``), the mean thick with its band (labelled with the variant), and the other variants'
-    means in grey behind (``_context``), so eleven overlapping curves stay readable. The y axis spans the
-    data (inside [0, 1]): a study's differences of a few points vanish on a 0-1 axis."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    ncols = min(4, len(curve_list))
-    nrows = -(-len(curve_list) // ncols)
-    fig, axes = plt.subplots(
-        nrows, ncols, figsize=(3.2 * ncols, 2.6 * nrows + 0.4), dpi=100, sharex=True, sharey=True, squeeze=False
-    )
-    colours = plt.get_cmap("tab10").colors
-    means = [(np.asarray(getattr(c, x), dtype=float), c.mean) for c in curve_list]
-    ys = [
-        v
-        for c in curve_list
-        for v in [*c.mean, *c.low, *c.high, *(y for s in c.seeds for y in s["success"])]
-        if not math.isnan(v)
-    ]
-    for k, (ax, c) in enumerate(zip(axes.flat, curve_list)):
-        colour = colours[k % 10]
-        for j, (xs, mean) in enumerate(means):
-            if j != k:
-                ax.plot(xs, mean, color="0.8", linewidth=0.8, label="_context", zorder=1)
-        for seed in c.seeds:
-            ax.plot(seed[x], seed["success"], color=colour, linewidth=0.6, alpha=0.5, label="_seed", zorder=2)
-        xs = means[k][0]
-        if c.low and not all(math.isnan(v) for v in c.low):
-            ax.fill_between(xs, c.low, c.high, color=colour, alpha=0.2, linewidth=0, zorder=2)
-        ax.plot(xs, c.mean, color=colour, linewidth=2.0, marker="o", markersize=3, label=c.variant, zorder=3)
-        ax.set_title(c.variant.replace(" ", "\n", 1) if len(c.variant) > 30 else c.variant, fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3, linewidth=0.5)
-    for k, ax in enumerate(axes.flat):
-        if k >= len(curve_list):
-            ax.set_visible(False)
-        elif k + ncols >= len(curve_list):  # nothing drawn below it: its own x tick labels
-            ax.xaxis.set_tick_params(labelbottom=True)
-    if ys:
-        margin = max(0.01, 0.05 * (max(ys) - min(ys)))
-        axes[0, 0].set_ylim(max(0.0, min(ys) - margin), min(1.0, max(ys) + margin))
-    if x == "iterations":
-        axes[0, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.supxlabel(X_AXES[x], fontsize=9)
-    fig.supylabel("held-out success rate", fontsize=9)
-    fig.tight_layout()
-    return fig
-
-
-def _table_lines(
-    summaries: list[VariantSummary], warm: WarmStart | None, start: tuple[Pooled, int] | None = None
-) -> list[str]:
-    lines = [
-        "| variant | seeds | final | best | AUC | change | env steps | tokens | wall time (s) | note |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    if warm is not None:
-        low, high = wilson(warm.success, warm.episodes)
-        lines.append(
-            f"| warm start (`{warm.model_uri}`) | 1 | {warm.success:.3f} [{low:.3f}, {high:.3f}] | | | | | | | starting point |"
-        )
-    if start is not None:
-        p, seeds = start
-        low, high = wilson(p.rate, p.episodes)
-        lines.append(
-            f"| the same, as the cells first evaluated it | {seeds} | {p.rate:.3f} [{low:.3f}, {high:.3f}] | | | | | | | "
-            f"each seed's first evaluation, pooled over {p.episodes:,} episodes |"
-        )
-    for s in summaries:
-        cells = " | ".join([*(_ci(ci) for ci in (s.final, s.best, s.auc)), _ci(s.change, signed=True)])
-        note = (
-            f"⚠ {s.seeds} seed{'s' if s.seeds != 1 else ''}: too few to separate methods" if s.seeds < MIN_SEEDS else ""
-        )
-        lines.append(
-            f"| {s.variant} | {s.seeds} | {cells} | {s.env_steps:,.0f} | {s.tokens:,.0f} | {s.train_s:,.0f} | {note} |"
-        )
-    return lines
-
-
-def _family_lines(summaries: list[VariantSummary]) -> list[str]:
-    """The final-success table by task family (none when no cell logged families)."""
-    names = sorted({f for s in summaries for f in s.families})
-    if not names:
-        return []
-    lines = ["## By task family", "", "| variant | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    lines += [
-        f"| {s.variant} | " + " | ".join(_ci(s.families[f]) if f in s.families else "" for f in names) + " |"
-        for s in summaries
-    ]
-    return lines + [
-        "",
-        "Final held-out success per task family: mean over seeds [95% percentile-bootstrap interval of the mean].",
-        "",
-    ]
-
-
-def _separation_warnings(summaries: list[VariantSummary]) -> list[str]:
-    """Which pairs of variants these seeds order by final success (``compare``), the higher first. Named
-    rather than the pairs not told apart, which are most pairs in a study of many variants."""
-    if len(summaries) < 2:
-        return []
-    verdicts = [(a.variant, b.variant, compare(a, b)) for i, a in enumerate(summaries) for b in summaries[i + 1 :]]
-    ordered = [(a, b) if verdict == "above" else (b, a) for a, b, verdict in verdicts if verdict != "overlap"]
-    total = len(summaries) * (len(summaries) - 1) // 2
-    if not ordered:
-        return [f"⚠ These seeds order none of the {total} pairs of variants by final success.", "", _ORDER_RULE, ""]
-    return [
-        f"⚠ These seeds order {len(ordered)} of the {total} pairs of variants by final success (higher first): "
-        f"{'; '.join(f'{a} > {b}' for a, b in sorted(ordered))}. No other pair is told apart.",
-        "",
-        _ORDER_RULE,
-        "",
-    ]
-
-
-_ORDER_RULE = (
-    "Two variants are ordered when their final-success intervals over seeds are disjoint and, where the "
-    "evaluations' episodes are counted, the 95% interval of the difference with every seed's episodes pooled "
-    "(Newcombe) excludes 0 on the same side."
-)
-
-
 def _order(a: Interval, b: Interval) -> str:
     """``above`` / ``below`` when the intervals are disjoint, else ``overlap`` (also without intervals)."""
     if math.isnan(a.low) or math.isnan(b.low):
@@ -684,17 +351,6 @@ def _order(a: Interval, b: Interval) -> str:
     if a.low > b.high:
         return "above"
     return "below" if a.high < b.low else "overlap"
-
-
-def _pooled(p: PooledChange | None) -> str:
-    if p is None:
-        return "; no episode counts to pool"
-    return f"; {_ci(p.change, signed=True)} pooled over {p.first_episodes:,} and {p.final_episodes:,} episodes"
-
-
-def _ci(ci: Interval, signed: bool = False) -> str:
-    f = "+.3f" if signed else ".3f"
-    return f"{ci.mean:{f}}" if math.isnan(ci.low) else f"{ci.mean:{f}} [{ci.low:{f}}, {ci.high:{f}}]"
 
 
 def _by_variant(cells: list[CellHistory]) -> dict[str, list[CellHistory]]:
