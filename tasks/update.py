@@ -77,6 +77,16 @@ def update(
     RUNTIME.advance(ref)
     stats["skipped"] = float(not rows)
     stats["lr"] = lr
+    sync = RUNTIME.weight_sync  # how the new checkpoint reached the vLLM server (None: transformers engine)
+    if sync is not None:
+        log_stage(ctx, "time", {"weight_sync_s": sync.seconds}, iteration)
+        stats["weight_sync_in_place"] = float(sync.path in ("in_place", "adapter"))
+        if sync.probe_max_diff is not None:
+            stats["weight_sync_probe_diff"] = sync.probe_max_diff
+        if sync.reason is not None:
+            get_run_logger().warning(
+                "iteration %d: vLLM weights by %s (%.1f s): %s", iteration, sync.path, sync.seconds, sync.reason
+            )
     if not rows:
         get_run_logger().info(
             "iteration %d update: skipped, no row to learn from (every row filtered: no mixed group)", iteration

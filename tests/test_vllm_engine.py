@@ -254,8 +254,8 @@ def test_lora_checkpoints_are_hot_loaded_and_requests_use_the_new_adapter(serve,
     first, second = calls[0][1]["lora_name"], calls[2][1]["lora_name"]
     assert calls[0][1]["lora_path"] == str(Path(ckpts[0]).resolve()) and first != second
     assert calls[1][1]["model"] == first and calls[3][1] == {"lora_name": first} and calls[4][1]["model"] == second
-    with pytest.raises(VLLMError, match="full-weight reload"):
-        engine.sync(str(tmp_path))  # no adapter: full weights, and this engine owns no server
+    with pytest.raises(VLLMError, match="no probe .* cannot be restarted"):
+        engine.sync(str(tmp_path))  # no adapter: full weights, no probe to verify in place, and no owned server
 
 
 # ------------------------------------------------------------------------------- emulated server

@@ -253,6 +253,10 @@ class WarmStartConfig(Strict):
     """Registered model name the final policy is registered under (MLflow model registry)."""
 
 
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes vLLM 0.32's CPU attention kernel serves (another starts, reports healthy, then dies at the first request)."""
+
+
 class VLLMConfig(Strict):
     """vLLM's OpenAI-compatible server, in its own virtual environment (``make vllm-venv``)."""
 
@@ -269,6 +273,16 @@ class VLLMConfig(Strict):
     """HTTP requests in flight at once (the server batches them)."""
     startup_timeout_s: float = Field(900.0, gt=0)
     request_timeout_s: float = Field(300.0, gt=0)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """The vLLM build the server runs: auto = cuda where torch sees a CUDA device, else cpu (as ``make vllm-venv``)."""
+    cpu_kvcache_gib: float = Field(1.0, gt=0)
+    """CPU build only: KV-cache size (VLLM_CPU_KVCACHE_SPACE)."""
+    reload_in_place: bool = True
+    """Full-weight updates reload the running server's weights (``/collective_rpc reload_weights``, verified by
+    probe log-probs) instead of restarting it; the server then runs with VLLM_SERVER_DEV_MODE=1 (loopback only)."""
+    sync_tolerance: float | None = Field(None, gt=0)
+    """Largest probe log-prob difference (nats) a weight sync accepts before it restarts the server; None: 1e-4
+    (float32). A bfloat16 sampler needs ~0.1."""
 
 
 class RayConfig(Strict):
@@ -408,6 +422,35 @@ class TrainConfig(Strict):
                 "rollout.runner = 'ray' needs engine.name = 'transformers': each Ray worker would start its own vLLM server"
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_vllm_cpu(self) -> TrainConfig:
+        """vLLM's CPU build serves only some head sizes (``CPU_HEAD_DIMS``): refuse another before any work."""
+        if self.engine.name != "vllm" or self.engine.vllm.url is not None or self.vllm_device() != "cpu":
+            return self
+        if self.model.path is None:
+            t, field = self.model.tiny, "model.tiny.hidden_size / model.tiny.num_heads"
+            head_dim = t.hidden_size // t.num_heads
+        elif (Path(self.model.path).expanduser() / "config.json").is_file():
+            c = json.loads((Path(self.model.path).expanduser() / "config.json").read_text())
+            c = c.get("text_config", c)
+            head_dim, field = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"], "model.path"
+        else:
+            return self  # a hub id or logged model: the server's first request names it
+        if head_dim not in CPU_HEAD_DIMS:
+            raise ValueError(
+                f"{field}: head_dim {head_dim} is not served by vLLM's CPU build (engine.name = 'vllm' on CPU); "
+                f"allowed head_dim: {', '.join(map(str, CPU_HEAD_DIMS))}"
+            )
+        return self
+
+    def vllm_device(self) -> str:
+        """The vLLM build the server runs (``engine.vllm.device``; auto: cuda where torch sees a CUDA device)."""
+        if self.engine.vllm.device != "auto":
+            return self.engine.vllm.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
     # derived values -------------------------------------------------------------------------------
     @property

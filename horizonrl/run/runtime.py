@@ -17,7 +17,7 @@ import torch
 from horizonrl.config import MODEL_URI_PREFIXES, RayConfig, TrainConfig
 from horizonrl.engines.base import Engine
 from horizonrl.engines.hf import TransformersEngine
-from horizonrl.envs import EnvSuite, make_suite, suite_ref
+from horizonrl.envs import EnvSuite, make_suite, suite_corpus, suite_ref
 from horizonrl.envs.batch import EpisodeBatch, InProcess
 from horizonrl.envs.pool import EnvPool
 from horizonrl.models import lora
@@ -129,7 +129,7 @@ class PolicyRuntime:
         elif cfg.model.path is not None:
             base = Path(cfg.model.path)
         else:
-            base = tiny_model_dir(cfg.data_dir, cfg.env.name, cfg.model, self.suite(cfg).corpus())
+            base = tiny_model_dir(cfg.data_dir, cfg.env.name, cfg.model, suite_corpus(self.suite(cfg), cfg.env.tier))
         if cfg.model.lora is not None:  # fresh adapters over the base; checkpoints then hold adapters only
             return initial_adapter_dir(cfg.data_dir, base, cfg.model.lora, cfg.model.init_seed)
         return base
@@ -149,21 +149,42 @@ class PolicyRuntime:
         engine = (
             TransformersEngine(model, tokenizer.pad_token_id, end_ids, str(device))
             if cfg.engine.name == "transformers"
-            else self._vllm_engine(cfg, ref, end_ids)
+            else self._vllm_engine(cfg, ref, end_ids, model)
         )
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay)
         load_optimizer_state(ref, optimizer)
         self.current = Loaded(ref, model, tokenizer, fmt, engine, optimizer, cfg)
         return self.current
 
-    def _vllm_engine(self, cfg: TrainConfig, ref: CheckpointRef, end_ids: list[int]):
-        """The process's vLLM engine (server started on first use), serving checkpoint ``ref``."""
+    def _vllm_engine(self, cfg: TrainConfig, ref: CheckpointRef, end_ids: list[int], model: torch.nn.Module):
+        """The process's vLLM engine (server started on first use), serving checkpoint ``ref`` (``model``'s
+        weights, which verify the sync)."""
         from horizonrl.engines.vllm import engine_from_config
 
         if self._vllm is None:
             self._vllm = engine_from_config(cfg, ref.path, end_ids)
-        self._vllm.sync(ref.path)
+        self._sync_vllm(ref, model)
         return self._vllm
+
+    def _sync_vllm(self, ref: CheckpointRef, model: torch.nn.Module) -> None:
+        """Serve ``ref`` on the vLLM server, verified against the learner ``model``'s probe log-probs."""
+        from horizonrl.engines.vllm import probe_of
+
+        if ref.path == self._vllm.policy_path or lora.is_adapter_dir(ref.path):
+            self._vllm.sync(ref.path)
+            return
+        training = model.training
+        model.eval()  # the probe is a forward pass as in sampling: dropout (if any) off
+        try:
+            probe = probe_of(model, model.get_input_embeddings().num_embeddings)
+        finally:
+            model.train(training)
+        self._vllm.sync(ref.path, probe)
+
+    @property
+    def weight_sync(self):
+        """How the last checkpoint reached the vLLM server (``engines.vllm.WeightSync``); None without one."""
+        return None if self._vllm is None else self._vllm.last_sync
 
     def reference(self, cfg: TrainConfig, run_dir: Path) -> torch.nn.Module:
         """The frozen initial policy (checkpoint 0) for KL-to-reference losses; loaded once."""
@@ -185,7 +206,7 @@ class PolicyRuntime:
         """A new checkpoint exists: a vLLM engine loads it (adapter hot-load or weight reload) and a LoRA
         run logs the adapter to MLflow. The transformers engine shares the updated model: nothing to do."""
         if self._vllm is not None:
-            self._vllm.sync(ref.path)
+            self._sync_vllm(ref, self.current.model)
         cfg = self.current.cfg
         if cfg is not None and lora.is_adapter_dir(ref.path):
             mlflow_runs.log_adapter(

@@ -39,6 +39,7 @@ import torch
 import methods
 from horizonrl.config import TrainConfig
 from horizonrl.engines.base import allowed_log_softmax
+from horizonrl.training.parallel import Ranks
 from horizonrl.training.sequences import TrainRow
 from methods.losses import trajectory_kl_estimate
 from methods.registry import LossParams
@@ -57,6 +58,7 @@ class UpdateSettings:
     micro_batch_tokens: int
     pad_id: int
     pi_old_tol: float | None = None  # stored sampling log-probs as pi_old within this max |diff| (None: recompute)
+    measure_sampler: bool = False  # recomputing every row: also report max |stored - recomputed| (a vLLM sampler)
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, pad_id: int, sampled_here: bool) -> UpdateSettings:
@@ -86,6 +88,7 @@ class UpdateSettings:
             u.micro_batch_tokens,
             pad_id,
             u.pi_old_tol if learner_sampled else None,
+            sampled_here and cfg.engine.name == "vllm",
         )
 
     @property
@@ -244,7 +247,12 @@ def old_logprobs(
     0: the check failed and every row was recomputed) and ``pi_old_max_diff`` (max |stored - recomputed|
     over the checked rows); no figures when ``s.pi_old_tol`` is None (every row recomputed)."""
     if s.pi_old_tol is None:
-        return recompute_old_logprobs(model, rows, s, counts), {}
+        recomputed = recompute_old_logprobs(model, rows, s, counts)
+        if not s.measure_sampler:
+            return recomputed, {}
+        got = torch.tensor([v for c in recomputed for v in c], dtype=torch.float64)
+        stored = torch.tensor([v for r in rows for v in r.sample_logp], dtype=torch.float64)
+        return recomputed, {"pi_old_max_diff": float((got - stored).abs().max()) if stored.numel() else 0.0}
     picked = random.Random(seed).sample(range(len(rows)), min(PI_OLD_CHECK_ROWS, len(rows)))
     checked = recompute_old_logprobs(model, [rows[i] for i in picked], s, counts)
     stored = torch.tensor([v for i in picked for v in rows[i].sample_logp], dtype=torch.float64)
@@ -258,6 +266,45 @@ def old_logprobs(
     return recompute_old_logprobs(model, rows, s, counts), {"pi_old_shortcut": 0.0, "pi_old_max_diff": diff}
 
 
+def shared_old_logprobs(
+    model: torch.nn.Module, rows: list[TrainRow], s: UpdateSettings, seed: int, counts: Counter, ranks: Ranks
+) -> tuple[list[list[float]], dict[str, float]]:
+    """``old_logprobs`` across ranks: each rank checks (and if need be recomputes) a fixed share of the rows,
+    balanced by token count, and the shares are gathered, so every rank holds pi_old of every row. The
+    shortcut is taken only when every rank's check passed (one decision for all); ``pi_old_max_diff`` is
+    the largest over ranks."""
+    share = balanced_shares_of_rows(rows, ranks)
+    mine = [rows[i] for i in share]
+    if s.pi_old_tol is None:
+        values, stats = recompute_old_logprobs(model, mine, s, counts) if mine else [], {}
+    else:
+        diff = 0.0
+        if mine:  # this rank's check: a sample of its own rows (seeded per rank)
+            picked = random.Random(seed * 1_000 + ranks.rank).sample(
+                range(len(mine)), min(PI_OLD_CHECK_ROWS, len(mine))
+            )
+            checked = recompute_old_logprobs(model, [mine[i] for i in picked], s, counts)
+            got = torch.tensor([v for c in checked for v in c], dtype=torch.float64)
+            stored = torch.tensor([v for i in picked for v in mine[i].sample_logp], dtype=torch.float64)
+            diff = float((got - stored).abs().max()) if stored.numel() else 0.0
+        failed, worst = ranks.any_above(diff, s.pi_old_tol)
+        if failed:
+            values = recompute_old_logprobs(model, mine, s, counts) if mine else []
+        else:
+            values = [list(r.sample_logp) for r in mine]
+        stats = {"pi_old_shortcut": 0.0 if failed else 1.0, "pi_old_max_diff": worst}
+    old: list[list[float]] = [[] for _ in rows]
+    for part, vals in ranks.gather((share, values)):
+        for i, v in zip(part, vals):
+            old[i] = v
+    return old, stats
+
+
+def balanced_shares_of_rows(rows: list[TrainRow], ranks: Ranks) -> list[int]:
+    """This rank's fixed share of ``rows`` (indices), balanced by token count."""
+    return [u[0] for u in ranks.share([[i] for i in range(len(rows))], [len(r.input_ids) for r in rows])]
+
+
 def ppo_update(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -265,12 +312,19 @@ def ppo_update(
     s: UpdateSettings,
     seed: int,
     ref_model: torch.nn.Module | None = None,
+    ranks: Ranks | None = None,
 ) -> UpdateResult:
     """Epochs of minibatch PPO over the trajectories of ``rows``; pi_old is frozen for the whole call.
 
-    ``ref_model`` (frozen initial policy) is needed only by losses with a KL-to-reference term."""
+    ``ref_model`` (frozen initial policy) is needed only by losses with a KL-to-reference term. ``ranks``:
+    this process is one rank of a data-parallel update (``horizonrl.training.parallel``): every rank calls
+    this with the same rows and seed, computes its share of each minibatch and the gradients are summed;
+    the returned figures are the whole update's, the same on every rank."""
     counts: Counter = Counter()  # decoder positions, real and computed (padding = the difference)
-    old, pi_old_stats = old_logprobs(model, rows, s, seed, counts)
+    if ranks is None:
+        old, pi_old_stats = old_logprobs(model, rows, s, seed, counts)
+    else:
+        old, pi_old_stats = shared_old_logprobs(model, rows, s, seed, counts, ranks)
     units = trajectory_units(rows)
     gen = torch.Generator().manual_seed(seed)
     agg: dict[str, list[float]] = defaultdict(list)
@@ -280,7 +334,7 @@ def ppo_update(
         perm = torch.randperm(len(units), generator=gen).tolist()
         for start in range(0, len(perm), s.minibatch_size):
             mb = [units[k] for k in perm[start : start + s.minibatch_size]]
-            step = _minibatch_step(model, optimizer, rows, old, mb, s, ref_model, counts)
+            step = _minibatch_step(model, optimizer, rows, old, mb, s, ref_model, counts, ranks)
             tokens += step["tokens"]
             if abs(step["traj_kl"]) > s.high_kl_threshold:
                 stopped = True
@@ -308,7 +362,22 @@ def ppo_update(
         pad_fraction=1.0 - counts["real_tokens"] / max(counts["computed_tokens"], 1),
         **pi_old_stats,
     )
+    if ranks is not None:
+        result.stats.update(_rank_figures(ranks, counts, elapsed))
     return result
+
+
+def _rank_figures(ranks: Ranks, counts: Counter, elapsed: float) -> dict[str, float]:
+    """The whole group's padding share, each rank's update time (``step_s_rank<r>``) and the share of it
+    spent in collectives (``comm_share``: gradient all-reduce and figure gathers, mean over ranks)."""
+    parts = ranks.gather((counts["real_tokens"], counts["computed_tokens"], elapsed, ranks.comm_s))
+    out = {
+        "pad_fraction": 1.0 - sum(p[0] for p in parts) / max(sum(p[1] for p in parts), 1),
+        "comm_share": sum(p[3] / max(p[2], 1e-9) for p in parts) / len(parts),
+        "world_size": float(ranks.world_size),
+    }
+    out.update({f"step_s_rank{r}": p[2] for r, p in enumerate(parts)})
+    return out
 
 
 def _minibatch_step(
@@ -320,11 +389,13 @@ def _minibatch_step(
     s: UpdateSettings,
     ref_model,
     counts: Counter,
+    ranks: Ranks | None = None,
 ) -> dict[str, float]:
     """Forward/backward over micro-batches of whole trajectories, then one clipped AdamW step.
 
     The step is skipped (not taken) when the pre-step trajectory KL exceeds the threshold or any loss
-    or gradient is non-finite."""
+    or gradient is non-finite. With ``ranks``, this rank runs its share of ``mb`` with the divisors of
+    the whole ``mb``; figures and gradients are summed over ranks before any decision."""
     loss_fn = methods.LOSSES.get(s.loss_name).fn
     n_terms = _loss_terms(s.loss_params, rows, mb)
     row_div = s.minibatch_size if s.fixed_row_divisor else len(mb)
@@ -343,7 +414,8 @@ def _minibatch_step(
     kl_parts: list[
         tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     ] = []  # (U, P) log pi, log pi_old, mask per micro-batch
-    for micro in _chunks(mb, rows, s.micro_batch_tokens):
+    mine = mb if ranks is None else ranks.share(mb, [sum(len(rows[i].input_ids) for i in u) for u in mb])
+    for micro in _chunks(mine, rows, s.micro_batch_tokens):
         flat_rows = [i for u in micro for i in u]
         logp_flat, ent_flat = policy_logprobs(model, [rows[i] for i in flat_rows], s.temperature, s.pad_id, counts)
         where = {i: k for k, i in enumerate(flat_rows)}
@@ -383,16 +455,37 @@ def _minibatch_step(
         out["entropy"] += float((ent * mask).sum()) / max(n_tok, 1)
         for k, v in (terms.extra or {}).items():  # method-specific figures, e.g. APPO's mean_scale
             out[k] = out.get(k, 0.0) + float(v) * w
-    out["traj_kl"] = trajectory_kl_estimate(*(_stack_rows(part) for part in zip(*kl_parts)))
+    if ranks is None:
+        out["traj_kl"] = trajectory_kl_estimate(*(_stack_rows(part) for part in zip(*kl_parts)))
+    else:
+        out = _sum_over_ranks(out, kl_parts, ranks)
     if abs(out["traj_kl"]) > s.high_kl_threshold:
         optimizer.zero_grad(set_to_none=True)
         return {**out, "finite": True, "grad_norm": 0.0}
+    if ranks is not None:
+        ranks.all_reduce_grads([p for p in model.parameters() if p.requires_grad])
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip))
     finite = math.isfinite(out["loss"]) and math.isfinite(grad_norm)
     if finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return {**out, "finite": finite, "grad_norm": grad_norm}
+
+
+def _sum_over_ranks(
+    out: dict[str, float], kl_parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], ranks: Ranks
+) -> dict[str, float]:
+    """The step's figures summed over ranks, and the trajectory KL of the whole minibatch: the estimate's
+    numerator (sum of the units' log-ratio sums) and its count (units with a policy token) are summed over
+    ranks before the division, as ``trajectory_kl_estimate`` does over one stack."""
+    log_ratio, units = 0.0, 0
+    for logp, old_lp, mask in kl_parts:  # (U, P) each
+        m = mask.bool()
+        log_ratio += float(torch.where(m, (logp - old_lp).to(torch.float64), 0.0).sum())
+        units += int(m.any(dim=1).sum())
+    merged = ranks.sum_stats({**out, "traj_kl": 0.0, "_log_ratio": log_ratio, "_units": float(units)})
+    merged["traj_kl"] = -merged.pop("_log_ratio") / max(merged.pop("_units"), 1.0)
+    return merged
 
 
 def _stack_rows(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
