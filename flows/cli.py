@@ -88,6 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         "--n-tasks", type=int, help="tasks evaluated (default: the source run's eval.n_tasks_ends, else eval.n_tasks)"
     )
     ev.add_argument("--samples", type=int, help="sampled attempts per task (default: the source run's eval.samples)")
+    ev.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field of the source run's config that evaluation uses (env.*, eval.*, seed, ...), "
+        "e.g. env.games=~/tw/held-out",
+    )
     sh = sub.add_parser("show", help="print a stored iteration's episodes, or one episode turn by turn (Parquet store)")
     sh.add_argument("run", help="run folder (data/<experiment>/<run_name>) or a run name under data/")
     sh.add_argument("--iteration", type=int, required=True)
@@ -232,7 +240,8 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from flows.sweep import load_sweep, sweep
+    from flows.sweep import sweep
+    from horizonrl.config.sweep import load_sweep
 
     try:
         load_sweep(args.sweep_file, args.instance)
@@ -244,7 +253,8 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from flows.sweep import instance_name, load_sweep, sweep_report
+    from flows.sweep import sweep_report
+    from horizonrl.config.sweep import instance_name, load_sweep
     from horizonrl.tracking.mlflow_runs import tracking_uri
 
     try:
@@ -263,16 +273,42 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from flows.evaluate import evaluate_policy
+    from flows.evaluate import evaluate_policy, evaluation_config, one_line
     from horizonrl.tracking import mlflow_runs
 
-    try:  # before the flow, so that an unknown source is one line, not a flow's traceback
-        mlflow_runs.resolve_policy(mlflow_runs.client(mlflow_runs.tracking_uri()), args.source)
+    try:  # before the flow, so that bad input is one line, not a flow's traceback, and no run is created
+        evaluation_config(
+            mlflow_runs.client(mlflow_runs.tracking_uri()),
+            args.source,
+            args.split,
+            args.n_tasks,
+            args.samples,
+            args.set,
+        )
     except ValueError as err:
-        print(f"horizonrl: evaluate: {err}", file=sys.stderr)
+        print(f"horizonrl: evaluate: {one_line(err)}", file=sys.stderr)
         return 2
-    evaluate_policy(args.source, args.split, args.n_tasks, args.samples)
+    quiet = _OneLineErrors()
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        logging.getLogger(name).addFilter(quiet)
+    try:
+        evaluate_policy(args.source, args.split, args.n_tasks, args.samples, overrides=args.set)
+    except Exception as err:  # noqa: BLE001 - a run-time failure: one line; the MLflow run is marked FAILED
+        print(f"horizonrl: evaluate failed: {one_line(err)} (its MLflow run is marked FAILED)", file=sys.stderr)
+        return 1
     return 0
+
+
+class _OneLineErrors(logging.Filter):
+    """Prefect logs a failed flow or task with its traceback; on the terminal of a command that reports the
+    failure in one line itself, the exception's own line is kept and the traceback dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            err = record.exc_info[1]
+            record.msg = f"{record.getMessage()} {type(err).__name__}: {err}".replace("\n", " ")
+            record.args, record.exc_info, record.exc_text = None, None, None
+        return True
 
 
 def _stack(args: argparse.Namespace) -> int:

@@ -1,29 +1,140 @@
 """The ``evaluate`` flow: a logged policy, found by MLflow run id or registered model name and version,
-evaluated on any split of its environment, in a new MLflow run tagged with the source run.
+evaluated on any split of its environment or, with ``--set env.games=...``, on other games, in a new
+MLflow run tagged with the source run.
 
     resolve the policy (download its checkpoint) -> the source run's config (its config.yaml artifact),
-    eval settings replaced
+    eval settings and ``--set`` overrides applied, validated, split checked (all before any run exists)
     -> new run (tags: source run, policy URI) -> evaluate (the train flow's task) -> close the run
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 from mlflow.exceptions import MlflowException
 from prefect import flow
+from pydantic import ValidationError
 
 import mlflow
-from horizonrl.config import CONFIG_FILE, TrainConfig, load_config
+from horizonrl.config import CONFIG_FILE, TrainConfig, apply_overrides, load_config, override_keys
+from horizonrl.envs import make_suite
 from horizonrl.tracking import mlflow_runs
 from mlflow import MlflowClient
-from tasks.context import RunContext
+from tasks.context import RUNTIME, RunContext
 from tasks.evaluate import evaluate
+from tasks.run import run_params
 
 SOURCE_TAG = "horizonrl.source_run_id"
+FAILURE_TAG = "horizonrl.failure"  # why a run was marked FAILED (or KILLED), in one line
+PROCESS_TAG = "horizonrl.process"  # <host>:<pid> of the process evaluating, to find a killed one later
+# What ``evaluate --set`` may change: where and how the policy plays, and where results go. The method,
+# the update, the model and its training settings are the source's (the policy evaluated is its own).
+EVAL_SETTABLE = (
+    "env.",
+    "eval.",
+    "trace.",
+    "engine.",
+    "seed",
+    "experiment",
+    "data_dir",
+    "model.device",
+    "model.dtype",
+    "model.attn_implementation",
+    *(
+        f"rollout.{f}"
+        for f in (
+            "temperature",
+            "action_mode",
+            "context",
+            "history_turns",
+            "max_action_tokens",
+            "free_format",
+            "format_penalty",
+            "enable_thinking",
+            "env_workers",
+            "step_timeout_s",
+            "overlap",
+        )
+    ),
+)
+
+
+def evaluation_config(
+    c: MlflowClient,
+    source: str,
+    split: str = "test",
+    n_tasks: int | None = None,
+    samples: int | None = None,
+    overrides: list[str] | None = None,
+) -> tuple[str, str, TrainConfig]:
+    """(source run id, policy URI, config) of an evaluation: the source run's config with ``overrides``
+    (``--set``, only ``EVAL_SETTABLE`` fields) and the split, task count and samples applied, validated as
+    the train command validates its config, and the split checked against the suite's (which it builds:
+    the user's games are checked too). Every problem is a one-line ``ValueError`` naming the field, so
+    it is raised before any run is created."""
+    for flag, value in (("--n-tasks", n_tasks), ("--samples", samples)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: must be at least 1")
+    overrides = list(overrides or [])
+    for key in override_keys(overrides):
+        if not any(key == f or (f.endswith(".") and key.startswith(f)) for f in EVAL_SETTABLE):
+            raise ValueError(
+                f"--set {key}: not a field evaluate can change (the policy, its method and training are the "
+                f"source run's); allowed: {', '.join(f + '*' if f.endswith('.') else f for f in EVAL_SETTABLE)}"
+            )
+    source_run_id, model_uri = mlflow_runs.resolve_policy(c, source)
+    raw = config_of_run(c, source_run_id).model_dump()
+    apply_overrides(raw, overrides)
+    keys = set(override_keys(overrides))
+    if "eval.n_tasks" in keys and "eval.n_tasks_ends" not in keys:
+        raw["eval"]["n_tasks_ends"] = None  # the tasks asked for, not the source's count at a run's ends
+    raw["eval"]["split"] = split
+    if n_tasks:
+        raw["eval"].update(n_tasks=n_tasks, n_tasks_ends=None)
+    if samples:
+        raw["eval"]["samples"] = samples
+    raw["run_name"] = f"{raw['run_name']}--eval-{split}-{time.strftime('%Y%m%dT%H%M%S')}"
+    raw["tracking_uri"] = c.tracking_uri
+    try:
+        cfg = TrainConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ValueError(one_line(err)) from err
+    try:
+        suite = make_suite(cfg.env.name, cfg.env.suite_seed, cfg.env.games)
+        suite.tasks(split, cfg.env.tier, 1)
+    except ValueError as err:
+        raise ValueError(f"--split {split!r}: {one_line(err)}") from err
+    return source_run_id, model_uri, cfg
+
+
+def one_line(err: Exception) -> str:
+    """An error's message on one line (pydantic's spans several)."""
+    return "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+
+
+def mark_killed_evaluations(c: MlflowClient, experiment: str) -> list[str]:
+    """Evaluation runs of ``experiment`` left RUNNING by a process of this host that no longer exists (it was
+    killed: a killed process cannot mark its run), marked KILLED with the cause; returns their names."""
+    exp = c.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    host, marked = socket.gethostname(), []
+    for run in c.search_runs(
+        [exp.experiment_id], filter_string="tags.`horizonrl.kind` = 'evaluation' and attributes.status = 'RUNNING'"
+    ):
+        where, _, pid = run.data.tags.get(PROCESS_TAG, "").rpartition(":")
+        if where == host and pid.isdigit() and not psutil.pid_exists(int(pid)):
+            cause = f"its process (pid {pid} on {host}) ended without reporting: killed; found by the next evaluate"
+            mlflow_runs.set_tags(c, run.info.run_id, {FAILURE_TAG: cause})
+            c.set_terminated(run.info.run_id, "KILLED")
+            marked.append(run.info.run_name)
+    return marked
 
 
 @flow(name="evaluate", log_prints=True)
@@ -33,38 +144,40 @@ def evaluate_policy(
     n_tasks: int | None = None,
     samples: int | None = None,
     tracking_uri: str | None = None,
+    overrides: list[str] | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``source`` (a run id, ``runs:/<run id>``, or ``models:/<name>/<version>``) on ``split``;
-    returns the figures and the new run's id. The environment, decoding and seed are the source run's."""
+    returns the figures and the new run's id. The environment, decoding and seed are the source run's,
+    but for ``overrides`` (``--set``: ``EVAL_SETTABLE`` fields, e.g. ``env.games`` to score the policy
+    on other games). Everything is checked before the run is created; a failure after marks it FAILED
+    with the cause (tag ``horizonrl.failure``) and is raised."""
     c = mlflow_runs.client(mlflow_runs.tracking_uri(tracking_uri))
     mlflow.set_tracking_uri(c.tracking_uri)  # the fluent API (logged models, downloads) reads the global URI
-    source_run_id, model_uri = mlflow_runs.resolve_policy(c, source)
-    cfg = config_of_run(c, source_run_id)
-    eval_cfg = cfg.eval.model_copy(
-        update={
-            "split": split,
-            **({"n_tasks": n_tasks, "n_tasks_ends": None} if n_tasks else {}),
-            **({"samples": samples} if samples else {}),
-        }
-    )
-    run_name = f"{cfg.run_name}--eval-{split}-{time.strftime('%Y%m%dT%H%M%S')}"
-    cfg = TrainConfig.model_validate(
-        {**cfg.model_dump(), "run_name": run_name, "eval": eval_cfg.model_dump(), "tracking_uri": c.tracking_uri}
-    )
+    source_run_id, model_uri, cfg = evaluation_config(c, source, split, n_tasks, samples, overrides)
+    for name in mark_killed_evaluations(c, cfg.experiment):
+        print(f"evaluation run {name} was left RUNNING by a killed process; marked KILLED")
     policy = mlflow_runs.download_policy(model_uri, Path(cfg.data_dir) / "policies")
     tags = {
         SOURCE_TAG: source_run_id,
         "horizonrl.kind": "evaluation",
         "horizonrl.policy_uri": model_uri,
+        PROCESS_TAG: f"{socket.gethostname()}:{os.getpid()}",
         "method": cfg.method,
         "env": cfg.env.name,
         "split": split,
         "seed": str(cfg.seed),
     }
-    run_id, _ = mlflow_runs.find_or_create_run(c, cfg.experiment, run_name, tags)
-    mlflow_runs.log_params(c, run_id, cfg.flat())
-    ctx = RunContext(cfg, str(Path(cfg.data_dir) / cfg.experiment / run_name), c.tracking_uri, run_id)
-    metrics = evaluate(ctx, policy, policy.iteration, end=True)  # a finished policy: judged as a run's last evaluation
+    run_id = mlflow_runs.create_run(c, cfg.experiment, cfg.run_name, tags)
+    try:
+        mlflow_runs.log_params(c, run_id, run_params(cfg, policy.path))
+        ctx = RunContext(cfg, str(Path(cfg.data_dir) / cfg.experiment / cfg.run_name), c.tracking_uri, run_id)
+        metrics = evaluate(ctx, policy, policy.iteration, end=True)  # a finished policy: a run's last evaluation
+    except BaseException as err:  # KeyboardInterrupt too: only a killed process leaves its run RUNNING
+        mlflow_runs.set_tags(c, run_id, {FAILURE_TAG: one_line(err)[:4000] or type(err).__name__})
+        c.set_terminated(run_id, "FAILED")
+        raise
+    finally:
+        RUNTIME.close_episodes()
     c.set_terminated(run_id, "FINISHED")
     print(
         f"{model_uri} on {split} ({cfg.eval.tasks_at(end=True)} tasks): success {metrics['success_rate']:.3f}; MLflow run {run_id}"

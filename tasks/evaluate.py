@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pyarrow as pa
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
@@ -10,7 +11,7 @@ from horizonrl.rollout.loop import SamplingSettings, collect
 from horizonrl.rollout.metrics import episode_metrics, sample_episodes
 from horizonrl.rollout.records import EpisodeRecord
 from horizonrl.seeding import derive_seed
-from horizonrl.store import episodes_table
+from horizonrl.store import episodes_table, iteration_dir, turns_table, write_table
 from horizonrl.tracking.mlflow_runs import log_table
 from horizonrl.training.checkpoint import CheckpointRef
 from tasks.context import RUNTIME, RunContext
@@ -35,12 +36,12 @@ def evaluate(ctx: RunContext, policy: CheckpointRef, iteration: int, end: bool =
     cfg = ctx.cfg
     n_tasks = cfg.eval.tasks_at(end)
     sampled = play(ctx, policy, n_tasks, cfg.eval.samples, False, derive_seed(cfg.seed, "eval", iteration))
-    metrics = episode_metrics(episodes_table(sampled, cfg.run_name, iteration, policy.iteration))
+    metrics = episode_metrics(store_evaluation(ctx, iteration, policy, "eval", sampled))
     metrics[f"pass_at_{cfg.eval.samples}"] = metrics.pop("pass_at_k")
     metrics.pop("mixed_group_fraction")
     if cfg.eval.greedy:
         greedy = play(ctx, policy, n_tasks, 1, True, derive_seed(cfg.seed, "eval-greedy", iteration))
-        greedy_metrics = episode_metrics(episodes_table(greedy, cfg.run_name, iteration, policy.iteration))
+        greedy_metrics = episode_metrics(store_evaluation(ctx, iteration, policy, "eval_greedy", greedy))
         metrics.update(
             {f"greedy_{k}": greedy_metrics[k] for k in ("success_rate", "mean_return", "mean_turns", "invalid_rate")}
         )
@@ -50,11 +51,31 @@ def evaluate(ctx: RunContext, policy: CheckpointRef, iteration: int, end: bool =
     trace_evaluation(ctx, iteration, sampled, policy.iteration)
     log_success_by_env_steps(ctx, iteration, metrics["success_rate"])
     log_stage(ctx, "eval", metrics, iteration)
+    greedy_text = f" (greedy {metrics['greedy_success_rate']:.3f})" if "greedy_success_rate" in metrics else ""
     get_run_logger().info(
-        "iteration %d eval: success %.3f (greedy %.3f) on %d held-out episodes",
+        "iteration %d eval: success %.3f%s on %d held-out episodes",
         iteration,
         metrics["success_rate"],
-        metrics.get("greedy_success_rate", float("nan")),
+        greedy_text,  # nothing for greedy decoding when it did not run (eval.greedy off)
         len(sampled),
     )
     return metrics
+
+
+def store_evaluation(
+    ctx: RunContext, iteration: int, policy: CheckpointRef, kind: str, records: list[EpisodeRecord]
+) -> pa.Table:
+    """Write an evaluation's episodes and turns beside the iteration's training rollouts,
+    ``iter=<n>/<kind>-episodes.parquet`` and ``<kind>-turns.parquet`` (``kind`` eval or eval_greedy, also
+    the rows' ``kind``; ``family`` names the game, ``task_seed`` and ``sample_seed`` the seeds), so what
+    was evaluated can be read back like the rollouts. Returns the episodes table as the figures read it.
+    A retry or a resumed run rewrites the same files (fixed seeds)."""
+    cfg = ctx.cfg
+    table = episodes_table(records, cfg.run_name, iteration, policy.iteration)
+    stored = table.set_column(
+        table.schema.get_field_index("kind"), "kind", pa.array([kind] * table.num_rows, pa.string())
+    )
+    d = iteration_dir(cfg.data_dir, cfg.experiment, cfg.run_name, iteration)
+    write_table(turns_table(records), d / f"{kind}-turns.parquet", "turns")
+    write_table(stored, d / f"{kind}-episodes.parquet", "episodes")
+    return table  # the rows as played (kind initial), which the figures are computed over

@@ -15,6 +15,7 @@ from prefect.settings import PREFECT_HOME
 
 from horizonrl.config import CONFIG_FILE, TrainConfig, run_dir, train_config
 from horizonrl.models.loading import load_policy
+from horizonrl.models.tokenizers import describe_tokenizer
 from horizonrl.run import runlock
 from horizonrl.store import remove_stale_temporaries
 from horizonrl.tracking import mlflow_runs
@@ -90,7 +91,7 @@ def start_run(cfg: TrainConfig, killed_holder: dict[str, Any] | None = None) -> 
     if resumed:
         mlflow_runs.record_commit(c, run_id, commit)
     else:
-        mlflow_runs.log_params(c, run_id, cfg.flat())
+        mlflow_runs.log_params(c, run_id, run_params(cfg))
     (d / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=True))
     c.log_artifact(run_id, str(d / CONFIG_FILE))  # the run's config as it ran: the evaluate flow reloads it
     ctx = RunContext(cfg, str(d), uri, run_id)
@@ -123,6 +124,20 @@ def start_run(cfg: TrainConfig, killed_holder: dict[str, Any] | None = None) -> 
         policy.iteration,
     )
     return RunStart(ctx, policy, float(state.get("elapsed_s", 0.0)), resumed or policy.iteration > 0)
+
+
+def run_params(cfg: TrainConfig, policy_dir: str | Path | None = None) -> dict[str, str]:
+    """A run's MLflow params: its config, plus what the config leaves to the code, so the params are true
+    to the run: ``env.horizon``, the turn horizon episodes are cut at (``env.max_turns`` or the suite's
+    for the tier), and with a model folder (``model.path``, or ``policy_dir``: the policy evaluated) the
+    tokenizer that folder holds as ``model.tokenizer`` instead of the unused tiny-model setting."""
+    params = cfg.flat()
+    params["env.horizon"] = str(cfg.env.max_turns or RUNTIME.suite(cfg).max_turns(cfg.env.tier))
+    if policy_dir is None and cfg.model.path is not None:
+        policy_dir = RUNTIME.initial_model_dir(cfg)
+    if policy_dir is not None:
+        params["model.tokenizer"] = describe_tokenizer(policy_dir)
+    return params
 
 
 def _mark_crashed(holder: dict[str, Any]) -> None:

@@ -252,7 +252,7 @@ def test_user_games_are_split_by_their_file_and_won_by_their_walkthrough(user_ga
         t.family: json.loads((user_games / t.family).with_suffix(".json").read_text())["metadata"]["walkthrough"]
         for t in train + test
     }
-    assert suite.max_turns("easy") == 10 + 2 * max(map(len, walkthroughs.values()))
+    assert suite.max_turns("easy") == game_spec("tw-coin_collector", "easy", "train").horizon  # the tier's
     env = suite.make()
     for task in train + test:
         _, info = env.reset(task)
@@ -281,13 +281,13 @@ def test_without_a_splits_file_a_seeded_hash_of_the_name_splits_the_games(user_g
                 for t in (suite.tasks(split, "easy", 10) if split in rule.values() else [])
             }
             assert found == rule
-    one = TextWorldSuite("textworld-coin", games=str(folder / "g1.z8"))  # one game: two splits are empty
-    empty = [
-        s for s in one.splits if s != ("test", "dev", *["train"] * 8)[derive_seed(0, "textworld-games", "g1.z8") % 10]
-    ]
-    for split in empty:
-        with pytest.raises(ValueError, match=re.escape(f"no game falls in split {split!r} (hash rule)")):
-            one.tasks(split, "easy", 1)
+    (folder / "splits.yaml").write_text("train: [g2.z8]\ntest: [g3.z8]\n")  # not read for one game file
+    one = TextWorldSuite("textworld-coin", games=str(folder / "g1.z8"))  # one game: a suite of it, every split
+    assert {split: [t.family for t in one.tasks(split, "easy", 5)] for split in one.splits} == {
+        "train": ["g1.z8"],
+        "dev": ["g1.z8"],
+        "test": ["g1.z8"],
+    }
 
 
 def test_a_game_textworld_cannot_load_is_named_before_any_work(user_games, tmp_path):
@@ -342,7 +342,7 @@ def test_a_folder_or_pattern_without_games_is_named(tmp_path):
         ValueError, match=re.escape(f"env.games = {str(empty / '*.z8')!r}: the pattern matches no game file")
     ):
         TextWorldSuite("textworld-coin", games=str(empty / "*.z8"))
-    with pytest.raises(ValueError, match=re.escape(f"no such folder ({tmp_path / 'missing'})")):
+    with pytest.raises(ValueError, match=re.escape(f"no such folder or game file ({tmp_path / 'missing'})")):
         load_config(None, ["env.name=textworld-coin", f"env.games={tmp_path / 'missing'}"])
 
 

@@ -2,7 +2,7 @@
 
 Importers take names from here (``from horizonrl.config import TrainConfig, load_config``)."""
 
-from horizonrl.config.loader import CONFIG_FILE, load_config, train_config
+from horizonrl.config.loader import CONFIG_FILE, apply_overrides, load_config, override_keys, train_config
 from horizonrl.config.schema import (
     MODEL_URI_PREFIXES,
     NAME_PATTERN,
@@ -25,6 +25,8 @@ from horizonrl.config.schema import (
 
 __all__ = [
     "CONFIG_FILE",
+    "apply_overrides",
+    "override_keys",
     "MODEL_URI_PREFIXES",
     "NAME_PATTERN",
     "EngineConfig",

@@ -61,13 +61,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ValueError(f"config file {str(p)!r} is not valid YAML: {err}") from err
         if not isinstance(raw, dict):
             raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
-    for item in overrides or []:
-        key, eq, text = item.partition("=")
+    apply_overrides(raw, overrides or [])
+    return TrainConfig.model_validate(raw)
+
+
+def override_keys(overrides: list[str]) -> list[str]:
+    """The dotted keys of ``key=value`` overrides; one without ``=`` or with an empty part is a
+    ``ValueError`` naming it."""
+    keys = []
+    for item in overrides:
+        key, eq, _ = item.partition("=")
         if not eq or not all(key.strip().split(".")):
             raise ValueError(f"--set {item!r}: expected key=value")
+        keys.append(key.strip())
+    return keys
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set each ``key.sub=value`` of ``overrides`` in the raw config ``raw`` (values read as YAML, safe
+    loader); returns ``raw``. Errors name the override."""
+    for item, key in zip(overrides, override_keys(overrides)):
+        text = item.partition("=")[2]
         try:
             value = _parse_yaml(text)
         except yaml.YAMLError as err:
             raise ValueError(f"--set {item!r}: the value is not valid YAML: {err}") from err
-        _set_path(raw, key.strip(), value)
-    return TrainConfig.model_validate(raw)
+        _set_path(raw, key, value)
+    return raw

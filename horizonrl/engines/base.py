@@ -22,6 +22,11 @@ class TokenTrie:
             for t in seq:
                 node = node.setdefault(t, {})
             if texts is not None:
+                if self.texts.get(tuple(seq), texts[k]) != texts[k]:  # keeping one would hide the other
+                    raise ValueError(
+                        f"commands {self.texts[tuple(seq)]!r} and {texts[k]!r} have the same token ids "
+                        f"{list(seq)}: the tokenizer cannot tell them apart, so one could never be chosen"
+                    )
                 self.texts[tuple(seq)] = texts[k]
 
 

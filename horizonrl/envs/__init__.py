@@ -9,6 +9,7 @@ cooking spec), or with ``games`` (``env.games``) the user's own games from a fol
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 
 from horizonrl.envs.base import Env, EnvSuite, Task
@@ -47,6 +48,11 @@ def _adapter(name: str) -> Callable[[int], EnvSuite]:
 
     return factory
 
+
+# Suites whose every text is built from fixed word lists that their corpus covers (tested in
+# tests/test_household.py): the word tokenizer needs no character fallback there, and leaving it out
+# keeps the default run's vocabulary, seeded weights and rollouts what they were before the fallback.
+CLOSED_TEXT = frozenset({"household"})
 
 SUITES: dict[str, Callable[[int], EnvSuite]] = {
     "household": _household,
@@ -108,10 +114,30 @@ def make_suite(name: str, seed: int = 0, games: str | None = None) -> EnvSuite:
     return TextWorldSuite(name, seed=seed, games=games)
 
 
+def suite_corpus(suite: EnvSuite, tier: str) -> list[str]:
+    """The text a word tokenizer is trained on: ``suite.corpus`` at the configured ``tier`` where the
+    suite's corpus depends on the tier (TextWorld, ScienceWorld), else its one corpus (household's
+    covers every tier)."""
+    if "tier" in inspect.signature(suite.corpus).parameters:
+        return suite.corpus(tier=tier)  # type: ignore[call-arg]
+    return suite.corpus()
+
+
 def suite_ref(name: str, games: str | None = None) -> str | Callable[[int], EnvSuite]:
     """What a worker process builds its suite from (``EnvPool``): the name, or a picklable factory of
     the suite on the user's games."""
     return name if games is None else functools.partial(make_suite, name, games=games)
 
 
-__all__ = ["Env", "EnvSuite", "Task", "SUITES", "check_games", "check_tier", "make_suite", "suite_ref"]
+__all__ = [
+    "CLOSED_TEXT",
+    "Env",
+    "EnvSuite",
+    "Task",
+    "SUITES",
+    "check_games",
+    "check_tier",
+    "make_suite",
+    "suite_corpus",
+    "suite_ref",
+]

@@ -361,12 +361,13 @@ class ScienceWorldSuite:
     def max_turns(self, tier: str) -> int:
         return TIERS[tier][1] if tier in TIERS else TIERS["hard"][1]
 
-    def corpus(self, n_tasks: int = 200, n_variations: int = 4) -> list[str]:
+    def corpus(self, n_tasks: int = 200, n_variations: int = 4, tier: str = "easy") -> list[str]:
         """Task descriptions, observations and valid actions of gold-path and random play on a few train
-        variations (easy tier)."""
+        variations of the easy tier and, when ``tier`` is another, of ``tier`` too."""
         env, lines = self.make(), []
+        tasks = [t for tr in dict.fromkeys(("easy", tier)) for t in self.tasks("train", tr, min(n_tasks, n_variations))]
         try:
-            for task in self.tasks("train", "easy", min(n_tasks, n_variations)):
+            for task in tasks:
                 for oracle in (True, False):
                     observation, info = env.reset(task)
                     lines += [observation, *info["admissible_commands"]]

@@ -382,22 +382,41 @@ class TextWorldSuite:
         return TextWorldEnv(self.challenge, self.root, self.folder.games if self.folder else None)
 
     def max_turns(self, tier: str) -> int:
-        """The tier's horizon; the user's games': 10 + 2 x their longest walkthrough."""
-        return self.folder.horizon if self.folder else game_spec(self.challenge, tier, "train").horizon
+        """The tier's horizon, the user's games included: they stand in for the generated games of the same
+        challenge and tier, so a run on them is cut where a run on those would be (``env.max_turns`` sets
+        another; the run logs the one used as ``env.horizon``)."""
+        return game_spec(self.challenge, tier, "train").horizon
 
-    def corpus(self, n_tasks: int = 200, n_games: int = 4) -> list[str]:
+    def corpus(self, n_tasks: int = 200, n_games: int = 4, tier: str = "easy") -> list[str]:
         """The challenge's text-grammar phrases, then walkthrough and random play on ``min(n_tasks,
-        n_games)`` easy train games (each new game costs a ``tw-make`` run of 3-6 s). The user's games: play
-        only (walkthrough where the game has one), on as many train games."""
+        n_games)`` train games of the easy tier and, when ``tier`` is another, as many of ``tier`` (each
+        new game costs a ``tw-make`` run of 3-6 s). The user's games: every game of every split is reset
+        and its walkthrough played (where it has one), and ``n_games`` train games are also played at random,
+        so the tokenizer has seen the words of the games it will be evaluated on too."""
         lines = _grammar_lines(self.challenge) if self.folder is None else []
         env = self.make()
-        for task in self.tasks("train", "easy", min(n_tasks, n_games)):
-            oracle = self.folder is None or self.folder.games[task.family].walkthrough is not None
-            lines += (_episode_lines(env, task, oracle=True) if oracle else []) + _episode_lines(
-                env, task, oracle=False
-            )
+        if self.folder is None:
+            for t in dict.fromkeys(("easy", tier)):
+                for task in self.tasks("train", t, min(n_tasks, n_games)):
+                    lines += _episode_lines(env, task, oracle=True) + _episode_lines(env, task, oracle=False)
+        else:
+            index = {name: i for i, name in enumerate(sorted(self.folder.games))}
+            for name in sorted(self.folder.games):
+                task = Task(self.name, "train", tier, index[name], index[name], name)
+                if self.folder.games[name].walkthrough is not None:
+                    lines += _episode_lines(env, task, oracle=True)
+                else:
+                    observation, info = env.reset(task)
+                    lines += [observation, *info["admissible_commands"]]
+            for task in self.folder_tasks("train", min(n_tasks, n_games), tier):
+                lines += _episode_lines(env, task, oracle=False)
         env.close()
         return list(dict.fromkeys(lines))
+
+    def folder_tasks(self, split: str, n: int, tier: str) -> list[Task]:
+        """Up to ``n`` tasks of ``split`` of the user's games; none when the split has no game."""
+        assert self.folder is not None
+        return self.tasks(split, tier, n) if self.folder.splits[split] else []
 
 
 def _grammar_lines(challenge: str) -> list[str]:

@@ -15,8 +15,10 @@ TextWorld 1.7 refuses Glulx (``.ulx``); a missing or unreadable ``.json``; a sto
 TextWorld's interpreter (Frotz, through Jericho) would reject (not a Z-machine version 8 file, shorter
 than its header says, or a wrong checksum). Frotz ends the whole process on such a file instead of
 raising, so the check reads the header rather than loading the game. The walkthrough is the game's own
-(``Game.walkthrough``: the ``.json``'s metadata, else derived from its quests); the horizon is
-``10 + 2 x`` the longest walkthrough (50 when no game has one).
+(``Game.walkthrough``: the ``.json``'s metadata, else derived from its quests); the horizon is the
+generated games' of the same challenge and tier (``TextWorldSuite.max_turns``). A symlink (a game file
+or a folder) is followed, and the game keeps its name under the base; ``env.games`` naming one story file
+is a one-game suite, that game in every split, with no ``splits.yaml`` read.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ SPLITS = ("train", "dev", "test")
 SPLITS_FILE = "splits.yaml"
 SUFFIXES = (".z8", ".ulx")  # what is looked for; .ulx only to be named as unplayable
 HASH_SHARE = 10  # hash % 10: 0 -> test, 1 -> dev, else train
-DEFAULT_HORIZON = 50
 _MAX_LISTED = 20  # problems listed in one error
 
 
@@ -60,11 +61,6 @@ class GameFolder:
     splits: Mapping[str, tuple[str, ...]]
     rule: str  # how the splits were made, for error messages
 
-    @property
-    def horizon(self) -> int:
-        lengths = [len(g.walkthrough) for g in self.games.values() if g.walkthrough]
-        return 10 + 2 * max(lengths) if lengths else DEFAULT_HORIZON
-
     def names(self, split: str) -> tuple[str, ...]:
         """The split's games; a split with none is an error naming the folder and the rule."""
         names = self.splits[split]
@@ -80,11 +76,12 @@ def load_games(source: str, seed: int) -> GameFolder:
     """Find, split and check the games of ``source`` (a folder or a glob); ``ValueError`` names each problem."""
     base, paths = _find(source)
     names = {path.relative_to(base).as_posix(): path for path in paths}
-    splits, rule = (
-        _read_splits(base, names, source)
-        if (base / SPLITS_FILE).is_file()
-        else (_hash_splits(names, seed), "hash rule")
-    )
+    if _is_one_file(source):  # one game: a suite of that game alone, in every split; no splits.yaml read
+        splits, rule = {s: list(names) for s in SPLITS}, "one game file, played in every split"
+    elif (base / SPLITS_FILE).is_file():
+        splits, rule = _read_splits(base, names, source)
+    else:
+        splits, rule = _hash_splits(names, seed), "hash rule"
     played = sorted({name for split in splits.values() for name in split})
     games, problems = {}, []
     for name in played:
@@ -118,17 +115,32 @@ def _find(source: str) -> tuple[Path, list[Path]]:
     else:
         path = Path(expanded)
         if path.is_file():
-            return path.parent.resolve(), [path.resolve()]
+            if path.suffix not in SUFFIXES:
+                raise ValueError(
+                    f"env.games = {source!r}: {path.absolute()} is not a game file ({' or '.join(SUFFIXES)})"
+                )
+            return path.parent.absolute(), [path.absolute()]
         if not path.is_dir():
-            raise ValueError(f"env.games = {source!r}: no such folder ({path.resolve()})")
+            raise ValueError(f"env.games = {source!r}: no such folder or game file ({path.absolute()})")
         base = path
-        paths = [p for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file()]
+        # glob's ``**`` follows symlinked folders (Path.rglob does not); a symlinked file is a file
+        paths = [
+            Path(p)
+            for p in glob.glob(str(glob.escape(str(path)) + "/**/*"), recursive=True)
+            if Path(p).suffix in SUFFIXES and Path(p).is_file()
+        ]
         if not paths:
             raise ValueError(
-                f"env.games = {source!r}: the folder {path.resolve()} holds no game file "
+                f"env.games = {source!r}: the folder {path.absolute()} holds no game file "
                 f"({' or '.join(SUFFIXES)}, searched recursively)"
             )
-    return base.resolve(), sorted(p.resolve() for p in paths)
+    # absolute, not resolved: a game reached through a symlink keeps its name under the base
+    return base.absolute(), sorted(p.absolute() for p in paths)
+
+
+def _is_one_file(source: str) -> bool:
+    expanded = str(Path(source).expanduser())
+    return not glob.has_magic(expanded) and Path(expanded).is_file()
 
 
 def _hash_splits(names: Mapping[str, Path], seed: int) -> dict[str, list[str]]:
@@ -178,6 +190,8 @@ def _check(name: str, path: Path) -> UserGame:
             f"{path}: Glulx (.ulx) games are not supported by TextWorld 1.7 (textworld.start refuses "
             "them); compile the game to .z8"
         )
+    if not path.with_suffix(".json").is_file() and path.is_symlink():
+        path = path.resolve()  # a symlinked story file alone: its .json lies beside its target
     meta = path.with_suffix(".json")
     if not meta.is_file():
         raise ValueError(

