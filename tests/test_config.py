@@ -11,8 +11,8 @@ import pydantic
 import pytest
 import yaml
 
-from flows.sweep import load_sweep
 from horizonrl.config import TrainConfig, load_config
+from horizonrl.config.sweep import load_sweep
 from horizonrl.training.trainer import UpdateSettings
 from methods.appo import BranchingParams
 from methods.presets import METHODS, estimator_of

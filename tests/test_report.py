@@ -318,7 +318,7 @@ def test_the_page_says_what_code_differs_between_the_commits_the_cells_ran_at():
 def test_every_variant_a_claim_names_is_a_cell_of_the_shipped_study():
     """The claims are judged on the variants the study's cells make; a label in another key order would
     leave a claim "not measured" with every cell finished."""
-    from flows.sweep import load_sweep
+    from horizonrl.config.sweep import load_sweep
 
     _, cells = load_sweep(str(Path(__file__).parents[1] / "configs" / "sweeps" / "study_household_medium.yaml"))
     variants = {report.variant_name(cell.coords) for cell in cells}

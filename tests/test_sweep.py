@@ -14,20 +14,13 @@ import yaml
 from flowkit import tiny_config
 
 from flows.evaluate import config_of_run
-from flows.sweep import (
-    BASE_TAG,
-    INSTANCE_TAG,
-    PREVIOUS_TAG,
-    SWEEP_TAG,
-    artifact_key,
-    finished,
-    load_sweep,
-    sweep,
-    sweep_report,
-)
+from flows.sweep import sweep, sweep_report
 from horizonrl.config import TrainConfig
+from horizonrl.config.sweep import load_sweep
 from horizonrl.tracking import mlflow_runs
+from horizonrl.tracking.sweep_runs import BASE_TAG, INSTANCE_TAG, PREVIOUS_TAG, SWEEP_TAG, finished
 from mlflow import MlflowClient
+from tasks.sweep import artifact_key
 
 SWEEPS = sorted((Path(__file__).parents[1] / "configs" / "sweeps").glob("*.y*ml"))
 
@@ -271,9 +264,10 @@ def test_a_running_flow_run_whose_process_is_gone_is_abandoned(tmp_path):
     from prefect.client.schemas.objects import FlowRun
     from prefect.states import Running
 
-    from flows.sweep import Cell, _abandoned
     from horizonrl.config import load_config, run_dir
+    from horizonrl.config.sweep import Cell
     from horizonrl.run import runlock
+    from tasks.sweep import _abandoned
 
     cell = Cell({"seed": 0}, load_config(None, [f"data_dir={tmp_path}", "run_name=c"]))
     run_dir(cell.config).mkdir(parents=True)
