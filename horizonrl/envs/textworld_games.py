@@ -24,6 +24,7 @@ is a one-game suite, that game in every split, with no ``splits.yaml`` read.
 from __future__ import annotations
 
 import glob
+import os
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -124,11 +125,14 @@ def _find(source: str) -> tuple[Path, list[Path]]:
             raise ValueError(f"env.games = {source!r}: no such folder or game file ({path.absolute()})")
         base = path
         # glob's ``**`` follows symlinked folders (Path.rglob does not); a symlinked file is a file
-        paths = [
-            Path(p)
-            for p in glob.glob(str(glob.escape(str(path)) + "/**/*"), recursive=True)
-            if Path(p).suffix in SUFFIXES and Path(p).is_file()
-        ]
+        found = [Path(p) for p in glob.glob(glob.escape(str(path)) + "/**/*", recursive=True)]
+        broken = [p for p in found if p.suffix in SUFFIXES and p.is_symlink() and not p.exists()]
+        if broken:
+            raise ValueError(
+                f"env.games = {source!r}: {broken[0].absolute()} is a symlink to {os.readlink(broken[0])}, "
+                "which does not exist"
+            )
+        paths = [p for p in found if p.suffix in SUFFIXES and p.is_file()]
         if not paths:
             raise ValueError(
                 f"env.games = {source!r}: the folder {path.absolute()} holds no game file "
