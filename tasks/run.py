@@ -180,6 +180,7 @@ def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
 
     RUNTIME.close_episodes()
     RUNTIME.close_ray()
+    RUNTIME.close_update_ranks()
     c = ctx.mlflow()
     history = c.get_metric_history(ctx.mlflow_run_id, "eval/success_rate")
     by_step = {m.step: m.value for m in history}
@@ -221,6 +222,7 @@ def end_failed_run(flow: object, flow_run: FlowRun, state: State) -> None:
     resumes it (RUNNING again). A config too broken to name a run leaves nothing to mark."""
     RUNTIME.close_episodes()
     RUNTIME.close_ray()
+    RUNTIME.close_update_ranks()
     params = flow_run.parameters
     try:
         cfg = train_config(params.get("config_path"), params.get("overrides"), params.get("config"))

@@ -8,27 +8,26 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
-from horizonrl import faults, store
+from horizonrl import store
 from horizonrl.seeding import derive_seed
-from horizonrl.training.checkpoint import CheckpointRef, read_state, save_checkpoint
+from horizonrl.training.checkpoint import CheckpointRef
+from horizonrl.training.iteration import TooManyNonFiniteSteps, update_policy
 from horizonrl.training.sequences import attach_advantages, train_rows
-from horizonrl.training.trainer import UpdateSettings, annealed_lr, ppo_update
+from horizonrl.training.trainer import UpdateSettings
 from tasks.advantage import AdvantageRef
 from tasks.collect import RolloutRef
 from tasks.context import RUNTIME, RunContext
 from tasks.tracking import log_stage
 
-
-class TooManyNonFiniteSteps(RuntimeError):
-    """Raised when more optimizer steps than ``update.max_nan_skips`` had a non-finite loss or gradient."""
+__all__ = ["TooManyNonFiniteSteps", "update"]
 
 
 @task(name="update", cache_policy=NONE)
 def update(
     ctx: RunContext, iteration: int, rollouts: RolloutRef, adv: AdvantageRef, policy: CheckpointRef, elapsed_s: float
 ) -> CheckpointRef:
-    """Not retried: a half-applied update lives only in memory, so on failure the holder is dropped and
-    the next attempt reloads ``policy`` from disk."""
+    """Not retried: a half-applied update lives only in memory, so on failure the holder is dropped (and
+    with ``update.world_size`` > 1 the ranks stopped) and the next attempt reloads ``policy`` from disk."""
     cfg = ctx.cfg
     loaded = RUNTIME.get(cfg, policy)
     try:
@@ -39,44 +38,34 @@ def update(
         # the rows were sampled by ``policy``, the checkpoint trained here, whether played in this call or
         # stored before a restart; so a resumed run takes the same pi_old path as one never stopped
         s = UpdateSettings.from_config(cfg, loaded.tokenizer.pad_token_id, sampled_here=True)
-        ref_model = RUNTIME.reference(cfg, ctx.path) if s.needs_reference else None
-        lr = annealed_lr(cfg.update.lr, cfg.update.lr_final, iteration, cfg.iterations)
-        for group in loaded.optimizer.param_groups:
-            group["lr"] = lr
-        with faults.nan_gradients(loaded.model, iteration):
-            result = (
-                ppo_update(
-                    loaded.model, loaded.optimizer, rows, s, derive_seed(cfg.seed, "update", iteration), ref_model
-                )
-                if rows
-                else None
-            )
-        faults.kill_point("update", iteration)
-        prev = read_state(policy)
-        nonfinite = prev.get("nonfinite_steps", 0) + (result.nonfinite_steps if result else 0)
-        if nonfinite > cfg.update.max_nan_skips:
-            raise TooManyNonFiniteSteps(
-                f"{nonfinite} optimizer steps had a non-finite loss or gradient (update.max_nan_skips = {cfg.update.max_nan_skips}); last good checkpoint: {policy.path}"
-            )
-        estimator_state = json.loads(Path(adv.state).read_text()) if adv.state else None
-        stats = result.stats if result else {"steps": 0.0, "rows": 0.0}
-        state = {
-            "update_stats": stats,
-            "nonfinite_steps": nonfinite,
-            "elapsed_s": elapsed_s,
-            "mlflow_run_id": ctx.mlflow_run_id,
-            "seed": cfg.seed,
-            "config_digest": cfg.digest(),
-        }
-        ref = save_checkpoint(
-            ctx.path, iteration, loaded.model, loaded.tokenizer, loaded.optimizer, state, estimator_state
+        ranks = RUNTIME.update_ranks(cfg, ctx.path) if cfg.update.world_size > 1 and rows else None
+        ref_model = RUNTIME.reference(cfg, ctx.path) if s.needs_reference and ranks is None else None
+        ref, stats = update_policy(
+            cfg,
+            ctx.path,
+            iteration,
+            policy,
+            loaded.model,
+            loaded.tokenizer,
+            loaded.optimizer,
+            rows,
+            s,
+            derive_seed(cfg.seed, "update", iteration),
+            {
+                "elapsed_s": elapsed_s,
+                "mlflow_run_id": ctx.mlflow_run_id,
+                "seed": cfg.seed,
+                "config_digest": cfg.digest(),
+            },
+            json.loads(Path(adv.state).read_text()) if adv.state else None,
+            ref_model,
+            ranks,
         )
     except BaseException:
         RUNTIME.drop()
+        RUNTIME.close_update_ranks()
         raise
     RUNTIME.advance(ref)
-    stats["skipped"] = float(not rows)
-    stats["lr"] = lr
     sync = RUNTIME.weight_sync  # how the new checkpoint reached the vLLM server (None: transformers engine)
     if sync is not None:
         log_stage(ctx, "time", {"weight_sync_s": sync.seconds}, iteration)

@@ -206,6 +206,13 @@ class UpdateConfig(Strict):
     """With the transformers engine sampling in the flow's process (no LoRA), pi_old is the stored sampling
     log-probs when a sample of rows recomputed differs from them by at most this (max absolute log-prob,
     nats: moves a PPO ratio by at most 0.1%); else every row is recomputed. None: always recompute."""
+    world_size: int = Field(1, ge=1)
+    """Processes the update runs on (torchrun, this machine; gloo on CPU, nccl on CUDA, one GPU each), kept
+    alive across iterations, each taking a token-balanced share of every minibatch; the gradient is the
+    one-process gradient (docs/deploy.md). 1: the update runs in the flow's process."""
+    strategy: Literal["ddp"] = "ddp"
+    """How ranks share the model when ``world_size`` > 1: ``ddp``, a full replica per rank with gradients
+    all-reduced (summed) every optimizer step."""
 
 
 class EvalConfig(Strict):

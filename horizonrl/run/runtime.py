@@ -27,6 +27,7 @@ from horizonrl.seeding import derive_seed
 from horizonrl.tracking import mlflow_runs
 from horizonrl.tracking.mlflow_runs import tracking_uri
 from horizonrl.training.checkpoint import CheckpointRef, checkpoint_dir, load_optimizer_state, read_state
+from horizonrl.training.rank_group import RankGroup
 
 
 @dataclass
@@ -221,6 +222,25 @@ class PolicyRuntime:
         the flow's) it arrives empty, so a worker fills its own instead of receiving this process's model,
         optimizer and environments."""
         return (PolicyRuntime, ())
+
+    def update_ranks(self, cfg: TrainConfig, run_dir: Path) -> RankGroup:
+        """The run's update ranks (``update.world_size`` > 1): started on first use, kept across iterations;
+        a group that died is replaced. gloo on the CPU, nccl when the policy's device is CUDA."""
+        group = getattr(self, "_ranks", None)
+        if group is not None and (not group.alive or group.world_size != cfg.update.world_size):
+            self.close_update_ranks()
+            group = None
+        if group is None:
+            backend = "nccl" if resolve_device(cfg.model.device).type == "cuda" else "gloo"
+            group = self._ranks = RankGroup(run_dir, cfg.update.world_size, backend)
+        return group
+
+    def close_update_ranks(self) -> None:
+        """Stop the update ranks, if any (with the run, or after a failed update)."""
+        group = getattr(self, "_ranks", None)
+        if group is not None:
+            group.stop()
+            self._ranks = None
 
     def drop(self) -> None:
         self.current = None

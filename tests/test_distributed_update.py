@@ -1,0 +1,134 @@
+"""The update on two ranks (torchrun, gloo, 2 CPU processes) against the same update in one process.
+
+The ranks are the real thing (``horizonrl.training.rank_group``: torchrun, ``torch.distributed`` with gloo,
+a process per rank); the single-process side is ``ppo_update`` as the update task calls it. Tolerances:
+weights max |diff| <= 1e-5 (float32; the issue's bound), figures to a relative 1e-5 or an absolute 1e-6
+(the sums over micro-batches and ranks differ only in float summation order; the KL figures are sums of
+differences of float32 log-probs of about -3, each resolved to ~2.4e-7).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+
+import pytest
+import torch
+from test_trainer import hand_rows, recompute_old_logprobs, settings
+
+import methods
+from horizonrl.config import ModelConfig
+from horizonrl.models.loading import load_policy
+from horizonrl.training.checkpoint import CheckpointRef
+from horizonrl.training.parallel import balanced_shares
+from horizonrl.training.rank_group import RankFailed, RankGroup
+from horizonrl.training.trainer import ppo_update
+
+KL_REF = methods.LOSSES.get("ppo_clip").params_cls(clip_mode="asymmetric", aggregation="token-mean", kl_coef=0.1)
+# The run's default rate. AdamW divides by the gradient's running scale, so float summation order alone
+# moves the weights by ~lr * 1e-3: one process with another micro-batch split differs from itself by
+# 2e-6 at lr 1e-3 and by 4-7e-5 at lr 1e-2 (measured on these rows, 6 steps).
+LR, WD = 1e-3, 0.01
+
+
+def test_balanced_shares_are_disjoint_complete_and_balanced():
+    weights = [50, 10, 40, 30, 30, 20, 5, 5]
+    shares = balanced_shares(weights, 2)
+    assert sorted(i for s in shares for i in s) == list(range(8))
+    loads = [sum(weights[i] for i in s) for s in shares]
+    assert abs(loads[0] - loads[1]) <= 10, loads
+    assert balanced_shares(weights, 2) == shares, "every rank must compute the same split"
+    assert balanced_shares([7], 3) == [[0], [], []], "a share may be empty"
+
+
+def single(policy_dir, rows, s, seed, model=None, optimizer=None, ref=None):
+    """``ppo_update`` in this process: (model, optimizer, figures)."""
+    if model is None:
+        model, _ = load_policy(policy_dir)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    result = ppo_update(model, optimizer, rows, s, seed, ref)
+    return model, optimizer, result.stats
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+FIGURES = ("loss", "approx_kl", "traj_kl", "clip_frac", "entropy", "ratio_mean", "steps")
+
+
+@pytest.mark.slow
+def test_two_ranks_give_the_weights_and_figures_of_one_process(tiny_policy_dir, tmp_path):
+    """Two updates in a row on one rank group (kept alive, the second continuing from the first's
+    weights and AdamW state): LOOP's fixed row divisor with a short last minibatch and pi_old recomputed,
+    then token-mean with a KL to the reference and the pi_old shortcut taken."""
+    model, tokenizer = load_policy(tiny_policy_dir)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    rows = hand_rows(vocab, 21, seed=5)  # 21 trajectories, minibatch 8: the last minibatch has 5
+    s1 = settings(tokenizer.pad_token_id, epochs=2, fixed_row_divisor=True, micro_batch_tokens=120)
+    ref, _ = load_policy(tiny_policy_dir)
+    ref.eval().requires_grad_(False)
+    model, optimizer, stats1 = single(tiny_policy_dir, rows, s1, seed=11)
+    rows2 = hand_rows(vocab, 16, seed=6)
+    old2 = recompute_old_logprobs(model, rows2, s1)  # the stored log-probs are pi_old: the shortcut applies
+    rows2 = [dataclasses.replace(r, sample_logp=o) for r, o in zip(rows2, old2)]
+    s2 = settings(tokenizer.pad_token_id, loss_params=KL_REF, pi_old_tol=1e-3, grad_clip=0.5)
+    model, optimizer, stats2 = single(tiny_policy_dir, rows2, s2, seed=12, model=model, optimizer=optimizer, ref=ref)
+
+    group = RankGroup(tmp_path, 2, "gloo")
+    try:
+        common = dict(lr=LR, weight_decay=WD, model=ModelConfig(), iteration=1)
+        out1 = group.update(policy=str(tiny_policy_dir), rows=rows, settings=s1, seed=11, **common)
+        group.advance(CheckpointRef("in-memory", 1))  # the ranks continue from their own state
+        pids = group.rank_pids()
+        out2 = group.update(
+            policy="in-memory", rows=rows2, settings=s2, seed=12, reference=str(tiny_policy_dir), **common
+        )
+        assert group.rank_pids() == pids and len(pids) == 2, "the same two ranks served both updates"
+    finally:
+        group.stop()
+    assert not group.alive
+
+    assert max_diff(out2["model"], model.state_dict()) <= 1e-5
+    for got, want in ((out1["stats"], stats1), (out2["stats"], stats2)):
+        for k in FIGURES:
+            assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), k
+    assert out2["stats"]["pi_old_shortcut"] == stats2["pi_old_shortcut"] == 1.0
+    assert out1["stats"]["world_size"] == 2.0 and 0.0 < out1["stats"]["comm_share"] < 1.0
+    assert out1["stats"]["step_s_rank0"] > 0 and out1["stats"]["step_s_rank1"] > 0
+    # the optimizer state is whole: it loads into a one-process AdamW and equals this process's
+    fresh = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    fresh.load_state_dict(out2["optimizer"])
+    for p in model.parameters():
+        a, b = fresh.state[p], optimizer.state[p]
+        assert float((a["exp_avg"] - b["exp_avg"]).abs().max()) <= 1e-6
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_the_update_naming_it(tiny_policy_dir, tmp_path):
+    model, tokenizer = load_policy(tiny_policy_dir)
+    rows = hand_rows(model.get_output_embeddings().weight.shape[0], 8)
+    s = settings(tokenizer.pad_token_id)
+    group = RankGroup(tmp_path, 2, "gloo")
+    try:
+        deadline = time.monotonic() + 120
+        while len(group.rank_pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(group.rank_pids()[1], signal.SIGKILL)  # a rank this test's group started
+        with pytest.raises(RankFailed, match=r"update rank 1 of 2 failed: .*(SIGKILL|Signal 9|-9)"):
+            group.update(
+                policy=str(tiny_policy_dir),
+                rows=rows,
+                settings=s,
+                seed=1,
+                lr=LR,
+                weight_decay=WD,
+                model=ModelConfig(),
+                iteration=1,
+            )
+        assert not group.alive
+    finally:
+        group.stop()
