@@ -10,7 +10,8 @@ Two kinds of server stand in for vLLM (nothing in the engine is patched):
   requests return temperature-1 log-probs). Against it the engine must produce what
   ``TransformersEngine`` produces: same tokens, masks, allowed sets, and log-probs/entropies within 1e-4.
 
-The live test (a real vLLM server) is marked ``gpu`` and skipped without CUDA and ``.venv-vllm``.
+These stay for what a real server cannot be made to do (malformed answers, a server process stand-in);
+everything a real server can show is tested against one in ``test_vllm_live.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import math
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -338,7 +338,10 @@ def test_greedy_generations_equal_the_transformers_engine(emulated, household_su
 def test_session_resends_whole_sequences_and_equals_the_transformers_session(emulated, household_suite):
     engine, hf, fmt, srv = emulated
     prompts, commands = _prompts(fmt, household_suite)
-    trie = lambda cs: TokenTrie([fmt.command(c) for c in cs], cs)
+
+    def trie(cs):
+        return TokenTrie([fmt.command(c) for c in cs], cs)
+
     vs, hs, seq = engine.session(), hf.session(), {}
     schedule = [([10, 11, 12], prompts), ([12, 10], [fmt.user("nothing happens ."), fmt.user("you see nothing .")])]
     for slots, new_ids in schedule:
@@ -399,7 +402,10 @@ def test_server_command_binds_loopback_with_prefix_caching_and_lora():
         dtype="bfloat16",
     )
     cmd = server_command(spec)
-    flag = lambda f: cmd[cmd.index(f) + 1]
+
+    def flag(f):
+        return cmd[cmd.index(f) + 1]
+
     assert cmd[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert (
         flag("--host") == "127.0.0.1"
@@ -460,39 +466,3 @@ def test_missing_vllm_environment_says_how_to_create_it(tmp_path):
     )
     with pytest.raises(VLLMError, match="make vllm-venv"):
         VLLMServer(spec, tmp_path / "log", 1).start()
-
-
-# ------------------------------------------------------------------------------- live (GPU)
-VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or not VLLM_PYTHON.is_file(), reason="needs a CUDA GPU and `make vllm-venv`"
-)
-def test_live_vllm_server_matches_the_transformers_engine(tiny_policy, tiny_policy_dir, household_suite, tmp_path):
-    """A real server on the tiny policy (float32): greedy admissible actions equal the transformers
-    engine's, log-probs within 1e-3 (different kernels)."""
-    model, tokenizer, fmt, hf = tiny_policy
-    spec = ServerSpec(
-        python=str(VLLM_PYTHON),
-        model=str(tiny_policy_dir),
-        port=free_port(),
-        gpu_memory_utilization=0.2,
-        max_logprobs=len(tokenizer),
-        dtype="float32",
-    )
-    server = VLLMServer(spec, tmp_path / "vllm.log", startup_timeout_s=600)
-    server.start()
-    engine = VLLMEngine(VLLMClient(server.url), hf.end_ids, len(tokenizer), server=server)
-    try:
-        prompts, commands = _prompts(fmt, household_suite)
-        tries = [TokenTrie([fmt.command(c) for c in cs], cs) for cs in commands]
-        t0 = time.perf_counter()
-        gens = engine.generate(prompts, tries, 6, 0.7, True, 0)
-        assert time.perf_counter() - t0 < 60
-        for v, h in zip(gens, hf.generate(prompts, tries, 6, 0.7, True, 0)):
-            assert v.token_ids == h.token_ids and v.policy_mask == h.policy_mask and v.allowed == h.allowed
-            assert v.logprobs == pytest.approx(h.logprobs, abs=1e-3)
-    finally:
-        engine.close()

@@ -205,6 +205,21 @@ class VLLMClient:
         except json.JSONDecodeError:
             return text  # the adapter endpoints answer with plain text
 
+    def metrics(self) -> dict[str, float]:
+        """The server's Prometheus counters and gauges (``GET /metrics``), each summed over its labels."""
+        try:
+            with urllib.request.urlopen(self.base_url + "/metrics", timeout=self.timeout_s) as r:
+                text = r.read().decode()
+        except (urllib.error.URLError, OSError) as err:
+            raise VLLMError(f"GET /metrics: cannot reach {self.base_url}: {err}") from err
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                name = name.split("{", 1)[0]
+                out[name] = out.get(name, 0.0) + float(value)
+        return out
+
     def healthy(self) -> bool:
         try:
             with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
@@ -603,9 +618,9 @@ class VLLMEngine:
         served = {**step.top, step.token: step.logprob}
         return max(abs(v - probe.logprobs[t]) for t, v in served.items())
 
-    def _weights(self, checkpoint: str) -> Path:
+    def _weights(self, checkpoint: str, untie: bool = True) -> Path:
         """The directory the server loads for ``checkpoint``: its untied serving copy (kept: the newest two)."""
-        if not self.untie_head or self.weights_dir is None:
+        if not untie or self.weights_dir is None:
             return Path(checkpoint).resolve()
         self._copies += 1
         out = serving_copy(checkpoint, self.weights_dir / f"w{self._copies:06d}")
@@ -625,7 +640,7 @@ class VLLMEngine:
             reason = "no probe to verify an in-place reload"
         else:
             try:
-                weights = self._weights(path)
+                weights = self._weights(path, self.untie_head)
                 self.client.post(
                     "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights)}}
                 )

@@ -1,0 +1,267 @@
+"""VLLMEngine against a real vLLM server (vLLM 0.32.0 from ``.venv-vllm``, ``make vllm-venv``): the CPU build
+where no CUDA device is present, so these tests run on every machine and are never skipped.
+
+One server for the module (start-up ~40-90 s on 2 CPU cores, plus ~25 s of lazy initialisation at the first
+request, paid in the fixture), serving the session's tiny policy (Qwen2, hidden 128 / 4 heads: head_dim
+32, which the CPU attention kernel serves; word-level tokenizer, 123 ids) in float32. Every check compares
+with ``TransformersEngine`` or the learner on the same weights; tolerance 1e-4 nats on log-probs and
+entropies (measured: 1e-6). Tests that change the served weights put the start-up weights back; the one
+that restarts the server runs last.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from flowkit import free_port
+
+from horizonrl.config import load_config
+from horizonrl.engines.base import TokenTrie, allowed_log_softmax
+from horizonrl.engines.hf import TransformersEngine
+from horizonrl.engines.vllm import (
+    ServerSpec,
+    VLLMClient,
+    VLLMEngine,
+    VLLMServer,
+    probe_of,
+    serving_copy,
+    tied_embeddings,
+)
+from horizonrl.models.loading import load_policy
+
+TOL = 1e-4
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+REQUESTS = "vllm:request_success_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+
+
+@pytest.fixture(scope="module")
+def live(tiny_policy, tiny_policy_dir, tmp_path_factory):
+    """An engine owning a real server on the tiny policy's untied serving copy, warmed up."""
+    model, tokenizer, fmt, hf = tiny_policy
+    root = tmp_path_factory.mktemp("vllm")
+    spec = ServerSpec(
+        python=str(VLLM_PYTHON),
+        model=str(serving_copy(tiny_policy_dir, root / "weights" / "w000000")),
+        port=free_port(),
+        gpu_memory_utilization=0.2,
+        max_logprobs=len(tokenizer),
+        dtype="float32",
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        cache_root=str(root / "cache"),
+        dev_mode=True,
+    )
+    server = VLLMServer(spec, root / "server.log", startup_timeout_s=600, source=str(tiny_policy_dir))
+    server.start()
+    engine = VLLMEngine(
+        VLLMClient(server.url),
+        hf.end_ids,
+        len(tokenizer),
+        max_concurrency=8,
+        server=server,
+        weights_dir=root / "weights",
+    )
+    try:
+        engine.generate(
+            [fmt.user("warm up .")], [None], 2, 1.0, True, 0
+        )  # the first request initialises lazily (up to ~25 s)
+        yield engine
+    finally:
+        engine.close()
+
+
+def _prompts(fmt, suite, n: int = 3, history: int = 0) -> tuple[list[list[int]], list[list[str]]]:
+    """``n`` household prompts, prompt i with ``history + i`` earlier turns, and their admissible commands."""
+    prompts, commands = [], []
+    for i, task in enumerate(suite.tasks("train", "easy", n)):
+        env = suite.make()
+        obs, info = env.reset(task)
+        turns = (fmt.user("nothing happens .") + fmt.command("inventory")) * (history + i)
+        prompts.append(fmt.system(env.goal()) + turns + fmt.user(obs))
+        commands.append(info["admissible_commands"])
+    return prompts, commands
+
+
+def _same(a, b) -> None:
+    assert (a.token_ids, a.policy_mask, a.allowed, a.finished) == (b.token_ids, b.policy_mask, b.allowed, b.finished)
+    assert a.logprobs == pytest.approx(b.logprobs, abs=TOL) and a.entropy == pytest.approx(b.entropy, abs=TOL)
+
+
+def _learner_logprobs(model, prompt: list[int], gen, temperature: float) -> list[float]:
+    """The learner's log-probs of ``gen``'s tokens (teacher-forced, tempered, over each token's allowed set)."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + gen.token_ids])).logits[0, len(prompt) - 1 : -1].float()
+    lp = allowed_log_softmax(logits / temperature, gen.allowed)
+    return [float(lp[j, t]) if m else 0.0 for j, (t, m) in enumerate(zip(gen.token_ids, gen.policy_mask))]
+
+
+def _perturbed(tiny_policy_dir, out: Path, seed: int) -> tuple[torch.nn.Module, Path]:
+    """A checkpoint of the tiny policy with every weight moved (tied head, as the trainer saves it)."""
+    model, tokenizer = load_policy(tiny_policy_dir)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return model.eval(), out
+
+
+@pytest.mark.parametrize("admissible", [True, False])
+def test_greedy_window_generations_equal_the_transformers_engine(live, tiny_policy, household_suite, admissible):
+    """Window context (whole prompts): same tokens, masks, allowed sets and finished flags; log-probs and
+    entropies at T = 0.7 within 1e-4 (top_logprobs = V: nothing cut). Admissible mode sends exactly one
+    request per token with a choice (the server's own request counter), none for a forced token."""
+    _, _, fmt, hf = tiny_policy
+    prompts, commands = _prompts(fmt, household_suite)
+    tries = [TokenTrie([fmt.command(c) for c in cs], cs) if admissible else None for cs in commands]
+    before = live.client.metrics()[REQUESTS]
+    gens = live.generate(prompts, tries, 6, 0.7, True, 0)
+    sent = live.client.metrics()[REQUESTS] - before
+    expected = hf.generate(prompts, tries, 6, 0.7, True, 0)
+    for v, h in zip(gens, expected):
+        _same(v, h)
+    assert sent == (sum(sum(g.policy_mask) for g in expected) if admissible else len(prompts))
+
+
+def test_full_context_session_equals_the_transformers_session_and_reuses_its_prefix(live, tiny_policy, household_suite):
+    """Two turns of a full-history session (slot 11 leaves after the first): each turn equals the
+    transformers session's, and the second turn's prompts hit the server's prefix cache (whole blocks only:
+    128 tokens on the CPU build, 16 on GPU; so the histories are ~300 tokens long)."""
+    _, _, fmt, hf = tiny_policy
+    prompts, commands = _prompts(fmt, household_suite, history=30)
+
+    def trie(cs):
+        return TokenTrie([fmt.command(c) for c in cs], cs)
+
+    vs, hs = live.session(), hf.session()
+    schedule = [([10, 11, 12], prompts), ([12, 10], [fmt.user("nothing happens ."), fmt.user("you see nothing .")])]
+    hits = []
+    for slots, new_ids in schedule:
+        tries = [trie(commands[s - 10]) for s in slots]
+        before = live.client.metrics()[PREFIX_HITS]
+        for v, h in zip(
+            vs.extend(slots, new_ids, tries, 5, 0.7, True, 0), hs.extend(slots, new_ids, tries, 5, 0.7, True, 0)
+        ):
+            _same(v, h)
+        hits.append(live.client.metrics()[PREFIX_HITS] - before)
+    assert hits[1] >= 2 * 16  # both continuing slots reuse at least a block of their first turn
+
+
+@pytest.mark.parametrize("admissible", [True, False])
+def test_sampled_runs_reproduce_by_seed_and_carry_the_learners_logprobs(live, tiny_policy, household_suite, admissible):
+    """The same seed gives the same tokens and log-probs; another seed other tokens; each sampled token's
+    log-prob (the behaviour log-prob a run stores) equals the learner's teacher-forced one within 1e-4."""
+    model, _, fmt, _ = tiny_policy
+    prompts, commands = _prompts(fmt, household_suite)
+    tries = [TokenTrie([fmt.command(c) for c in cs], cs) if admissible else None for cs in commands]
+    a, b, c = (live.generate(prompts, tries, 6, 1.0, False, s) for s in (5, 5, 6))
+    assert [(g.token_ids, g.logprobs) for g in a] == [(g.token_ids, g.logprobs) for g in b]
+    assert [g.token_ids for g in a] != [g.token_ids for g in c]
+    for p, g in zip(prompts, a + c):
+        assert g.logprobs == pytest.approx(_learner_logprobs(model, p, g, 1.0), abs=TOL)
+
+
+def test_end_of_turn_ends_an_action_and_the_budget_cuts_one_unfinished(live, tiny_policy, household_suite):
+    """Admissible actions end with the end-of-turn id (a whole command, nothing after it); a free action
+    cut at its token budget is unfinished and has exactly the budget's tokens."""
+    _, _, fmt, _ = tiny_policy
+    prompts, commands = _prompts(fmt, household_suite)
+    tries = [TokenTrie([fmt.command(c) for c in cs], cs) for cs in commands]
+    for g, cs in zip(live.generate(prompts, tries, 20, 1.0, False, 3), commands):
+        assert g.finished and g.token_ids[-1] == fmt.end_id and g.token_ids in [fmt.command(c) for c in cs]
+    free = live.generate(prompts, [None] * 3, 3, 0.7, True, 0)  # the tiny policy's greedy text never ends
+    assert [(len(g.token_ids), g.finished) for g in free] == [(3, False)] * 3
+
+
+def test_full_weights_reload_in_place_within_a_second_and_serve_the_new_policy(
+    live, tiny_policy, tiny_policy_dir, household_suite, tmp_path
+):
+    """A moved checkpoint reaches the running server in place (same process), verified by the probe
+    within 1e-4, in under 1 s; greedy actions then equal the transformers engine's on the moved weights.
+    Putting the start-up weights back is in place too."""
+    _, tokenizer, fmt, hf = tiny_policy
+    moved, ckpt = _perturbed(tiny_policy_dir, tmp_path / "iter=1", seed=1)
+    pid = live.server.proc.pid
+    try:
+        live.sync(str(ckpt), probe_of(moved, len(tokenizer)))
+        s = live.last_sync
+        assert (s.path, s.reason) == ("in_place", None) and s.seconds < 1.0 and s.probe_max_diff <= TOL
+        assert live.server.proc.pid == pid
+        prompts, commands = _prompts(fmt, household_suite)
+        tries = [TokenTrie([fmt.command(c) for c in cs], cs) for cs in commands]
+        moved_hf = TransformersEngine(moved, tokenizer.pad_token_id, hf.end_ids)
+        for v, h in zip(
+            live.generate(prompts, tries, 6, 0.7, True, 0), moved_hf.generate(prompts, tries, 6, 0.7, True, 0)
+        ):
+            _same(v, h)
+    finally:
+        live.sync(str(tiny_policy_dir), probe_of(tiny_policy[0], len(tokenizer)))
+    assert live.last_sync.path == "in_place" and live.server.proc.pid == pid
+
+
+def test_serving_copy_unties_the_head_and_leaves_the_checkpoint_alone(tiny_policy_dir, tmp_path):
+    """The copy declares untied embeddings and stores the head (= the embedding) in its own file; the
+    checkpoint's files, hard-linked into the copy, still say tied."""
+    from safetensors.torch import load_file
+
+    out = serving_copy(tiny_policy_dir, tmp_path / "w1")
+    assert tied_embeddings(tiny_policy_dir) and not tied_embeddings(out)
+    head = load_file(out / "lm_head.safetensors")["lm_head.weight"]
+    assert torch.equal(head, load_file(out / "model.safetensors")["model.embed_tokens.weight"])
+    assert json.loads((Path(tiny_policy_dir) / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error"),
+    [
+        (
+            ["model.tiny.hidden_size=64", "model.tiny.num_heads=4"],
+            "model.tiny.hidden_size / model.tiny.num_heads: head_dim 16",
+        ),
+        (["model.tiny.hidden_size=120", "model.tiny.num_heads=3"], "head_dim 40 .*allowed head_dim: 32, 64, 80"),
+        (["model.tiny.hidden_size=64", "model.tiny.num_heads=2"], None),
+    ],
+)
+def test_config_refuses_a_head_dim_the_cpu_build_cannot_serve(overrides, error):
+    """vLLM's CPU kernel serves some head sizes only; a model with another would start and die at its first
+    request, so the config check names the field and the allowed values before any work."""
+    args = ["engine.name=vllm", "engine.vllm.device=cpu", *overrides]
+    if error is None:
+        assert load_config(None, args).engine.vllm.device == "cpu"
+        return
+    with pytest.raises(ValueError, match=error):
+        load_config(None, args)
+    assert load_config(None, [*overrides, "engine.vllm.device=cuda", "engine.name=vllm"]).model.tiny.num_heads
+
+
+def test_a_reload_that_leaves_the_head_stale_is_caught_and_the_server_restarts(
+    live, tiny_policy, tiny_policy_dir, household_suite, tmp_path
+):
+    """vLLM's CPU trap, for real: a checkpoint reloaded as saved (tied head, no ``lm_head.weight``) leaves the
+    server's previous head in place with no error. The probe catches it; the engine restarts the server on
+    the untied copy, names the reason, and then serves the new policy (probe and greedy actions)."""
+    _, tokenizer, fmt, hf = tiny_policy
+    moved, ckpt = _perturbed(tiny_policy_dir, tmp_path / "iter=2", seed=2)
+    pid = live.server.proc.pid
+    live.untie_head = False
+    try:
+        t0 = time.perf_counter()
+        live.sync(str(ckpt), probe_of(moved, len(tokenizer)))
+        s = live.last_sync
+        assert s.path == "restart" and live.server.proc.pid != pid
+        assert s.reason.startswith("probe log-probs off by") and "after the in-place reload" in s.reason
+        assert s.probe_max_diff <= TOL and s.seconds <= time.perf_counter() - t0
+        prompts, commands = _prompts(fmt, household_suite)
+        tries = [TokenTrie([fmt.command(c) for c in cs], cs) for cs in commands]
+        moved_hf = TransformersEngine(moved, tokenizer.pad_token_id, hf.end_ids)
+        for v, h in zip(
+            live.generate(prompts, tries, 6, 0.7, True, 0), moved_hf.generate(prompts, tries, 6, 0.7, True, 0)
+        ):
+            _same(v, h)
+    finally:
+        live.untie_head = True
