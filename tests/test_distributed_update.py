@@ -19,9 +19,10 @@ import torch
 from test_trainer import hand_rows, recompute_old_logprobs, settings
 
 import methods
-from horizonrl.config import ModelConfig
+from horizonrl.config import ModelConfig, TrainConfig
 from horizonrl.models.loading import load_policy
-from horizonrl.training.checkpoint import CheckpointRef
+from horizonrl.training.checkpoint import CheckpointRef, load_optimizer_state, save_checkpoint, verify
+from horizonrl.training.iteration import update_policy
 from horizonrl.training.parallel import balanced_shares
 from horizonrl.training.rank_group import RankFailed, RankGroup
 from horizonrl.training.trainer import ppo_update
@@ -96,6 +97,7 @@ def test_two_ranks_give_the_weights_and_figures_of_one_process(tiny_policy_dir, 
     for got, want in ((out1["stats"], stats1), (out2["stats"], stats2)):
         for k in FIGURES:
             assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), k
+    assert stats2["kl_ref"] > 0 and out2["stats"]["kl_ref"] == pytest.approx(stats2["kl_ref"], rel=1e-5, abs=1e-7)
     assert out2["stats"]["pi_old_shortcut"] == stats2["pi_old_shortcut"] == 1.0
     assert out1["stats"]["world_size"] == 2.0 and 0.0 < out1["stats"]["comm_share"] < 1.0
     assert out1["stats"]["step_s_rank0"] > 0 and out1["stats"]["step_s_rank1"] > 0
@@ -132,3 +134,46 @@ def test_a_killed_rank_fails_the_update_naming_it(tiny_policy_dir, tmp_path):
         assert not group.alive
     finally:
         group.stop()
+
+
+def _iteration(cfg, run_dir, it, policy, rows, s, ranks=None):
+    """Iteration ``it`` as the update task runs it from checkpoint ``policy`` loaded afresh (a new process,
+    or a resume): weights and AdamW state from disk, then ``update_policy``."""
+    model, tokenizer = load_policy(policy.path)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay)
+    load_optimizer_state(policy, optimizer)
+    return update_policy(cfg, run_dir, it, policy, model, tokenizer, optimizer, rows, s, 100 + it, {}, ranks=ranks)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_with_another_world_size(tiny_policy_dir, tmp_path):
+    """Iterations 1-2 in one process (the reference), against 2 ranks then 1 process and 1 process then 2
+    ranks: every checkpoint verifies against its manifest and the second one's weights are the reference's
+    (max |diff| <= 1e-5), so a checkpoint is whole whatever world size wrote it or reads it."""
+    cfg = TrainConfig.model_validate({"run_name": "ws", "iterations": 2, "update": {"lr": LR, "lr_final": LR / 2}})
+    model, tokenizer = load_policy(tiny_policy_dir)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    rows = [hand_rows(vocab, 12, seed=20 + it) for it in (1, 2)]
+    s = settings(tokenizer.pad_token_id, epochs=2, minibatch_size=5, fixed_row_divisor=True)
+    runs = {name: tmp_path / name for name in ("one", "two-one", "one-two")}
+    start = {name: save_checkpoint(d, 0, model, tokenizer, None, {}) for name, d in runs.items()}
+
+    ref1, _ = _iteration(cfg, runs["one"], 1, start["one"], rows[0], s)
+    ref2, stats = _iteration(cfg, runs["one"], 2, ref1, rows[1], s)
+    assert stats["steps"] > 0 and stats["lr"] == LR / 2
+    want = load_policy(ref2.path)[0].state_dict()
+
+    group = RankGroup(tmp_path, 2, "gloo")
+    try:
+        a1, stats_a = _iteration(cfg, runs["two-one"], 1, start["two-one"], rows[0], s, group)
+        assert stats_a["world_size"] == 2.0
+        b1, _ = _iteration(cfg, runs["one-two"], 1, start["one-two"], rows[0], s)
+        b2, stats_b = _iteration(cfg, runs["one-two"], 2, b1, rows[1], s, group)  # the ranks load b1 from disk
+        assert stats_b["world_size"] == 2.0
+    finally:
+        group.stop()
+    a2, _ = _iteration(cfg, runs["two-one"], 2, a1, rows[1], s)
+    for ref in (a1, a2, b1, b2):
+        assert verify(ref) is None, ref
+    for ref in (a2, b2):
+        assert max_diff(load_policy(ref.path)[0].state_dict(), want) <= 1e-5, ref
