@@ -171,7 +171,8 @@ def evaluate_policy(
     try:
         mlflow_runs.log_params(c, run_id, run_params(cfg, policy.path))
         ctx = RunContext(cfg, str(Path(cfg.data_dir) / cfg.experiment / cfg.run_name), c.tracking_uri, run_id)
-        metrics = evaluate(ctx, policy, policy.iteration, end=True)  # a finished policy: a run's last evaluation
+        # a finished policy: judged as a run's last evaluation; this run has no rollouts to count steps of
+        metrics = evaluate(ctx, policy, policy.iteration, end=True, by_env_steps=False)
     except BaseException as err:  # KeyboardInterrupt too: only a killed process leaves its run RUNNING
         mlflow_runs.set_tags(c, run_id, {FAILURE_TAG: one_line(err)[:4000] or type(err).__name__})
         c.set_terminated(run_id, "FAILED")
@@ -180,13 +181,16 @@ def evaluate_policy(
         RUNTIME.close_episodes()
     c.set_terminated(run_id, "FINISHED")
     print(
-        f"{model_uri} on {split} ({cfg.eval.tasks_at(end=True)} tasks): success {metrics['success_rate']:.3f}; MLflow run {run_id}"
+        f"{model_uri} on {split} ({cfg.eval.tasks_at(end=True)} tasks): success {metrics['success_rate']:.3f}; MLflow "
+        f"run {run_id}"
     )
     return {"run_id": run_id, "source_run_id": source_run_id, **metrics}
 
 
 def config_of_run(c: MlflowClient, run_id: str) -> TrainConfig:
     """The config run ``run_id`` ran with: its ``config.yaml`` artifact, logged when the run starts."""
+    bar = os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")
+    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"  # one small file: no bar on the terminal
     with tempfile.TemporaryDirectory() as tmp:
         try:
             path = c.download_artifacts(run_id, CONFIG_FILE, tmp)
@@ -194,4 +198,9 @@ def config_of_run(c: MlflowClient, run_id: str) -> TrainConfig:
             raise ValueError(
                 f"run {run_id} has no {CONFIG_FILE} artifact (a train run logs it when it starts): {err}"
             ) from err
+        finally:
+            if bar is None:
+                os.environ.pop("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", None)
+            else:
+                os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = bar
         return load_config(path)

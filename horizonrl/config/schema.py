@@ -54,7 +54,8 @@ class Strict(BaseModel):
         is_int = annotation is int or (get_origin(annotation) in (Union, UnionType) and int in get_args(annotation))
         if v is not None and is_int and type(v) is not int:
             raise ValueError(
-                f"{v!r} is not a valid integer (write integers without quotes or decimal point; true/false are not integers)"
+                f"{v!r} is not a valid integer (write integers without quotes or decimal point; true/false are not "
+                "integers)"
             )
         return v
 
@@ -305,7 +306,8 @@ class RayConfig(Strict):
 
 
 class TraceConfig(Strict):
-    """Which episodes become MLflow traces (``horizonrl/tracking/traces.py``): a sample, so the trace store stays small."""
+    """Which episodes become MLflow traces (``horizonrl/tracking/traces.py``): a sample, so the trace store stays
+    small."""
 
     eval_episodes: int = Field(16, ge=0)
     """Held-out episodes traced per evaluation (the first ones, by rollout id); 0 traces none."""
@@ -405,11 +407,12 @@ class TrainConfig(Strict):
 
         if self.env.games is not None:
             check_games(self.env.name, self.env.games, self.env.suite_seed)
-        else:
+        if self.env.games is None or self.env.max_turns is None:  # the user's games take the tier's horizon
             check_tier(self.env.name, self.env.tier)
         if self.warmstart.expert == "search" and self.env.name != "household":
             raise ValueError(
-                f"warmstart.expert = 'search' is built for env.name = 'household', not {self.env.name!r}: use 'walkthrough'"
+                f"warmstart.expert = 'search' is built for env.name = 'household', not {self.env.name!r}: use "
+                "'walkthrough'"
             )
         return self
 
@@ -422,11 +425,13 @@ class TrainConfig(Strict):
             )
         if r.enable_thinking and r.action_mode != "free":
             raise ValueError(
-                "rollout.enable_thinking needs rollout.action_mode = 'free': the admissible trie has no room for a thinking block"
+                "rollout.enable_thinking needs rollout.action_mode = 'free': the admissible trie has no room for a "
+                "thinking block"
             )
         if r.runner == "ray" and self.engine.name != "transformers":
             raise ValueError(
-                "rollout.runner = 'ray' needs engine.name = 'transformers': each Ray worker would start its own vLLM server"
+                "rollout.runner = 'ray' needs engine.name = 'transformers': each Ray worker would start its own vLLM "
+                "server"
             )
         return self
 
