@@ -5,7 +5,8 @@ policy), with random advantages, all kept: an untrained policy rarely wins, so i
 mostly filtered out, and the update's cost does not depend on the values. The PPO side is the whole
 ``ppo_update`` call as the flow makes it: the rows were sampled by these weights in this process, so pi_old
 is their stored sampling log-probs after the check on a sample of rows (horizonrl/training/trainer.py; a failed
-check recomputes every row, and counts in the time); its tokens are epochs x the real tokens of the rows. The bare side runs the same real tokens, cut into equal-length rows with no padding, through
+check recomputes every row, and counts in the time); its tokens are epochs x the real tokens of the rows. The bare side
+runs the same real tokens, cut into equal-length rows with no padding, through
 ``model(...)`` with a next-token cross-entropy, backward, clipping and one AdamW step per minibatch.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -27,6 +29,8 @@ from horizonrl.models.loading import load_policy
 from horizonrl.rollout.loop import SamplingSettings, collect
 from horizonrl.rollout.prompting import ChatFormat
 from horizonrl.run.runtime import PolicyRuntime
+from horizonrl.training.checkpoint import CheckpointRef
+from horizonrl.training.rank_group import RankGroup
 from horizonrl.training.sequences import TrainRow, attach_advantages, train_rows
 from horizonrl.training.trainer import PI_OLD_CHECK_ROWS, UpdateSettings, ppo_update
 
@@ -101,6 +105,7 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, rounds: int = 2) -> list[Fig
             tokens, seconds = bare_loop(model, rows, s.epochs, steps_per_epoch, cfg.update.lr, s.grad_clip)
             bare_tokens, bare_s = bare_tokens + tokens, bare_s + seconds
     ppo_tps, bare_tps = rounds * s.epochs * real / ppo_s, bare_tokens / bare_s
+    dp_tps, dp = data_parallel(cfg, PolicyRuntime().initial_model_dir(cfg), rows, s, 2)
     pad = result.stats["pad_fraction"]
     pi_old = "stored sampling log-probs" if result.stats["pi_old_shortcut"] else "recomputed (check failed)"
     return [
@@ -110,7 +115,8 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, rounds: int = 2) -> list[Fig
             "tok/s",
             "",
             None,
-            f"{len(rows)} rows, {real:,} tokens x {s.epochs} epochs x {rounds} rounds, {ppo_s:.1f} s (pi_old: {pi_old})",
+            f"{len(rows)} rows, {real:,} tokens x {s.epochs} epochs x {rounds} rounds, {ppo_s:.1f} s (pi_old: "
+            f"{pi_old})",
         ),
         Figure(
             "update/vs_bare_loop",
@@ -120,6 +126,15 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, rounds: int = 2) -> list[Fig
             ppo_tps / bare_tps >= 0.95,
             f"bare forward+backward: {bare_tps:,.0f} tok/s",
         ),
+        Figure(
+            "update/dp2_tokens_s",
+            dp_tps,
+            "tok/s",
+            "",
+            None,
+            f"update.world_size 2 (torchrun, gloo): {dp_tps / ppo_tps:.2f}x the one-process {ppo_tps:,.0f} tok/s; "
+            f"all-reduce and gathers {dp['comm_share']:.0%} of a rank's update; information only (2 shared cores)",
+        ),
         Figure("update/padding", pad, "frac", "<= 0.10", pad <= 0.10, "padded share of computed decoder positions"),
         Figure(
             "update/pi_old_max_diff",
@@ -127,6 +142,26 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, rounds: int = 2) -> list[Fig
             "nats",
             f"<= {s.pi_old_tol:g}",
             result.stats["pi_old_max_diff"] <= s.pi_old_tol,
-            f"max |stored sampling log-prob - learner's| on the {PI_OLD_CHECK_ROWS} checked rows (above: pi_old recomputed, update.pi_old_tol)",
+            f"max |stored sampling log-prob - learner's| on the {PI_OLD_CHECK_ROWS} checked rows (above: pi_old "
+            "recomputed, update.pi_old_tol)",
         ),
     ]
+
+
+def data_parallel(
+    cfg: TrainConfig, policy_dir: object, rows: list[TrainRow], s: UpdateSettings, world_size: int
+) -> tuple[float, dict[str, float]]:
+    """The same update on ``world_size`` ranks (``update.world_size``): tokens/s of the second of two jobs
+    (the first loads the ranks' model and warms them up; process start is not counted), and its figures."""
+    group = RankGroup(Path(cfg.data_dir) / "bench-ranks", world_size, "gloo")
+    real = sum(r.positions[-1] + 1 for r in rows)
+    job = dict(rows=rows, settings=s, seed=0, lr=cfg.update.lr, weight_decay=cfg.update.weight_decay, model=cfg.model)
+    try:
+        group.update(policy=str(policy_dir), iteration=0, **job)
+        group.advance(CheckpointRef("ranks", 0))
+        t0 = time.perf_counter()
+        out = group.update(policy="ranks", iteration=1, **job)
+        seconds = time.perf_counter() - t0
+    finally:
+        group.stop()
+    return s.epochs * real / seconds, out["stats"]

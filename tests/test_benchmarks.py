@@ -23,7 +23,13 @@ FIGURES = {
         "rollout/decode_padding",
         "rollout/qwen3_vocab_tokens_s",
     ],
-    "update": ["update/ppo_tokens_s", "update/vs_bare_loop", "update/padding", "update/pi_old_max_diff"],
+    "update": [
+        "update/ppo_tokens_s",
+        "update/vs_bare_loop",
+        "update/dp2_tokens_s",
+        "update/padding",
+        "update/pi_old_max_diff",
+    ],
     "pipeline": [
         "tracing/share_of_iteration",
         "tracing/flow_wait_share",

@@ -177,3 +177,31 @@ def test_a_checkpoint_resumes_with_another_world_size(tiny_policy_dir, tmp_path)
         assert verify(ref) is None, ref
     for ref in (a2, b2):
         assert max_diff(load_policy(ref.path)[0].state_dict(), want) <= 1e-5, ref
+
+
+@pytest.mark.slow
+def test_lora_adapters_train_on_two_ranks_as_in_one_process(tiny_policy_dir, tmp_path):
+    """A LoRA policy (peft): only the adapters have gradients, so only they are all-reduced; the two ranks'
+    adapters equal one process's (max |diff| <= 1e-5) and the base weights do not move."""
+    from horizonrl.config import LoraConfig
+    from horizonrl.models.loading import initial_adapter_dir
+
+    adir = initial_adapter_dir(tmp_path, tiny_policy_dir, LoraConfig(rank=4, alpha=8.0), seed=0)
+    model, tokenizer = load_policy(adir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rows = hand_rows(model.get_output_embeddings().weight.shape[0], 10, seed=9)
+    s = settings(tokenizer.pad_token_id, epochs=2, minibatch_size=4, fixed_row_divisor=True)
+    model, _, stats = single(adir, rows, s, seed=3)
+    group = RankGroup(tmp_path, 2, "gloo")
+    try:
+        out = group.update(
+            policy=str(adir), rows=rows, settings=s, seed=3, lr=LR, weight_decay=WD, model=ModelConfig(), iteration=1
+        )
+    finally:
+        group.stop()
+    got, want = out["model"], model.state_dict()
+    lora_keys = [k for k in want if "lora_" in k]
+    assert lora_keys and stats["steps"] > 0
+    assert max(float((got[k] - before[k]).abs().max()) for k in lora_keys) > 1e-4, "the adapters trained"
+    assert max_diff(got, want) <= 1e-5
+    assert all(torch.equal(got[k], before[k]) for k in want if "lora_" not in k), "base weights unchanged"
