@@ -6,12 +6,14 @@ request, paid in the fixture), serving the session's tiny policy (Qwen2, hidden 
 32, which the CPU attention kernel serves; word-level tokenizer, 123 ids) in float32. Every check compares
 with ``TransformersEngine`` or the learner on the same weights; tolerance 1e-4 nats on log-probs and
 entropies (measured: 1e-6). Tests that change the served weights put the start-up weights back; the one
-that restarts the server runs last.
+that kills and restarts the server runs last.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -26,12 +28,15 @@ from horizonrl.engines.vllm import (
     ServerSpec,
     VLLMClient,
     VLLMEngine,
+    VLLMError,
     VLLMServer,
+    max_positions,
     probe_of,
     serving_copy,
     tied_embeddings,
 )
 from horizonrl.models.loading import load_policy
+from horizonrl.rollout.loop import SamplingSettings, collect
 
 TOL = 1e-4
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
@@ -54,6 +59,7 @@ def live(tiny_policy, tiny_policy_dir, tmp_path_factory):
         device="cuda" if torch.cuda.is_available() else "cpu",
         cache_root=str(root / "cache"),
         dev_mode=True,
+        max_model_len=max_positions(tiny_policy_dir),
     )
     server = VLLMServer(spec, root / "server.log", startup_timeout_s=600, source=str(tiny_policy_dir))
     server.start()
@@ -166,6 +172,24 @@ def test_sampled_runs_reproduce_by_seed_and_carry_the_learners_logprobs(live, ti
         assert g.logprobs == pytest.approx(_learner_logprobs(model, p, g, 1.0), abs=TOL)
 
 
+def test_many_long_seeded_requests_at_once_keep_the_server_alive(live, tiny_policy, household_suite):
+    """16 sampled (seeded) requests of ~700 tokens at once exceed a step's prefill budget. vLLM 0.32's CPU
+    runner would split a prefill over steps and then die rewinding the request's CPU generator; the server
+    runs with chunked prefill off (engines/vllm.py), so all 16 come back, reproducible by seed."""
+    _, tokenizer, fmt, hf = tiny_policy
+    prompts, _ = _prompts(fmt, household_suite, n=16, history=70)
+    assert min(map(len, prompts)) > 700
+    wide = VLLMEngine(live.client, hf.end_ids, len(tokenizer), max_concurrency=16)
+    try:
+        a, b = (wide.generate(prompts, [None] * 16, 4, 1.0, False, 9) for _ in range(2))
+    finally:
+        wide.close()
+    assert all(len(g.token_ids) == 4 and not g.error for g in a) and [g.token_ids for g in a] == [
+        g.token_ids for g in b
+    ]
+    assert live.alive()
+
+
 def test_end_of_turn_ends_an_action_and_the_budget_cuts_one_unfinished(live, tiny_policy, household_suite):
     """Admissible actions end with the end-of-turn id (a whole command, nothing after it); a free action
     cut at its token budget is unfinished and has exactly the budget's tokens."""
@@ -239,29 +263,51 @@ def test_config_refuses_a_head_dim_the_cpu_build_cannot_serve(overrides, error):
     assert load_config(None, [*overrides, "engine.vllm.device=cuda", "engine.name=vllm"]).model.tiny.num_heads
 
 
-def test_a_reload_that_leaves_the_head_stale_is_caught_and_the_server_restarts(
+def test_a_reload_that_leaves_the_head_stale_is_caught_by_the_probe(live, tiny_policy, tiny_policy_dir, tmp_path):
+    """vLLM's CPU trap, for real: a checkpoint reloaded as saved (tied head, no ``lm_head.weight``) leaves the
+    server's previous head in place with no error from vLLM. The probe catches it and the sync names why
+    (an engine that only reaches the server cannot restart it, so it raises). The untied copy of the same
+    checkpoint reloads in place and passes."""
+    model, tokenizer, _, hf = tiny_policy
+    moved, ckpt = _perturbed(tiny_policy_dir, tmp_path / "iter=2", seed=2)
+    as_saved = VLLMEngine(live.client, hf.end_ids, len(tokenizer), untie_head=False)
+    try:
+        with pytest.raises(
+            VLLMError, match=r"probe log-probs off by .* after the in-place reload.* cannot be restarted"
+        ):
+            as_saved.sync(str(ckpt), probe_of(moved, len(tokenizer)))
+        live.sync(str(ckpt), probe_of(moved, len(tokenizer)))
+        assert live.last_sync.path == "in_place" and live.last_sync.probe_max_diff <= TOL
+    finally:
+        as_saved.close()
+        live.sync(str(tiny_policy_dir), probe_of(model, len(tokenizer)))
+
+
+def test_a_dead_server_ends_its_episodes_as_errors_and_the_next_sync_restarts_it(
     live, tiny_policy, tiny_policy_dir, household_suite, tmp_path
 ):
-    """vLLM's CPU trap, for real: a checkpoint reloaded as saved (tied head, no ``lm_head.weight``) leaves the
-    server's previous head in place with no error. The probe catches it; the engine restarts the server on
-    the untied copy, names the reason, and then serves the new policy (probe and greedy actions)."""
+    """The server is killed (SIGKILL, its whole process group): a rollout batch still returns, every
+    episode ending as an error that names the unreachable server. The next iteration's weight sync
+    finds no server to reload into, restarts it on the new checkpoint, names why, and the restarted
+    server serves the new policy (probe within 1e-4, greedy actions equal the transformers engine's)."""
     _, tokenizer, fmt, hf = tiny_policy
-    moved, ckpt = _perturbed(tiny_policy_dir, tmp_path / "iter=2", seed=2)
+    moved, ckpt = _perturbed(tiny_policy_dir, tmp_path / "iter=3", seed=3)
     pid = live.server.proc.pid
-    live.untie_head = False
-    try:
-        t0 = time.perf_counter()
-        live.sync(str(ckpt), probe_of(moved, len(tokenizer)))
-        s = live.last_sync
-        assert s.path == "restart" and live.server.proc.pid != pid
-        assert s.reason.startswith("probe log-probs off by") and "after the in-place reload" in s.reason
-        assert s.probe_max_diff <= TOL and s.seconds <= time.perf_counter() - t0
-        prompts, commands = _prompts(fmt, household_suite)
-        tries = [TokenTrie([fmt.command(c) for c in cs], cs) for cs in commands]
-        moved_hf = TransformersEngine(moved, tokenizer.pad_token_id, hf.end_ids)
-        for v, h in zip(
-            live.generate(prompts, tries, 6, 0.7, True, 0), moved_hf.generate(prompts, tries, 6, 0.7, True, 0)
-        ):
-            _same(v, h)
-    finally:
-        live.untie_head = True
+    os.killpg(pid, signal.SIGKILL)
+    live.server.proc.wait()
+    assert not live.alive()
+    settings = SamplingSettings("admissible", "full", 2, 5, 8, 1.0, 0)
+    episodes = collect(household_suite, household_suite.tasks("train", "easy", 2), 2, live, fmt, settings)
+    assert [e.status for e in episodes] == ["error"] * 4
+    assert all(e.error.startswith("vLLM server unreachable") for e in episodes)
+    t0 = time.perf_counter()
+    live.sync(str(ckpt), probe_of(moved, len(tokenizer)))
+    s = live.last_sync
+    assert s.path == "restart" and live.alive() and live.server.proc.pid != pid
+    assert s.reason.startswith("in-place reload failed") and "cannot reach" in s.reason
+    assert s.probe_max_diff <= TOL and s.seconds <= time.perf_counter() - t0
+    prompts, commands = _prompts(fmt, household_suite)
+    tries = [TokenTrie([fmt.command(c) for c in cs], cs) for cs in commands]
+    moved_hf = TransformersEngine(moved, tokenizer.pad_token_id, hf.end_ids)
+    for v, h in zip(live.generate(prompts, tries, 6, 0.7, True, 0), moved_hf.generate(prompts, tries, 6, 0.7, True, 0)):
+        _same(v, h)

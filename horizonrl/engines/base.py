@@ -54,6 +54,7 @@ class Generation:
     policy_mask: list[bool]  # False where the token was forced (a single allowed continuation)
     allowed: list[list[int]] = field(default_factory=list)  # candidate ids per token ([] = full vocab)
     finished: bool = True  # ended with the end-of-turn token (False: cut at the token budget)
+    error: str = ""  # why the engine produced no action (e.g. its server died); the episode ends as an error
 
 
 class Session(Protocol):

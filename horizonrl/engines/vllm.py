@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import http.client
 import json
 import math
 import os
@@ -71,6 +72,10 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # values vLLM's --max-lora-
 
 class VLLMError(RuntimeError):
     """The server answered with an error, or with something this client cannot read."""
+
+
+class VLLMUnreachable(VLLMError):
+    """No answer at all: the server is not listening (died, or not started)."""
 
 
 # ------------------------------------------------------------------------------------------------ wire
@@ -197,9 +202,12 @@ class VLLMClient:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
                 text = r.read().decode()
         except urllib.error.HTTPError as err:
-            raise VLLMError(f"POST {path}: HTTP {err.code}: {err.read().decode(errors='replace')[:1000]}") from err
-        except urllib.error.URLError as err:
-            raise VLLMError(f"POST {path}: cannot reach {self.base_url}: {err.reason}") from err
+            text = err.read().decode(errors="replace")[:1000]
+            if err.code >= 500 and "EngineCore encountered an issue" in text:  # its engine died; the server exits
+                raise VLLMUnreachable(f"POST {path}: the server's engine died: HTTP {err.code}: {text}") from err
+            raise VLLMError(f"POST {path}: HTTP {err.code}: {text}") from err
+        except (urllib.error.URLError, ConnectionError, http.client.HTTPException) as err:
+            raise VLLMUnreachable(f"POST {path}: cannot reach {self.base_url}: {getattr(err, 'reason', err)}") from err
         try:
             return json.loads(text) if text.strip() else None
         except json.JSONDecodeError:
@@ -232,6 +240,13 @@ class VLLMClient:
 WEIGHTS_FILE = "model.safetensors"
 HEAD_FILE = "lm_head.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+
+def max_positions(model_dir: str | Path) -> int | None:
+    """The model's context length (``max_position_embeddings``), None where its config has none."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    n = config.get("max_position_embeddings", config.get("text_config", {}).get("max_position_embeddings"))
+    return int(n) if n else None
 
 
 def tied_embeddings(model_dir: str | Path) -> bool:
@@ -302,6 +317,7 @@ class ServerSpec:
     cache_root: str | None = None  # VLLM_CACHE_ROOT (compile caches); None: vLLM's default under the home folder
     cpu_kvcache_gib: float = 1.0
     dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: /collective_rpc (in-place weight reload), loopback only
+    max_model_len: int | None = None  # CPU build: the prefill budget per step (chunked prefill off), see below
 
 
 def server_command(spec: ServerSpec) -> list[str]:
@@ -332,6 +348,11 @@ def server_command(spec: ServerSpec) -> list[str]:
     ]
     if spec.device == "cpu":  # torch.compile costs ~30 s of start-up and gains nothing measurable on CPU
         cmd += ["--enforce-eager"]
+        # vLLM 0.32's CPU runner kills its engine when a seeded request's prefill is split over steps (it
+        # rewinds the request's generator with set_offset, which CPU generators lack): never split one.
+        cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(spec.max_model_len or 0, 8192))]
+        if spec.max_model_len is not None:
+            cmd += ["--max-model-len", str(spec.max_model_len)]
     else:
         cmd += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
     if spec.max_lora_rank is not None:
@@ -509,9 +530,12 @@ class VLLMEngine:
         greedy: bool,
         seed: int,
     ) -> Generation:
-        if trie is None:
-            return self._free(k, prompt, max_new_tokens, temperature, greedy, seed)
-        return self._admissible(k, prompt, trie, max_new_tokens, temperature, greedy, seed)
+        try:
+            if trie is None:
+                return self._free(k, prompt, max_new_tokens, temperature, greedy, seed)
+            return self._admissible(k, prompt, trie, max_new_tokens, temperature, greedy, seed)
+        except VLLMUnreachable as err:  # the server died: this episode ends as an error, the batch goes on
+            return Generation([], [], [], [], [], finished=False, error=f"vLLM server unreachable: {err}")
 
     def _free(
         self, k: int, prompt: list[int], max_new_tokens: int, temperature: float, greedy: bool, seed: int
@@ -648,6 +672,8 @@ class VLLMEngine:
                 diff = self.verify(probe)
                 if diff <= self.tolerance:
                     self.model = SERVED_NAME
+                    if self.server is not None:
+                        self.server.source = str(path)  # what a restart starts on
                     self.last_sync = WeightSync("in_place", time.perf_counter() - t0, None, diff)
                     return
                 reason = f"probe log-probs off by {diff:.2e} > {self.tolerance:g} after the in-place reload"
@@ -663,6 +689,10 @@ class VLLMEngine:
                 "restart: the checkpoint's weights are not the learner's"
             )
         self.last_sync = WeightSync("restart", time.perf_counter() - t0, reason, diff)
+
+    def alive(self) -> bool:
+        """False when the server this engine started has exited (a reached server is taken as alive)."""
+        return self.server is None or (self.server.proc is not None and self.server.proc.poll() is None)
 
     def restart(self, path: str | None = None) -> None:
         """Stop the owned server and start it again on ``path`` (default: what it serves now)."""
@@ -739,6 +769,7 @@ def engine_from_config(cfg: TrainConfig, policy_path: str, end_ids: list[int]) -
         cache_root=str((Path(cfg.data_dir) / "cache" / "vllm").resolve()),
         cpu_kvcache_gib=v.cpu_kvcache_gib,
         dev_mode=v.reload_in_place and not is_lora,
+        max_model_len=max_positions(source),
     )
     server = VLLMServer(spec, root / f"server-{v.port}.log", v.startup_timeout_s, source=source)
     server.start()

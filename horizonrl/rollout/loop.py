@@ -3,7 +3,8 @@
 ``collect`` plays K rollouts of each task in lockstep: build each episode's prompt, one batched
 ``generate``, step every environment (one ``step_many`` on an ``EpisodeBatch``: in this process or in
 worker processes), repeat until all are done or the horizon is reached, as ``SamplingSettings`` say. It
-returns plain records (``horizonrl.rollout.records``) that the store writes as Parquet. An environment that fails ends its
+returns plain records (``horizonrl.rollout.records``) that the store writes as Parquet. An environment that fails ends
+its
 episode with status ``error`` and the reason; the rest of the batch goes on.
 
 With ``overlap`` the episodes form two fixed halves, A (the first ceil(n/2)) and B, played as a
@@ -320,7 +321,10 @@ def _join(prefix: Generation, rest: Generation) -> Generation:
 
 def _engine_fault(gen: Generation) -> str:
     """Why a generation cannot be trained on or played ("" if it can): a non-finite sampling log-prob
-    would poison the PPO ratio, so the episode ends as an error before its action is played."""
+    would poison the PPO ratio, so the episode ends as an error before its action is played; so does a
+    generation the engine could not make (``Generation.error``: a vLLM server that died)."""
+    if gen.error:
+        return gen.error
     bad = [i for i, (lp, m) in enumerate(zip(gen.logprobs, gen.policy_mask)) if m and not math.isfinite(lp)]
     return f"engine returned a non-finite log-prob at action token {bad[0]}" if bad else ""
 
@@ -354,22 +358,22 @@ def _record_turn(
     ep.history[-1] = (ep.history[-1][0], gen.token_ids)
     ep.record.turns.append(
         TurnRecord(
-            turn,
-            ep.obs,
-            action,
-            delta,
-            gen,
-            float(reward),
-            bool(done),
-            bool(info.get("won", False)),
-            bool(info.get("valid", action in admissible)),
-            format_valid,
-            float(info.get("score", 0.0)),
-            str(ep.info.get("progress_key", "")),
-            str(info.get("abstract_action", "")),
-            len(admissible),
-            gen_s,
-            env_s,
+            turn=turn,
+            observation=ep.obs,
+            action=action,
+            prompt_ids=delta,
+            gen=gen,
+            reward=float(reward),
+            done=bool(done),
+            won=bool(info.get("won", False)),
+            valid=bool(info.get("valid", action in admissible)),
+            format_valid=format_valid,
+            score=float(info.get("score", 0.0)),
+            progress_key=str(ep.info.get("progress_key", "")),
+            abstract_action=str(info.get("abstract_action", "")),
+            n_admissible=len(admissible),
+            gen_s=gen_s,
+            env_s=env_s,
         )
     )
     ep.obs, ep.info = obs, info

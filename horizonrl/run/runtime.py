@@ -136,6 +136,8 @@ class PolicyRuntime:
         return base
 
     def get(self, cfg: TrainConfig, ref: CheckpointRef) -> Loaded:
+        if self._vllm is not None and not self._vllm.alive():  # died (its episodes ended as errors): start again
+            self._vllm.restart()
         if self.current is not None and self.current.ref == ref:
             return self.current
         torch.set_num_threads(max(1, torch.get_num_threads()))
