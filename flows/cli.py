@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         "--database",
         choices=["sqlite", "postgres"],
         default="sqlite",
-        help="behind both servers: SQLite files, or a local PostgreSQL (many concurrent sweep workers) in <store>/postgres",
+        help="behind both servers: SQLite files, or a local PostgreSQL (many concurrent sweep workers) in "
+        "<store>/postgres",
     )
     st.add_argument("--postgres-port", type=int, default=5432)
     args = parser.parse_args(argv)
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         server = _temporary_server_in_background()
         from flows.train import STARTED_AT, train
         from horizonrl.run.runlock import RunInUse
+        from horizonrl.store import StoreError
         from horizonrl.tracking.mlflow_runs import tracking_uri
         from horizonrl.training.checkpoint import CheckpointDamaged
 
@@ -148,17 +150,19 @@ def main(argv: list[str] | None = None) -> int:
             server.join()
         try:
             summary = train(config=cfg.model_dump())
-        except (RunInUse, CheckpointDamaged) as err:
+        except (RunInUse, CheckpointDamaged, StoreError) as err:
             print(f"horizonrl: run {cfg.run_name!r} not started: {err}", file=sys.stderr)
             return 1
         uri = tracking_uri(cfg.tracking_uri)
         print("\n== horizonrl: run finished ==")
         print(
-            f"held-out success (sampled, {cfg.eval.tasks_at(end=True)} tasks): {summary['initial_success_rate']:.3f} -> {summary['final_success_rate']:.3f} "
+            f"held-out success (sampled, {cfg.eval.tasks_at(end=True)} tasks): {summary['initial_success_rate']:.3f} "
+            f"-> {summary['final_success_rate']:.3f} "
             f"({summary['improvement'] * 100:+.1f} points) after {int(summary['iterations'])} iterations"
         )
         print(
-            f"MLflow: experiment {cfg.experiment!r}, run {cfg.run_name!r}; open the UI with: mlflow ui --backend-store-uri {uri} --host 127.0.0.1"
+            f"MLflow: experiment {cfg.experiment!r}, run {cfg.run_name!r}; open the UI with: mlflow ui "
+            f"--backend-store-uri {uri} --host 127.0.0.1"
         )
         print(f"data: {os.path.join(cfg.data_dir, cfg.experiment, cfg.run_name)}")
     if args.command == "warmstart":
@@ -167,11 +171,13 @@ def main(argv: list[str] | None = None) -> int:
         summary = warmstart(config=cfg.model_dump())
         print("\n== horizonrl: warm start finished ==")
         print(
-            f"held-out success (sampled, {cfg.eval.tasks_at(end=True)} tasks): {summary['initial_success_rate']:.3f} -> {summary['final_success_rate']:.3f} "
+            f"held-out success (sampled, {cfg.eval.tasks_at(end=True)} tasks): {summary['initial_success_rate']:.3f} "
+            f"-> {summary['final_success_rate']:.3f} "
             f"after {int(summary['iterations'])} epochs on {cfg.warmstart.demonstrations} demonstrations"
         )
         print(
-            f"registered: {summary['model_uri']}; train from it with: horizonrl train --config <config> --set model.path={summary['model_uri']}"
+            f"registered: {summary['model_uri']}; train from it with: horizonrl train --config <config> --set "
+            f"model.path={summary['model_uri']}"
         )
         print(f"demonstrations: {os.path.join(cfg.data_dir, cfg.experiment, cfg.run_name, 'demonstrations')}")
     return 0
@@ -333,7 +339,8 @@ def _stack(args: argparse.Namespace) -> int:
             return 1
         database = f"PostgreSQL on 127.0.0.1:{s.postgres_port} ({s.pg_data})" if s.database == "postgres" else "SQLite"
         print(
-            f"prefect UI {urls['prefect_ui']}, MLflow UI {urls['mlflow']}, work pool {s.pool!r}, database {database}; logs in {s.home}/"
+            f"prefect UI {urls['prefect_ui']}, MLflow UI {urls['mlflow']}, work pool {s.pool!r}, database {database}; "
+            f"logs in {s.home}/"
         )
         print(f"export PREFECT_API_URL={s.prefect_api} MLFLOW_TRACKING_URI={s.mlflow_uri}")
     elif args.action == "down":

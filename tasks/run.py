@@ -13,11 +13,12 @@ from prefect.cache_policies import NONE
 from prefect.client.schemas.objects import FlowRun, State
 from prefect.settings import PREFECT_HOME
 
+from horizonrl import store
 from horizonrl.config import CONFIG_FILE, TrainConfig, run_dir, train_config
 from horizonrl.models.loading import load_policy
 from horizonrl.models.tokenizers import describe_tokenizer
 from horizonrl.run import runlock
-from horizonrl.store import remove_stale_temporaries
+from horizonrl.store import StoreError, remove_stale_temporaries
 from horizonrl.tracking import mlflow_runs
 from horizonrl.training.checkpoint import (
     CheckpointDamaged,
@@ -89,6 +90,7 @@ def start_run(cfg: TrainConfig, killed_holder: dict[str, Any] | None = None) -> 
         mlflow_runs.set_tags(c, run_id, tags)
         resumed = False
     if resumed:
+        check_finished_rollouts(c, run_id, cfg, policy)
         mlflow_runs.record_commit(c, run_id, commit)
     else:
         mlflow_runs.log_params(c, run_id, run_params(cfg))
@@ -124,6 +126,28 @@ def start_run(cfg: TrainConfig, killed_holder: dict[str, Any] | None = None) -> 
         policy.iteration,
     )
     return RunStart(ctx, policy, float(state.get("elapsed_s", 0.0)), resumed or policy.iteration > 0)
+
+
+def check_finished_rollouts(c: Any, run_id: str, cfg: TrainConfig, policy: CheckpointRef | None) -> None:
+    """Every rollout file the run recorded (its MLflow dataset inputs) for an iteration its newest checkpoint
+    has finished must still be there: a deleted one cannot be collected again as it was without replaying
+    the run from before it, so the run stops naming what was lost and how to recover, rather than go on
+    with a store that lacks it (``StoreError``)."""
+    done = policy.iteration if policy is not None else 0
+    missing = []
+    for name, digest in sorted(mlflow_runs.recorded_digests(c, run_id).items()):
+        folder, _, table = name.partition("/")
+        if not folder.startswith("iter=") or not folder[5:].isdigit() or not 1 <= int(folder[5:]) <= done:
+            continue
+        path = store.iteration_dir(cfg.data_dir, cfg.experiment, cfg.run_name, int(folder[5:])) / f"{table}.parquet"
+        if not path.is_file():
+            missing.append(f"{path} (sha256 {digest[:12]}...)")
+    if missing:
+        raise StoreError(
+            f"run {cfg.run_name!r}: stored rollouts of finished iterations are missing: {'; '.join(missing)}. "
+            f"Restore them (the digests are recorded in MLflow run {run_id}), or move {run_dir(cfg)} away "
+            "to start the run over"
+        )
 
 
 def run_params(cfg: TrainConfig, policy_dir: str | Path | None = None) -> dict[str, str]:

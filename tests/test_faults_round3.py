@@ -1,0 +1,130 @@
+"""Faults the first rounds did not try (issue 33): resume exactness for the methods that carry more than
+LOOP (BLPO's memory, GiGPO's anchor states, APPO's branches), a deleted Parquet file of a finished
+iteration, and a SIGKILL in the middle of ``recompute`` and of ``warmstart``, each command then run again.
+
+The kills are real: the CLI runs in its own process with ``HORIZONRL_FAULT`` and SIGKILLs itself at the
+named point (``horizonrl/faults.py``); the runs are the tiny household config, in-process for the runs
+that are not killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from flowkit import REPO, flat, run_of, tiny_config
+from safetensors.torch import load_file
+
+from horizonrl import faults, store
+from horizonrl.training.checkpoint import checkpoint_dir, latest_checkpoint
+from mlflow import MlflowClient
+
+TIMING = ["gen_s", "env_s"]  # wall-clock columns, the only ones allowed to differ
+
+
+def _config(root: Path, run_name: str, method: str = "loop", iterations: int = 2) -> dict:
+    cfg = tiny_config(root, f"sqlite:///{root}/mlflow.db", run_name, iterations)
+    cfg["method"] = method
+    cfg["eval"] = {"every": 2, "n_tasks": 2, "greedy": False}
+    cfg["advantage_params"] = {"kl_lambda": 0.5} if method == "loop" else {}
+    return cfg
+
+
+def _cli(args: list[str], fault: str | None = None) -> subprocess.CompletedProcess:
+    """``horizonrl <args>`` in a process of its own, on the session's Prefect API, optionally faulted."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = {k: v for k, v in os.environ.items() if k != faults.ENV}
+    env["PREFECT_API_URL"] = PREFECT_API_URL.value()
+    if fault:
+        env[faults.ENV] = fault
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def _train_args(cfg: dict) -> list[str]:
+    return ["train", *(f"--set={k}={v}" for k, v in flat(cfg).items())]
+
+
+def _same_tables(a: Path, b: Path, name: str) -> None:
+    ta, tb = pq.read_table(a / name), pq.read_table(b / name)
+    drop = [c for c in ("run_name", *TIMING) if c in ta.column_names]
+    assert tb.drop_columns(drop).equals(ta.drop_columns(drop)), (a, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "method,fault",
+    [("blpo", "update:2"), ("gigpo", "advantage:2"), ("appo", "collect:2")],
+    ids=["blpo-memory", "gigpo-anchors", "appo-branches"],
+)
+def test_resume_is_exact_for_stateful_and_branching_methods(prefect_harness, tmp_path, method, fault):
+    """Killed in iteration 2 (BLPO after its advantages and memory are stored, GiGPO after its advantages,
+    APPO half-way through storing its initial and branch rollouts) and run again, the run ends with the
+    same rollouts, advantages, estimator state and weights as one never killed, and every metric step once."""
+    from flows.train import train
+
+    cfg = _config(tmp_path, "killed", method)
+    if method == "appo":
+        cfg["rollout"]["group_size"] = 2
+    straight = {**cfg, "run_name": "straight"}
+    killed = _cli(_train_args(cfg), fault)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert latest_checkpoint(tmp_path / "data" / "test" / "killed").iteration == 1
+    train(config=cfg)
+    train(config=straight)
+    for it in (1, 2):
+        a, b = (store.iteration_dir(tmp_path / "data", "test", n, it) for n in ("straight", "killed"))
+        assert sorted(p.name for p in b.iterdir()) == sorted(p.name for p in a.iterdir())
+        for name in ("episodes.parquet", "turns.parquet", f"advantages-{method}.parquet"):
+            _same_tables(a, b, name)
+        if method == "blpo":
+            assert (b / "estimator_state-blpo.json").read_text() == (a / "estimator_state-blpo.json").read_text()
+        if method == "appo":
+            kinds = pq.read_table(b / "episodes.parquet")["kind"].to_pylist()
+            assert "branch" in kinds, "no branch was played: the test would check only initial rollouts"
+    wa, wb = (
+        load_file(checkpoint_dir(tmp_path / "data" / "test" / n, 2) / "model.safetensors")
+        for n in ("straight", "killed")
+    )
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    c = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    for name in ("straight", "killed"):
+        run = run_of(c, name)
+        assert run.info.status == "FINISHED"
+        for key in run.data.metrics:
+            got = [m.step for m in c.get_metric_history(run.info.run_id, key)]
+            assert len(got) == len(set(got)) or key == "time/startup_s", (name, key, got)
+
+
+@pytest.mark.slow
+def test_a_deleted_parquet_file_of_a_finished_iteration_is_named_with_the_way_back(prefect_harness, tmp_path, capsys):
+    """A finished iteration's ``turns.parquet`` deleted: running the command again does not go on with a store
+    that lacks it. It stops (exit 1, one line) naming the file and its recorded digest and how to recover,
+    and the run is not left RUNNING; the file restored, the command finishes again and logs nothing twice."""
+    from flows.cli import main
+
+    cfg = _config(tmp_path, "lost", iterations=1)
+    assert main(_train_args(cfg)) == 0
+    d = store.iteration_dir(tmp_path / "data", "test", "lost", 1)
+    kept = (d / "turns.parquet").read_bytes()
+    (d / "turns.parquet").unlink()
+    capsys.readouterr()
+    assert main(_train_args(cfg)) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("horizonrl: run 'lost' not started: ") and str(d / "turns.parquet") in err, err
+    assert "stored rollouts of finished iterations are missing" in err and "move" in err, err
+    c = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    assert run_of(c, "lost").info.status != "RUNNING"
+    (d / "turns.parquet").write_bytes(kept)
+    assert main(_train_args(cfg)) == 0
+    run = run_of(c, "lost")
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in c.get_metric_history(run.info.run_id, "summary/final_success_rate")] == [1]
