@@ -11,6 +11,8 @@ Points where the process SIGKILLs itself (nothing after the point runs, not even
 - ``checkpoint``: inside the checkpoint write, every file is in the temporary folder, before the rename
 - ``evaluate``: the held-out episodes are played, nothing of them is logged yet
 - ``trace``: half of the iteration's sampled training episodes are logged as MLflow traces, the rest not yet
+- ``update-rank``: with ``update.world_size`` > 1, the last rank of the update's process group, on receiving
+  the iteration's job (the flow's process lives on and sees the rank die)
 
 And one that does not kill:
 
@@ -27,7 +29,7 @@ from contextlib import contextmanager
 import torch
 
 ENV = "HORIZONRL_FAULT"
-KILL_POINTS = ("collect", "advantage", "update", "checkpoint", "evaluate", "trace")
+KILL_POINTS = ("collect", "advantage", "update", "checkpoint", "evaluate", "trace", "update-rank")
 POINTS = (*KILL_POINTS, "nan-grad")
 
 

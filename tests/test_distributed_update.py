@@ -16,12 +16,19 @@ import time
 
 import pytest
 import torch
+from test_reliability import RUN, config, finish, metric_steps, run_dir, start_cli
 from test_trainer import hand_rows, recompute_old_logprobs, settings
 
 import methods
 from horizonrl.config import ModelConfig, TrainConfig
 from horizonrl.models.loading import load_policy
-from horizonrl.training.checkpoint import CheckpointRef, load_optimizer_state, save_checkpoint, verify
+from horizonrl.training.checkpoint import (
+    CheckpointRef,
+    latest_checkpoint,
+    load_optimizer_state,
+    save_checkpoint,
+    verify,
+)
 from horizonrl.training.iteration import update_policy
 from horizonrl.training.parallel import balanced_shares
 from horizonrl.training.rank_group import RankFailed, RankGroup
@@ -205,3 +212,30 @@ def test_lora_adapters_train_on_two_ranks_as_in_one_process(tiny_policy_dir, tmp
     assert max(float((got[k] - before[k]).abs().max()) for k in lora_keys) > 1e-4, "the adapters trained"
     assert max_diff(got, want) <= 1e-5
     assert all(torch.equal(got[k], before[k]) for k in want if "lora_" not in k), "base weights unchanged"
+
+
+@pytest.fixture(scope="module")
+def api_url(prefect_harness) -> str:
+    """The session's Prefect test server, passed to CLI processes so none starts its own."""
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value()
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_the_run_naming_it_and_the_rerun_resumes(api_url, tmp_path):
+    """``horizonrl train`` with ``update.world_size: 2``: iteration 1's update runs on the ranks, then the
+    last rank is killed on receiving iteration 2's job (``HORIZONRL_FAULT=update-rank:2``). The run fails
+    with the rank named and checkpoint 1 kept; the same command again starts new ranks from checkpoint 1,
+    finishes, and leaves no rank behind (the spool folder is removed when the ranks stop)."""
+    cfg = config(tmp_path, iterations=2, update={"minibatch_size": 2, "world_size": 2})
+    rc = finish(start_cli(cfg, api_url, tmp_path / "first.log", fault="update-rank:2"))
+    first = (tmp_path / "first.log").read_text()
+    assert rc != 0 and "update rank 1 of 2 failed" in first, first[-3000:]
+    assert latest_checkpoint(run_dir(tmp_path)).iteration == 1
+    rc = finish(start_cli(cfg, api_url, tmp_path / "second.log"))
+    assert rc == 0, (tmp_path / "second.log").read_text()[-3000:]
+    assert latest_checkpoint(run_dir(tmp_path)).iteration == 2
+    steps = metric_steps(f"sqlite:///{tmp_path}/mlflow.db", RUN)
+    assert steps["update/comm_share"] == [1, 2] and steps["update/world_size"] == [1, 2]
+    assert not list((run_dir(tmp_path) / ".update-ranks").glob("*/")), "the ranks' spool is left"

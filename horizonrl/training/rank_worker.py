@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> None:
                     return
                 time.sleep(POLL_S)
             job: UpdateJob = torch.load(path, weights_only=False)  # written by the flow's process of this run
+            if ranks.rank == ranks.world_size - 1:
+                faults.kill_point("update-rank", job.iteration)
             out = run_job(job, held, device, ranks)
             if out is not None:
                 write_whole(result_path(args.spool, seq), out)
