@@ -17,12 +17,12 @@ import os
 import time
 from pathlib import Path
 
-from benchmarks import advantages, pipeline, rollout, store, update
+from benchmarks import advantages, pipeline, rollout, store, update, vllm_server
 from benchmarks.report import Figure, log_mlflow, publish, save, table
 from horizonrl.config import load_config
 
 CONFIG = "configs/loop_household_easy.yaml"
-SECTIONS = ("advantages", "store", "rollout", "update", "pipeline")
+SECTIONS = ("advantages", "store", "rollout", "update", "pipeline") + (("vllm",) if vllm_server.available() else ())
 SIZES = {  # full, quick
     "adv_rows": (1_000_000, 20_000),
     "adv_groups": (100_000, 2_000),
@@ -33,6 +33,8 @@ SIZES = {  # full, quick
     "update_tasks": (16, 2),
     "update_group": (8, 2),
     "pipeline_iterations": (2, 1),
+    "vllm_tasks": (8, 2),
+    "vllm_group": (8, 2),
 }
 QUICK_RUN = [
     "env.max_turns=3",
@@ -77,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             figures += rollout.run(cfg, n["rollout_tasks"], n["rollout_group"])
         elif section == "update":
             figures += update.run(cfg, n["update_tasks"], n["update_group"])
+        elif section == "vllm":
+            figures += vllm_server.run(cfg, n["vllm_tasks"], n["vllm_group"], out / "vllm")
         else:
             figures += pipeline.run(CONFIG, [*extra, f"iterations={n['pipeline_iterations']}"], out / "pipeline")
         print(f"[{section}: {time.perf_counter() - t0:.0f} s]", flush=True)

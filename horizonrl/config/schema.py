@@ -319,7 +319,7 @@ class TraceConfig(Strict):
 
 class EngineConfig(Strict):
     name: Literal["transformers", "vllm"] = "transformers"
-    """Sampler for rollouts: transformers in this process, or a vLLM server (GPU)."""
+    """Sampler for rollouts: transformers in this process, or a vLLM server (CPU or GPU build)."""
     vllm: VLLMConfig = VLLMConfig()
 
 

