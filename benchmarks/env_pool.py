@@ -114,7 +114,8 @@ def compare_overlap(pool: EnvPool, tasks: list[Task], args: argparse.Namespace) 
     off, on = statistics.median(times[False]), statistics.median(times[True])
     latency = f", +{args.gen_latency_ms:g} ms idle per engine call" if args.gen_latency_ms else ""
     print(
-        f"collect: {len(tasks) * args.group_size} episodes, tiny model{latency}, {args.workers} workers, at most {args.turns} turns "
+        f"collect: {len(tasks) * args.group_size} episodes, tiny model{latency}, {args.workers} workers, at most "
+        f"{args.turns} turns "
         f"(median of rounds)"
     )
     print(f"no overlap  {off:6.2f}s\noverlap     {on:6.2f}s\nspeed-up:   {off / on:.2f}x")
@@ -168,7 +169,8 @@ def main() -> None:
     for side in ("sequential", "pool"):
         print(f"{side:<11} total {sum(med[side]):6.2f}s  reset {med[side][0]:6.2f}s  steps {med[side][1]:6.2f}s")
     print(
-        f"speed-up:   total {sum(med['sequential']) / sum(med['pool']):.2f}x  steps {med['sequential'][1] / med['pool'][1]:.2f}x"
+        f"speed-up:   total {sum(med['sequential']) / sum(med['pool']):.2f}x  steps "
+        f"{med['sequential'][1] / med['pool'][1]:.2f}x"
     )
     if args.overlap:
         compare_overlap(pool, distinct, args)

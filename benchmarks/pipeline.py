@@ -304,7 +304,8 @@ def tracing_figures(config: str, cfg: TrainConfig, iteration_s: list[float], out
             "x",
             "",
             None,
-            f"the flow's own seconds in tracing in the run above: {blocking_s:.2f} s over {sum(iteration_s):.1f} s (its 2 evaluations' traces incl.)",
+            f"the flow's own seconds in tracing in the run above: {blocking_s:.2f} s over {sum(iteration_s):.1f} s "
+            "(its 2 evaluations' traces incl.)",
         ),
         Figure(
             "tracing/store_kb_per_iteration",
@@ -341,7 +342,8 @@ def run(config: str, overrides: list[str], out_dir: Path) -> list[Figure]:
             "x",
             "<= 1.05",
             ratio <= 1.05,
-            f"{len(flow)} iterations: flow {' + '.join(f'{t:.1f}' for t in flow)} s, plain {' + '.join(f'{t:.1f}' for t in plain)} s",
+            f"{len(flow)} iterations: flow {' + '.join(f'{t:.1f}' for t in flow)} s, plain "
+            f"{' + '.join(f'{t:.1f}' for t in plain)} s",
         ),
         Figure(
             "pipeline/helper_cpu_s",
@@ -357,7 +359,8 @@ def run(config: str, overrides: list[str], out_dir: Path) -> list[Figure]:
             "s",
             "",
             None,
-            "`horizonrl train` to its first stage (the evaluation before training): imports, Prefect's temporary API server, opening the run",
+            "`horizonrl train` to its first stage (the evaluation before training): imports, Prefect's temporary API "
+            "server, opening the run",
         ),
         Figure(
             "startup/running_server_s",
@@ -365,7 +368,8 @@ def run(config: str, overrides: list[str], out_dir: Path) -> list[Figure]:
             "s",
             f"<= {STARTUP_LIMIT_S:g}",
             startup_running <= STARTUP_LIMIT_S,
-            "the same with PREFECT_API_URL at a running Prefect server (and the MLflow store, tiny model already there)",
+            "the same with PREFECT_API_URL at a running Prefect server (and the MLflow store, tiny model already "
+            "there)",
         ),
         Figure(
             "memory/peak_rss_mb",
@@ -373,7 +377,8 @@ def run(config: str, overrides: list[str], out_dir: Path) -> list[Figure]:
             "MB",
             f"<= {MEMORY_LIMIT_MB}",
             largest <= MEMORY_LIMIT_MB,
-            f"largest process of the main run, {cfg.iterations} iterations ({wall:.0f} s incl. evaluation and start-up)",
+            f"largest process of the main run, {cfg.iterations} iterations ({wall:.0f} s incl. evaluation and "
+            "start-up)",
         ),
         Figure(
             "memory/peak_tree_rss_mb",

@@ -46,9 +46,11 @@ def markdown(figures: list[Figure], params: dict[str, object]) -> str:
     """The figures as a Markdown table, headed by when, at which commit and on what they were measured."""
     scored = [f for f in figures if f.passed is not None]
     lines = [
-        f"Measured {time.strftime('%Y-%m-%d')} at commit `{mlflow_runs.git_commit()[:7]}` on {os.cpu_count()} CPU cores "
+        f"Measured {time.strftime('%Y-%m-%d')} at commit `{mlflow_runs.git_commit()[:7]}` on {os.cpu_count()} CPU "
+        "cores "
         f"({platform.processor() or platform.machine()}), `python -m benchmarks` "
-        f"({'quick sizes' if params.get('quick') else 'full sizes'}): {sum(f.passed for f in scored)} of {len(scored)} targets met.",
+        f"({'quick sizes' if params.get('quick') else 'full sizes'}): {sum(f.passed for f in scored)} of "
+        f"{len(scored)} targets met.",
         "",
         "| figure | value | unit | target | result | what |",
         "|---|---:|---|---|---|---|",

@@ -51,6 +51,7 @@ def warmstart(
     summary["model_uri"] = f"models:/{cfg.warmstart.model_name}/{version}"
     mlflow_runs.set_tags(c, ctx.mlflow_run_id, {"horizonrl.registered_model": summary["model_uri"]})
     print(
-        f"warm start registered as {summary['model_uri']} (run {ctx.mlflow_run_id}); start RL from it with --set model.path={summary['model_uri']}"
+        f"warm start registered as {summary['model_uri']} (run {ctx.mlflow_run_id}); start RL from it with --set "
+        f"model.path={summary['model_uri']}"
     )
     return summary

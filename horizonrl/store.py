@@ -2,8 +2,8 @@
 
 Layout: ``<data_dir>/<experiment>/<run_name>/iter=<n>/{episodes,turns,advantages-<method>}.parquet``
 (and ``estimator_state-<method>.json`` for a stateful estimator). The Arrow schemas below are the only
-place a stored column's type is defined, and the ``*_table`` functions the only place tables are built. Rollout tables are
-immutable once written; advantages are a separate table keyed by (rollout_id, turn), so several methods
+place a stored column's type is defined, and the ``*_table`` functions the only place tables are built. Rollout tables
+are immutable once written; advantages are a separate table keyed by (rollout_id, turn), so several methods
 can be computed over the same rollouts.
 """
 
@@ -284,7 +284,8 @@ def check_table(path: str | Path, kind: str) -> None:
     # checked before the columns, so a file of another kind is named as such, not as damaged
     if version != SCHEMA_VERSION or meta.get(_META_TABLE, b"").decode() != kind:
         raise StoreError(
-            f"{path}: schema version {version!r} of table {meta.get(_META_TABLE, b'?').decode()!r}; this code reads version {SCHEMA_VERSION!r} of {kind!r}"
+            f"{path}: schema version {version!r} of table {meta.get(_META_TABLE, b'?').decode()!r}; this code reads "
+            f"version {SCHEMA_VERSION!r} of {kind!r}"
         )
     expected = _SCHEMAS[kind]
     missing = [name for name in expected.names if name not in stored.names]

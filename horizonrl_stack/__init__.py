@@ -304,7 +304,8 @@ def _postgres_up(stack: Stack, timeout_s: float) -> str:
         except psycopg.OperationalError as err:
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"stack postgres did not accept connections on {HOST}:{stack.postgres_port} within {timeout_s:.0f} s "
+                    f"stack postgres did not accept connections on {HOST}:{stack.postgres_port} within "
+                    f"{timeout_s:.0f} s "
                     f"({str(err).strip()}); see {stack.home / 'postgres.log'}"
                 ) from None
             time.sleep(0.5)

@@ -104,5 +104,6 @@ def estimator_of(name: str) -> str:
     if name in ADVANTAGES:
         return name
     raise ValueError(
-        f"{name!r} is neither a method ({', '.join(sorted(METHODS))}) nor an estimator ({', '.join(ADVANTAGES.names())})"
+        f"{name!r} is neither a method ({', '.join(sorted(METHODS))}) nor an estimator "
+        f"({', '.join(ADVANTAGES.names())})"
     )

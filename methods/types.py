@@ -44,9 +44,9 @@ class StepBatch:
     kind: np.ndarray | None = None  # (N,) int8: 0 initial rollout, 1 branch (APPO)
     parent_traj: np.ndarray | None = None  # (N,) int64: source trajectory of a branch, -1 otherwise
     branch_token: np.ndarray | None = None  # (N,) int64: split index s_b in the parent's action tokens, -1 otherwise
-    gap_tokens: np.ndarray | None = (
-        None  # (N,) int64: response positions between the previous row's action and this one's (observation tokens; 0 on a first row); None: 0
-    )
+    # (N,) int64: response positions between the previous row's action and this one's (observation tokens; 0 on a
+    # first row); None: 0
+    gap_tokens: np.ndarray | None = None
     extras: dict[str, np.ndarray] = field(default_factory=dict)  # (N,) arrays an estimator may need
 
     def require(self, *names: str) -> None:

@@ -33,7 +33,8 @@ def main() -> int:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print(
-            "gpu_check needs a CUDA GPU and a CUDA build of torch; this machine has none (torch.cuda.is_available() is False).\n"
+            "gpu_check needs a CUDA GPU and a CUDA build of torch; this machine has none (torch.cuda.is_available() "
+            "is False).\n"
             "The CPU paths are covered by `make test`; see docs/deploy.md, 'GPU'.",
             file=sys.stderr,
         )
@@ -84,7 +85,8 @@ def main() -> int:
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(
-        f"model: {n_params / 1e9:.3f} B parameters ({n_train / 1e6:.1f} M trained), built in {time.perf_counter() - t_start:.1f} s"
+        f"model: {n_params / 1e9:.3f} B parameters ({n_train / 1e6:.1f} M trained), built in "
+        f"{time.perf_counter() - t_start:.1f} s"
     )
 
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id], str(device))
@@ -107,7 +109,8 @@ def main() -> int:
     gen_tokens = sum(len(t.gen.token_ids) for r in records for t in r.turns)
     turns = sum(len(r.turns) for r in records)
     print(
-        f"generation (admissible, full context, {len(records)} episodes, {turns} turns): {gen_tokens} action tokens in {t_gen:.1f} s "
+        f"generation (admissible, full context, {len(records)} episodes, {turns} turns): {gen_tokens} action tokens "
+        f"in {t_gen:.1f} s "
         f"= {gen_tokens / t_gen:.0f} tokens/s (environment steps included)"
     )
 
@@ -119,7 +122,8 @@ def main() -> int:
     t_free = time.perf_counter() - t0
     free_tokens = sum(len(g.token_ids) for g in free)
     print(
-        f"generation (free decoding, batch {len(prompts)}, up to 64 new tokens): {free_tokens} tokens in {t_free:.1f} s = {free_tokens / t_free:.0f} tokens/s"
+        f"generation (free decoding, batch {len(prompts)}, up to 64 new tokens): {free_tokens} tokens in {t_free:.1f} "
+        f"s = {free_tokens / t_free:.0f} tokens/s"
     )
     del warm, free
 
@@ -140,7 +144,8 @@ def main() -> int:
     except RuntimeError as err:
         if "device" in str(err):
             print(
-                "update failed on a device mismatch: the learner (horizonrl/training/trainer.py) must build its tensors on the model's device",
+                "update failed on a device mismatch: the learner (horizonrl/training/trainer.py) must build its "
+                "tensors on the model's device",
                 file=sys.stderr,
             )
         raise
@@ -148,8 +153,10 @@ def main() -> int:
     t_upd = time.perf_counter() - t0
     real = sum(len(r.input_ids) for r in rows)
     print(
-        f"update (1 epoch, {int(stats['steps'])} optimizer steps, {len(rows)} trajectories, {real} tokens incl. pi_old recompute): "
-        f"{t_upd:.1f} s, trainer-reported {stats['tokens_per_s']:.0f} tokens/s, peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+        f"update (1 epoch, {int(stats['steps'])} optimizer steps, {len(rows)} trajectories, {real} tokens incl. "
+        "pi_old recompute): "
+        f"{t_upd:.1f} s, trainer-reported {stats['tokens_per_s']:.0f} tokens/s, peak GPU memory "
+        f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
     )
     total = time.perf_counter() - t_start
     print(f"total {total:.0f} s (budget {DEADLINE_S} s)")

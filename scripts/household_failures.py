@@ -21,7 +21,8 @@ from horizonrl.envs.household_world import TIERS, generate_layout, kind_of
 
 
 def episode_figures(actions: list[str], target: str) -> dict[str, float]:
-    """One episode: does it take an object of a type other than ``target``, first or at all; how often it repeats itself."""
+    """One episode: does it take an object of a type other than ``target``, first or at all; how often it repeats
+    itself."""
     taken = [kind_of(obj) for verb, obj, _ in map(parse_command, (a or "" for a in actions)) if verb == "take"]
     repeats = sum(a in actions[:i] for i, a in enumerate(actions))
     return {

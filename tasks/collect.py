@@ -2,7 +2,8 @@
 
 The iteration's tasks are split into ``rollout.shards`` fixed shards (``horizonrl.rollout.loop.split_shards``),
 each played by the ``collect-shard`` task: one after another in this process (``rollout.runner: local``;
-a single local shard plays in the collect task itself) or in parallel on a Ray cluster through prefect-ray's task runner (``ray``), where each Ray worker keeps
+a single local shard plays in the collect task itself) or in parallel on a Ray cluster through prefect-ray's task runner
+(``ray``), where each Ray worker keeps
 its own policy and environments in its ``RUNTIME``. The shards' records are joined in order, so the
 tables do not depend on where the shards ran. A method that branches (APPO) has its branches planned over
 all initial rollouts and played here, after the shards.

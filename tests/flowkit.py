@@ -193,10 +193,13 @@ class Browser:
         (``role="tab"``) before a link of the same name (MLflow's sidebar and a run's tabs both say "Traces")."""
         import json
 
-        at = self.js(f"""(() => {{ const all = [...document.querySelectorAll('body *')].filter(e => e.innerText && e.innerText.trim() === {json.dumps(text)});
+        at = self.js(f"""(() => {{
+            const all = [...document.querySelectorAll('body *')]
+                .filter(e => e.innerText && e.innerText.trim() === {json.dumps(text)});
             const leaves = all.filter(e => ![...e.children].some(c => all.includes(c)));
             const leaf = leaves.find(e => e.closest('[role="tab"]')) || leaves[0]; if (!leaf) return null;
-            leaf.scrollIntoView({{block: 'center'}}); const r = leaf.getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; }})()""")
+            leaf.scrollIntoView({{block: 'center'}}); const r = leaf.getBoundingClientRect();
+            return [r.x + r.width / 2, r.y + r.height / 2]; }})()""")
         assert at, f"no element shows {text!r}"
         for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
             self.call("Input.dispatchMouseEvent", type=kind, x=at[0], y=at[1], button="left", clickCount=1)
@@ -205,7 +208,8 @@ class Browser:
         """Type ``text`` into the input field whose placeholder is ``placeholder``, as a user would."""
         import json
 
-        found = self.js(f"""(() => {{ const e = document.querySelector('input[placeholder=' + JSON.stringify({json.dumps(placeholder)}) + ']');
+        found = self.js(f"""(() => {{
+            const e = document.querySelector('input[placeholder=' + JSON.stringify({json.dumps(placeholder)}) + ']');
             if (!e) return false; e.scrollIntoView({{block: 'start'}}); e.focus(); return true; }})()""")
         assert found, f"no input field with placeholder {placeholder!r}"
         self.call("Input.insertText", text=text)

@@ -160,7 +160,8 @@ def test_learner_trains_on_the_sampled_ids_with_the_samplers_logprobs(
     """Through the Parquet turns table: every rebuilt row holds each engine call's sequence followed by the
     sampled ids (window: the row is that; full: each turn's is a prefix of the trajectory's row), policy
     positions point at them, and the learner's log-probs and entropies at T = 0.7 equal the sampler's
-    (<= 1e-5; entropies <= 1e-4). Free mode finds replies whose decode-then-encode gives other ids: the rows keep the sampled ones."""
+    (<= 1e-5; entropies <= 1e-4). Free mode finds replies whose decode-then-encode gives other ids: the rows keep the
+    sampled ones."""
     name, model, tokenizer, fmt, _ = chat_policy
     records, seen = _play(chat_policy, household_suite, context, action_mode)
     path = tmp_path / "turns.parquet"

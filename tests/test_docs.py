@@ -194,7 +194,8 @@ def test_pages_cite_the_repositorys_own_documents(page: Path):
     """The design documents outside the repository are not where a reader can follow: cite docs/."""
     found = re.findall(r"\b(?:ALGORITHMS|ARCHITECTURE|STACK)\.md\b", page.read_text())
     assert not found, (
-        f"{page.relative_to(ROOT)} cites {', '.join(sorted(set(found)))}: cite docs/algorithms.md or docs/architecture.md"
+        f"{page.relative_to(ROOT)} cites {', '.join(sorted(set(found)))}: cite docs/algorithms.md or "
+        "docs/architecture.md"
     )
 
 

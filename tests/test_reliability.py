@@ -441,8 +441,8 @@ def test_a_second_process_on_a_held_run_is_refused_naming_the_holder(prefect_har
         assert main(["train", *(f"--set={k}={v}" for k, v in flat(config(tmp_path, iterations=1)).items())]) == 1
         err = capsys.readouterr().err
         assert (
-            f"run folder {d} is in use by pid {os.getpid()} on host {lock.holder['host']}, started {lock.holder['started']}"
-            in err
+            f"run folder {d} is in use by pid {os.getpid()} on host {lock.holder['host']}, started "
+            f"{lock.holder['started']}" in err
         ), err
         assert partial.read_bytes() == b"half"
     assert sorted(p.name for p in d.iterdir()) == [".episodes.parquet.tmp-1", runlock.LOCK_FILE]
@@ -461,8 +461,8 @@ def flow_run_state(prefect_home: Path, flow_run_id: str) -> str:
 def test_second_process_refused_and_a_killed_run_leaves_no_server(api_url, tmp_path, capsys):
     """A user's ``horizonrl train`` (no Prefect server configured: it starts a temporary one) is running; a
     second start on the same run name (in this test's process) is refused, naming it. The first is then
-    SIGKILLed: its temporary server survives it (re-parented). The next run of that name stops that server, marks the dead flow
-    run crashed, and finishes; afterwards no server process of this Prefect home is left."""
+    SIGKILLed: its temporary server survives it (re-parented). The next run of that name stops that server, marks the
+    dead flow run crashed, and finishes; afterwards no server process of this Prefect home is left."""
     from flows.cli import main
 
     home = tmp_path / "prefect"

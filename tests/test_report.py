@@ -157,7 +157,8 @@ def test_fixture_numbers():
         pytest.approx(0.5),
         pytest.approx(0.6),
     )
-    # seed 0's curve: 0.2, 0.35, 0.5 at 0, 5, 10 -> AUC (0.275 * 5 + 0.425 * 5) / 10 = 0.35; seeds 1, 2: +0.01, +0.02 at 5
+    # seed 0's curve: 0.2, 0.35, 0.5 at 0, 5, 10 -> AUC (0.275 * 5 + 0.425 * 5) / 10 = 0.35; seeds 1, 2: +0.01, +0.02 at
+    # 5
     assert loop.auc.mean == pytest.approx(
         np.mean([0.35, (0.2 + 0.41) / 4 + (0.41 + 0.6) / 4, (0.2 + 0.395) / 4 + (0.395 + 0.55) / 4])
     )
@@ -220,8 +221,8 @@ def test_results_page_is_deterministic_and_complete(tmp_path):
         assert f"]({name})" in page
     assert "thin lines are single seeds" in page and "95% percentile-bootstrap interval of the mean over seeds" in page
     assert (
-        "- BLPO > GiGPO > GRPO on long-horizon household tasks: **holds** (blpo 0.450 [0.400, 0.500] > gigpo 0.323 [0.300, 0.350] > grpo 0.150 [0.100, 0.200])"
-        in page
+        "- BLPO > GiGPO > GRPO on long-horizon household tasks: **holds** (blpo 0.450 [0.400, 0.500] > gigpo 0.323 "
+        "[0.300, 0.350] > grpo 0.150 [0.100, 0.200])" in page
     )
     assert "`0123abcd`" in page and "configs/sweeps/x.yaml" in page and CTX.command in page
     assert f"- cells: {len(cells)} finished, every cell of the sweep" in page
@@ -233,14 +234,14 @@ def test_results_page_is_deterministic_and_complete(tmp_path):
         in page
     )
     assert (
-        "- loop: **improves** (+0.350 [+0.300, +0.400] over seeds; +0.350 [+0.298, +0.400] pooled over 600 and 600 episodes)"
-        in page
+        "- loop: **improves** (+0.350 [+0.300, +0.400] over seeds; +0.350 [+0.298, +0.400] pooled over 600 and 600 "
+        "episodes)" in page
     )
     assert "- grpo: **no change told apart** (-0.050 [-0.100, +0.000] over seeds; no episode counts to pool)" in page
     # gigpo's seeds agree (+0.123 [+0.100, +0.150]) but its 60 + 60 episodes do not tell the change from none
     assert (
-        "- gigpo: **no change told apart** (+0.123 [+0.100, +0.150] over seeds; +0.123 [-0.034, +0.273] pooled over 60 and 60 episodes)"
-        in page
+        "- gigpo: **no change told apart** (+0.123 [+0.100, +0.150] over seeds; +0.123 [-0.034, +0.273] pooled over "
+        "60 and 60 episodes)" in page
     )
     assert (
         "above no change: blpo, loop, loop advantage_params.normalize_std=True, loop loss_params.ratio_level=turn."
@@ -287,7 +288,8 @@ def test_a_run_without_evaluation_is_named():
 
 
 def test_paired_difference_pairs_iterations_inside_the_window():
-    """Only iterations both runs have, inside first..last, are paired; the interval is the bootstrap of those differences."""
+    """Only iterations both runs have, inside first..last, are paired; the interval is the bootstrap of those
+    differences."""
     control = {1: 0.20, 2: 0.30, 3: 0.10, 5: 0.40}
     run = {1: 0.25, 2: 0.25, 3: 0.20, 4: 0.90, 5: 0.50}
     diff, n = stats.paired_difference(control, run, 1, 4)
@@ -357,8 +359,9 @@ def test_the_starting_policy_as_the_cells_evaluated_it_counts_each_seed_once():
     start, seeds = report.cells_start(cells)  # every cell starts at 0.2; seeds 0, 1, 2
     assert (start, seeds) == (report.Pooled(pytest.approx(0.2), 300), 3)
     low, high = stats.wilson(0.2, 300)
-    assert f"| the same, as the cells first evaluated it | 3 | 0.200 [{low:.3f}, {high:.3f}] |" in results_page.results_page(
-        cells, CTX, FIGURES
+    assert (
+        f"| the same, as the cells first evaluated it | 3 | 0.200 [{low:.3f}, {high:.3f}] |"
+        in results_page.results_page(cells, CTX, FIGURES)
     )
     other = replace(cells[0], success={**cells[0].success, 0: 0.25})  # one cell of seed 0 started elsewhere
     assert report.cells_start([other, *cells[1:]]) is None and report.cells_start(_fixture()) is None  # no counts

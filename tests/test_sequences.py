@@ -281,9 +281,10 @@ def test_step_batch_orders_rows_by_trajectory_and_turn():
 def test_step_batch_gap_tokens_are_the_observations_between_turns_in_full_context():
     """Full context: rollout 7's turn 1 adds [3, 4] between its two actions, so its action tokens sit at
     response positions [0, 1, 2, 5, 6] (its row's positions [2, 3, 4, 7, 8] less the prompt); window: 0."""
+
     def episodes(context):
         return pa.Table.from_pylist(
-            [  # noqa: E731
+            [
                 {
                     **{n: None for n in store.EPISODES.names},
                     "rollout_id": r,
@@ -298,5 +299,6 @@ def test_step_batch_gap_tokens_are_the_observations_between_turns_in_full_contex
             ],
             schema=store.EPISODES,
         )
+
     assert step_batch(episodes("full"), _hand_turns(), update_index=0).gap_tokens.tolist() == [0, 0, 2]
     assert step_batch(episodes("window"), _hand_turns(), update_index=0).gap_tokens.tolist() == [0, 0, 0]

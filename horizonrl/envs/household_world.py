@@ -146,9 +146,36 @@ class Tier:
 # tasks within the horizon; harder tiers also start more openables closed.
 TIERS = MappingProxyType(
     {
-        "easy": Tier((1, 1), (4, 4), (3, 4), ("pick_and_place",), 0.5, 0.0, False, 15),
-        "medium": Tier((1, 2), (6, 8), (4, 6), FAMILIES, 0.4, 0.5, True, 30),
-        "hard": Tier((2, 3), (8, 12), (6, 10), FAMILIES, 0.3, 0.5, True, 50),
+        "easy": Tier(
+            rooms=(1, 1),
+            receptacles=(4, 4),
+            objects=(3, 4),
+            families=("pick_and_place",),
+            p_open=0.5,
+            p_lamp=0.0,
+            observe=False,
+            horizon=15,
+        ),
+        "medium": Tier(
+            rooms=(1, 2),
+            receptacles=(6, 8),
+            objects=(4, 6),
+            families=FAMILIES,
+            p_open=0.4,
+            p_lamp=0.5,
+            observe=True,
+            horizon=30,
+        ),
+        "hard": Tier(
+            rooms=(2, 3),
+            receptacles=(8, 12),
+            objects=(6, 10),
+            families=FAMILIES,
+            p_open=0.3,
+            p_lamp=0.5,
+            observe=True,
+            horizon=50,
+        ),
     }
 )
 

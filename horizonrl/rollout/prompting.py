@@ -214,10 +214,12 @@ def _read_template(tokenizer: PreTrainedTokenizerBase, enable_thinking: bool) ->
     # Where the template inserts any content verbatim (ChatML, Qwen3; Llama 3 trims it), the pieces are
     # the parts around the marker, joined without a render per message (a probe with edge whitespace checks).
     probe = " \n a probe  \n"
+
     def render(goal, obs):
         return tokenizer.apply_chat_template(
             _reference(goal, obs), tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
         )
+
     verbatim_system = render(probe, _NEXT) == probe.join(system_parts) + text[user1:]
     verbatim_user = render(_GOAL, probe) == text[:user2] + probe.join(user_parts)
     template = _Template(
@@ -229,7 +231,9 @@ def _read_template(tokenizer: PreTrainedTokenizerBase, enable_thinking: bool) ->
 def window_prompt(
     fmt: ChatFormat, goal_ids: list[int], history: list[tuple[list[int], list[int]]], obs_ids: list[int], h: int
 ) -> list[int]:
-    """``system(goal) + last h (user(o_j) + a_j + close) turns + user(o_now)``; ``history`` holds (obs_ids, action_ids)."""
+    """``system(goal) + last h (user(o_j) + a_j + close) turns + user(o_now)``.
+
+    ``history`` holds (obs_ids, action_ids) per earlier turn."""
     ids = list(goal_ids)
     for o_ids, a_ids in history[len(history) - h :] if h > 0 else []:
         ids += o_ids + a_ids + fmt.close(a_ids)

@@ -44,12 +44,14 @@ def iteration_text(run_dir: str | Path, iteration: int) -> str:
     """One line per episode of the iteration: rollout id, group, task, return, turns, status."""
     ep = store.read_table(iteration_dir(run_dir, iteration) / "episodes.parquet", "episodes").to_pandas()
     lines = [
-        f"iteration {iteration}: {len(ep)} episodes, success {ep['won'].mean():.3f}, mean return {ep['episode_return'].mean():.3f}",
+        f"iteration {iteration}: {len(ep)} episodes, success {ep['won'].mean():.3f}, mean return "
+        f"{ep['episode_return'].mean():.3f}",
         f"{'episode':>8} {'group':>6}  {'task':<32}{'return':>8} {'turns':>6}  {'kind':<8}status",
     ]
     for e in ep.itertuples():
         lines.append(
-            f"{e.rollout_id:>8} {e.group_id:>6}  {e.task_id:<32}{e.episode_return:>8.3f} {e.n_turns:>6}  {e.kind:<8}{e.status}"
+            f"{e.rollout_id:>8} {e.group_id:>6}  {e.task_id:<32}{e.episode_return:>8.3f} {e.n_turns:>6}  "
+            f"{e.kind:<8}{e.status}"
         )
     return "\n".join(lines)
 

@@ -95,7 +95,8 @@ def _copy_empty_store(path: Path) -> None:
     now = int(time.time() * 1000)
     with contextlib.closing(sqlite3.connect(tmp)) as db, db:
         db.execute(
-            "UPDATE experiments SET artifact_location = ?, creation_time = ?, last_update_time = ? WHERE experiment_id = 0",
+            "UPDATE experiments SET artifact_location = ?, creation_time = ?, last_update_time = ? WHERE "
+            "experiment_id = 0",
             (str(Path("mlruns", "0").resolve()), now, now),
         )
     tmp.rename(path)

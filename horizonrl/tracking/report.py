@@ -242,18 +242,18 @@ def summarize(cells: list[CellHistory]) -> list[VariantSummary]:
         col = {k: [f[k] for f in figs] for k in figs[0]}
         out.append(
             VariantSummary(
-                variant,
-                len(group),
-                interval(col["final"]),
-                interval(col["best"]),
-                interval(col["auc"]),
-                float(np.mean(col["tokens"])),
-                float(np.mean(col["train_s"])),
-                float(np.mean(col["env_steps"])),
-                interval(col["change"]),
-                _family_finals(group),
-                pooled_change(group),
-                pooled(group, last=True),
+                variant=variant,
+                seeds=len(group),
+                final=interval(col["final"]),
+                best=interval(col["best"]),
+                auc=interval(col["auc"]),
+                tokens=float(np.mean(col["tokens"])),
+                train_s=float(np.mean(col["train_s"])),
+                env_steps=float(np.mean(col["env_steps"])),
+                change=interval(col["change"]),
+                families=_family_finals(group),
+                pooled_change=pooled_change(group),
+                pooled_final=pooled(group, last=True),
             )
         )
     return out
@@ -291,7 +291,19 @@ def curves(cells: list[CellHistory]) -> list[Curve]:
             for c, s, w in zip(group, steps, walls)
         ]
         half = [(h - lo) / 2 for lo, h in zip(low, high)]
-        out.append(Curve(variant, iterations, xs, mean, half, low, high, ws, seeds))
+        out.append(
+            Curve(
+                variant=variant,
+                iterations=iterations,
+                env_steps=xs,
+                mean=mean,
+                half=half,
+                low=low,
+                high=high,
+                wall_s=ws,
+                seeds=seeds,
+            )
+        )
     return out
 
 

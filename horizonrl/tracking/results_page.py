@@ -118,8 +118,10 @@ def results_page(cells: list[CellHistory], ctx: PageContext, figures: dict[str, 
         "## Against the starting policy",
         "",
         "Judged by two 95% intervals of the change (final minus first evaluation): over seeds (percentile bootstrap; "
-        "with few seeds narrower than they warrant) and pooled over every seed's held-out episodes (Newcombe's interval "
-        "for a difference of two proportions; it leaves out the spread between seeds). *improves* when both lie above 0, "
+        "with few seeds narrower than they warrant) and pooled over every seed's held-out episodes (Newcombe's "
+        "interval "
+        "for a difference of two proportions; it leaves out the spread between seeds). *improves* when both lie above "
+        "0, "
         "*worsens* when both lie below, else *no change told apart*.",
         "",
     ]
@@ -131,7 +133,8 @@ def results_page(cells: list[CellHistory], ctx: PageContext, figures: dict[str, 
     better = [v for v, verdict in verdicts.items() if verdict == "improves"]
     lines += [
         "",
-        f"Improves on its starting policy with 95% intervals above no change: {', '.join(better) if better else 'no variant'}.",
+        "Improves on its starting policy with 95% intervals above no change: "
+        f"{', '.join(better) if better else 'no variant'}.",
         "",
     ]
     lines += _family_lines(summaries)
@@ -140,8 +143,10 @@ def results_page(cells: list[CellHistory], ctx: PageContext, figures: dict[str, 
         lines += [
             f"![held-out success against {X_AXES[x]}]({name})",
             "",
-            f"*Figure {n}. Held-out success against {X_AXES[x]}, one panel per variant: thin lines are single seeds, the thick "
-            "line their mean, the band the 95% percentile-bootstrap interval of the mean over seeds at each evaluation; grey "
+            f"*Figure {n}. Held-out success against {X_AXES[x]}, one panel per variant: thin lines are single seeds, "
+            "the thick "
+            "line their mean, the band the 95% percentile-bootstrap interval of the mean over seeds at each "
+            "evaluation; grey "
             "lines are the other variants' means. The y axis spans the data, not 0 to 1.*",
             "",
         ]
@@ -167,7 +172,8 @@ def results_page(cells: list[CellHistory], ctx: PageContext, figures: dict[str, 
         found = drifts(summaries, ctx.previous_summaries)
         lines += ["", f"## Compared with the previous instance ({ctx.previous})", ""]
         lines += [
-            f"- ⚠ {d.variant}: final success {d.now:.3f}, outside the previous interval [{d.before.low:.3f}, {d.before.high:.3f}]"
+            f"- ⚠ {d.variant}: final success {d.now:.3f}, outside the previous interval [{d.before.low:.3f}, "
+            f"{d.before.high:.3f}]"
             for d in found
         ]
         lines += [] if found else ["- every variant's final success lies inside the previous instance's interval"]
@@ -185,13 +191,15 @@ def _table_lines(
     if warm is not None:
         low, high = wilson(warm.success, warm.episodes)
         lines.append(
-            f"| warm start (`{warm.model_uri}`) | 1 | {warm.success:.3f} [{low:.3f}, {high:.3f}] | | | | | | | starting point |"
+            f"| warm start (`{warm.model_uri}`) | 1 | {warm.success:.3f} [{low:.3f}, {high:.3f}] | | | | | | | "
+            "starting point |"
         )
     if start is not None:
         p, seeds = start
         low, high = wilson(p.rate, p.episodes)
         lines.append(
-            f"| the same, as the cells first evaluated it | {seeds} | {p.rate:.3f} [{low:.3f}, {high:.3f}] | | | | | | | "
+            f"| the same, as the cells first evaluated it | {seeds} | {p.rate:.3f} [{low:.3f}, {high:.3f}] | | | | | "
+            "| | "
             f"each seed's first evaluation, pooled over {p.episodes:,} episodes |"
         )
     for s in summaries:

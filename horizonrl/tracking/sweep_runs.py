@@ -97,17 +97,17 @@ def histories(c: MlflowClient, parent_id: str) -> dict[str, report.CellHistory]:
         train_s = h["time/train_s"][max(h["time/train_s"])] if h["time/train_s"] else float("nan")
         families = {key.removeprefix(FAMILY_PREFIX): h[key] for key in family_keys}
         out[run.info.run_id] = report.CellHistory(
-            variant,
-            int(run.data.tags.get("seed", coords.get("seed", 0))),
-            h["eval/success_rate"],
-            h["collect/episodes"],
-            h["collect/mean_turns"],
-            h["collect/tokens_per_episode"],
-            train_s,
-            h["time/env_steps"],
-            h["time/train_s"],
-            families,
-            h["eval/episodes"],
+            variant=variant,
+            seed=int(run.data.tags.get("seed", coords.get("seed", 0))),
+            success=h["eval/success_rate"],
+            episodes=h["collect/episodes"],
+            mean_turns=h["collect/mean_turns"],
+            tokens_per_episode=h["collect/tokens_per_episode"],
+            train_s=train_s,
+            env_steps=h["time/env_steps"],
+            wall_s=h["time/train_s"],
+            families=families,
+            eval_episodes=h["eval/episodes"],
         )
     return out
 
@@ -167,18 +167,18 @@ def page_context(
     uri = c.tracking_uri
     before = list(histories(c, previous.info.run_id).values()) if previous is not None else []
     return results_page.PageContext(
-        f"Results: {parent.info.run_name}",
-        commits,
-        configs,
-        f"MLFLOW_TRACKING_URI={uri} {command}",
-        uri,
-        parent.info.run_id,
-        warm,
-        previous.info.run_name if previous is not None else None,
-        report.summarize(before) if before else [],
-        unfinished(nested, expected),
-        mlflow_runs.changed_code(commits),
-        tuning,
+        title=f"Results: {parent.info.run_name}",
+        commits=commits,
+        configs=configs,
+        command=f"MLFLOW_TRACKING_URI={uri} {command}",
+        tracking_uri=uri,
+        parent_run_id=parent.info.run_id,
+        warm_start=warm,
+        previous=previous.info.run_name if previous is not None else None,
+        previous_summaries=report.summarize(before) if before else [],
+        unfinished=unfinished(nested, expected),
+        code_changes=mlflow_runs.changed_code(commits),
+        tuning=tuning,
     )
 
 

@@ -132,7 +132,10 @@ def verify(ref: CheckpointRef) -> str | None:
         if got["size"] != want["size"]:
             return f"{name} has {got['size']} bytes, its manifest says {want['size']}"
         if got["sha256"] != want["sha256"]:
-            return f"{name} differs from the file written (sha256 {got['sha256'][:12]}..., its manifest says {want['sha256'][:12]}...)"
+            return (
+                f"{name} differs from the file written (sha256 {got['sha256'][:12]}..., "
+                f"its manifest says {want['sha256'][:12]}...)"
+            )
     return None
 
 

@@ -99,22 +99,22 @@ def _play_one(
         next_obs, reward, done, next_info = env.step(action)
         record.turns.append(
             TurnRecord(
-                turn,
-                obs,
-                action,
-                delta,
-                gen,
-                float(reward),
-                bool(done),
-                bool(next_info.get("won", False)),
-                bool(next_info.get("valid", action in commands)),
-                True,
-                float(next_info.get("score", 0.0)),
-                str(info.get("progress_key", "")),
-                str(next_info.get("abstract_action", "")),
-                len(commands),
-                0.0,
-                0.0,
+                turn=turn,
+                observation=obs,
+                action=action,
+                prompt_ids=delta,
+                gen=gen,
+                reward=float(reward),
+                done=bool(done),
+                won=bool(next_info.get("won", False)),
+                valid=bool(next_info.get("valid", action in commands)),
+                format_valid=True,
+                score=float(next_info.get("score", 0.0)),
+                progress_key=str(info.get("progress_key", "")),
+                abstract_action=str(next_info.get("abstract_action", "")),
+                n_admissible=len(commands),
+                gen_s=0.0,
+                env_s=0.0,
             )
         )
         obs, info = next_obs, next_info

@@ -48,7 +48,16 @@ def train_rows(turns: pa.Table, context: str) -> list[TrainRow]:
         if new_traj:
             flat = 0
         if context == "window" or new_traj:
-            current = TrainRow(rid, turn if context == "window" else -1, [], [], [], [], [], [])
+            current = TrainRow(
+                rollout_id=rid,
+                turn=turn if context == "window" else -1,
+                input_ids=[],
+                positions=[],
+                allowed=[],
+                sample_logp=[],
+                turn_id=[],
+                flat_index=[],
+            )
             rows.append(current)
         prompt, action = cols["prompt_ids"][i], cols["action_ids"][i]
         current.input_ids.extend(prompt)
@@ -85,15 +94,15 @@ def attach_advantages(rows: list[TrainRow], adv_table: pa.Table) -> list[TrainRo
         if keep_idx:
             out.append(
                 TrainRow(
-                    row.rollout_id,
-                    row.turn,
-                    row.input_ids,
-                    [row.positions[p] for p in keep_idx],
-                    [row.allowed[p] for p in keep_idx],
-                    [row.sample_logp[p] for p in keep_idx],
-                    [row.turn_id[p] for p in keep_idx],
-                    [row.flat_index[p] for p in keep_idx],
-                    adv,
+                    rollout_id=row.rollout_id,
+                    turn=row.turn,
+                    input_ids=row.input_ids,
+                    positions=[row.positions[p] for p in keep_idx],
+                    allowed=[row.allowed[p] for p in keep_idx],
+                    sample_logp=[row.sample_logp[p] for p in keep_idx],
+                    turn_id=[row.turn_id[p] for p in keep_idx],
+                    flat_index=[row.flat_index[p] for p in keep_idx],
+                    adv=adv,
                 )
             )
     return out
