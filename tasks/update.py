@@ -82,7 +82,8 @@ def update(
         )
     if stats.get("pi_old_shortcut") == 0.0:
         get_run_logger().warning(
-            "iteration %d update: stored sampling log-probs differ from the learner's by %.2g > update.pi_old_tol = %g on the checked rows; pi_old recomputed for every row",
+            "iteration %d update: stored sampling log-probs differ from the learner's by %.2g > update.pi_old_tol = "
+            "%g on the checked rows; pi_old recomputed for every row",
             iteration,
             stats["pi_old_max_diff"],
             cfg.update.pi_old_tol,

@@ -410,7 +410,8 @@ def test_mlflow_ui_shows_an_episode_trace_turn_by_turn(swept):
     shot.unlink(missing_ok=True)
     b = Browser(root / "chromium-trace")
     try:
-        tab = f"{s.mlflow_uri}/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}/traces"  # the run page's Traces tab
+        # the run page's Traces tab
+        tab = f"{s.mlflow_uri}/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}/traces"
         b.open(tab)
         b.wait_for("Session", trace.info.tags["task"])  # its list of episode traces
         b.open(f"{tab}?selectedTraceId={trace.info.trace_id}&selectedEvaluationId={trace.info.trace_id}")  # one opened
