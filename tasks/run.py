@@ -249,7 +249,7 @@ def end_failed_run(flow: object, flow_run: FlowRun, state: State) -> None:
     RUNTIME.close_update_ranks()
     params = flow_run.parameters
     try:
-        cfg = train_config(params.get("config_path"), params.get("overrides"), params.get("config"))
+        cfg = train_config(params.get("config_path"), params.get("overrides"), params.get("config"), read_files=False)
     except (ValueError, OSError):
         return
     if runlock.held_elsewhere(run_dir(cfg)):  # refused because another process runs it: not ours to mark

@@ -11,7 +11,7 @@ import pydantic
 import pytest
 import yaml
 
-from horizonrl.config import TrainConfig, load_config
+from horizonrl.config import TrainConfig, load_config, train_config
 from horizonrl.config.sweep import load_sweep
 from horizonrl.training.trainer import UpdateSettings
 from methods.appo import BranchingParams
@@ -348,3 +348,16 @@ def test_one_base_config_sweeps_every_method(tmp_path):
     assert {c.config.method for c in cells} == set(METHODS) and len(cells) == 2 * len(METHODS)
     loop = {c.config.loss_spec()[1].ratio_level for c in cells if c.config.method == "loop"}
     assert loop == {"token", "turn"}
+
+
+def test_validation_for_a_failure_hook_reads_no_game_file(tmp_path, monkeypatch):
+    """The train flow's failure hook revalidates the flow's parameters to find the run: it must not load
+    every game of ``env.games`` again (slow, and the file may be what failed the run)."""
+    import horizonrl.envs
+
+    opened = []
+    monkeypatch.setattr(horizonrl.envs, "check_games", lambda *a: opened.append(a))
+    raw = {"env": {"name": "textworld-coin", "games": str(tmp_path / "games"), "max_turns": 10}}
+    assert train_config(None, None, raw, read_files=False).env.games == str(tmp_path / "games") and opened == []
+    train_config(None, None, raw)
+    assert len(opened) == 1, "the normal path checks the games before any work starts"

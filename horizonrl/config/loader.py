@@ -40,15 +40,23 @@ def _parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_YAMLLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
-def train_config(config_path: str | None, overrides: list[str] | None, config: dict[str, Any] | None) -> TrainConfig:
+def train_config(
+    config_path: str | None, overrides: list[str] | None, config: dict[str, Any] | None, read_files: bool = True
+) -> TrainConfig:
     """The train flow's config from its parameters: a whole ``config`` dict, else a file plus overrides."""
-    return TrainConfig.model_validate(config) if config is not None else load_config(config_path, overrides)
+    if config is not None:
+        return TrainConfig.model_validate(config, context={"read_files": read_files})
+    return load_config(config_path, overrides, read_files)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, read_files: bool = True
+) -> TrainConfig:
     """Read a YAML file (safe loader, YAML 1.2 floats), apply ``key.sub=value`` overrides, validate.
 
-    Raises ``ValueError`` naming the file or the field on any problem.
+    Raises ``ValueError`` naming the file or the field on any problem. ``read_files=False`` leaves out the
+    checks that open files beyond the config itself (every game of ``env.games``): a failure hook only needs
+    the run's names, and must not fail again on the file that failed the run.
     """
     raw: dict[str, Any] = {}
     if path is not None:
@@ -62,7 +70,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(raw, dict):
             raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
     apply_overrides(raw, overrides or [])
-    return TrainConfig.model_validate(raw)
+    return TrainConfig.model_validate(raw, context={"read_files": read_files})
 
 
 def override_keys(overrides: list[str]) -> list[str]:

@@ -262,7 +262,8 @@ class WarmStartConfig(Strict):
 
 
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-"""Head sizes vLLM 0.32's CPU attention kernel serves (another starts, reports healthy, then dies at the first request)."""
+"""Head sizes vLLM 0.32's CPU attention kernel serves (another starts, reports healthy, then dies at the first
+request)."""
 
 
 class VLLMConfig(Strict):
@@ -288,6 +289,10 @@ class VLLMConfig(Strict):
     reload_in_place: bool = True
     """Full-weight updates reload the running server's weights (``/collective_rpc reload_weights``, verified by
     probe log-probs) instead of restarting it; the server then runs with VLLM_SERVER_DEV_MODE=1 (loopback only)."""
+    one_request_per_action: bool = True
+    """Admissible actions in one request each: the server loads the project's trie logits processor
+    (``horizonrl/engines/vllm_server_side``); off: one request per token with a choice (``allowed_token_ids``).
+    A server reached at ``url`` must have been started with it (docs/deploy.md)."""
     sync_tolerance: float | None = Field(None, gt=0)
     """Largest probe log-prob difference (nats) a weight sync accepts before it restarts the server; None: 1e-4
     (float32). A bfloat16 sampler needs ~0.1."""
@@ -386,7 +391,7 @@ class TrainConfig(Strict):
         return v
 
     @model_validator(mode="after")
-    def _check_method_fit(self) -> TrainConfig:
+    def _check_method_fit(self, info: ValidationInfo) -> TrainConfig:
         preset = METHODS[self.method]
         if self.rollout.group_size < preset.min_group_size:
             raise ValueError(
@@ -405,7 +410,7 @@ class TrainConfig(Strict):
             raise ValueError(f"env.name = {self.env.name!r} is unknown; known: {', '.join(sorted(SUITES))}")
         from horizonrl.envs import check_games, check_tier
 
-        if self.env.games is not None:
+        if self.env.games is not None and (info.context or {}).get("read_files", True):  # loads every game file
             check_games(self.env.name, self.env.games, self.env.suite_seed)
         if self.env.games is None or self.env.max_turns is None:  # the user's games take the tier's horizon
             check_tier(self.env.name, self.env.tier)
