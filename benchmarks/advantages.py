@@ -6,9 +6,10 @@ trajectories as they do in a run. BLPO starts from a memory written by one earli
 roles (about ``keys`` (role, abstract action) records), untimed.
 
 The references are honest plain Python: one pass that files row indices under their group, then a loop
-over groups doing the arithmetic on Python floats. BLPO's reference writes and reads the memory through
-the same ``BLPOMemory`` methods as the estimator (per key and per role, not per group). Every reference
-is checked against its estimator before a time is reported.
+over groups doing the arithmetic on Python floats. BLPO's reference keeps the memory as plain records
+((role, action) -> ``MomentRecord``, converted from the estimator's memory untimed), writes them key by
+key and reads them role by role (``role_progress_advantage``), as ``BLPOMemory`` did before it ran on
+columns. Every reference is checked against its estimator (BLPO's memory too) before a time is reported.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import methods
 from benchmarks.report import Figure
 from methods import StepBatch
 from methods.blpo import BLPOParams
-from methods.blpo_memory import BLPOMemory, context_hashes, role_progress_advantage
+from methods.blpo_memory import BLPOMemory, MomentRecord, context_hashes, role_progress_advantage
 from methods.gigpo import GiGPOParams
 from methods.stepwise import normalize_action_text
 
@@ -140,9 +141,10 @@ def loop_gigpo(batch: StepBatch, p: GiGPOParams) -> list[float]:
     return out
 
 
-def loop_blpo(batch: StepBatch, p: BLPOParams, memory: BLPOMemory) -> tuple[list[float], BLPOMemory]:
+def loop_blpo(batch: StepBatch, p: BLPOParams, records: dict, decay: float) -> tuple[list[float], dict]:
     """BLPO with default params: per group the episode term, the action-balanced Exact term and the
-    child-balanced effects; then one memory write and one read per role, as the estimator does."""
+    child-balanced effects; then one memory write per key and one read per role, on plain records
+    ((role, action) -> ``MomentRecord``) decayed at ``decay`` per update."""
     score, reward = _penalized(batch, p.invalid_penalty)
     traj, obs, valid = batch.traj_id.tolist(), batch.anchor_obs.tolist(), batch.valid.tolist()
     fmt, role, abstract, context = (
@@ -178,27 +180,18 @@ def loop_blpo(batch: StepBatch, p: BLPOParams, memory: BLPOMemory) -> tuple[list
                     rec = effects.setdefault((r, a), [0.0, 0.0, 0.0, {}])
                     rec[0], rec[1], rec[2] = rec[0] + 1.0, rec[1] + e, rec[2] + e * e
                     rec[3][c] = rec[3].get(c, 0.0) + 1.0
-    keys = list(effects)
-    hashes, weights, bounds = [], [], [0]
-    for key in keys:
-        children = sorted(zip(context_hashes(list(effects[key][3])), effects[key][3].values()))
-        hashes += [h for h, _ in children]
-        weights += [w for _, w in children]
-        bounds.append(len(hashes))
-    sums = [
-        [effects[k][0] for k in keys],
-        [effects[k][1] for k in keys],
-        [effects[k][2] for k in keys],
-        [effects[k][0] for k in keys],
-    ]
     update = int(batch.update_index)
-    memory = memory.with_effects(update, keys, sums, (hashes, weights, bounds))
+    records = plain_write(records, decay, update, effects)
+    by_role: dict[str, list[str]] = {}  # role -> its actions, sorted
+    for r, a in sorted(records):
+        by_role.setdefault(r, []).append(a)
     reads = {}
     out = []
     for i in range(n):
         if role[i] not in reads:
+            decayed = (records[(role[i], a)].decayed(update, decay) for a in by_role.get(role[i], ()))
             reads[role[i]] = role_progress_advantage(
-                memory.role_records(role[i], update, p.eps),
+                {a: d_ for a, d_ in zip(by_role.get(role[i], ()), decayed) if d_.W > p.eps},
                 mode=p.mode,
                 confidence=p.role_confidence,
                 tau=p.tau,
@@ -211,7 +204,27 @@ def loop_blpo(batch: StepBatch, p: BLPOParams, memory: BLPOMemory) -> tuple[list
         w_x, w_p = p.exact_prior * exact_on[i], p.role_prior * on
         micro = (w_x * exact[i] + w_p * read.adv.get(abstract[i], 0.0) * on) / (w_x + w_p) if w_x + w_p > 0 else 0.0
         out.append(episode[i] + p.step_advantage_w * micro)
-    return out, memory
+    return out, records
+
+
+def plain_write(records: dict, decay: float, update: int, effects: dict) -> dict:
+    """The memory write as a plain loop over keys: each key's record decayed, its sums added and its
+    children merged in hash order (``BLPOMemory.with_effects`` as it was before it ran on columns)."""
+    records = dict(records)
+    for key, (w, s, q, contexts) in effects.items():
+        added = dict(sorted(zip(context_hashes(list(contexts)), contexts.values())))
+        old = records.get(key)
+        if old is None:
+            records[key] = MomentRecord(w, s, q, w, update, added)
+            continue
+        base = old.decayed(update, decay)
+        for child in base.children.keys() & added.keys():
+            added[child] += base.children[child]
+        merged = {**base.children, **added}
+        if len(merged) > len(base.children):  # new contexts: keep children sorted by hash
+            merged = {c: merged[c] for c in sorted(merged)}
+        records[key] = MomentRecord(base.W + w, base.S + s, base.Q + q, base.R + w, update, merged)
+    return records
 
 
 def run(rows: int, groups: int, keys: int) -> list[Figure]:
@@ -221,6 +234,7 @@ def run(rows: int, groups: int, keys: int) -> list[Figure]:
     batch = make_batch(rows, groups, keys, update_index=1)
     blpo = methods.ADVANTAGES.get("blpo")
     memory = blpo.fn(warm, BLPOParams(), None).state  # the earlier update's memory (untimed)
+    records = dict(memory.items())  # the same memory as the reference's plain records (untimed)
     for name in LIMITS:
         entry = methods.ADVANTAGES.get(name)
         params = entry.params_cls()
@@ -231,12 +245,18 @@ def run(rows: int, groups: int, keys: int) -> list[Figure]:
         if name == "gigpo":
             ref = loop_gigpo(batch, params)
         elif name == "blpo":
-            ref, ref_memory = loop_blpo(batch, params, memory)
-            assert len(ref_memory) == len(fast.state), "BLPO reference wrote other keys"
+            ref, ref_records = loop_blpo(batch, params, records, memory.decay)
         else:
             ref = loop_trajectory(name, batch)
         slow_s = time.perf_counter() - t0
         np.testing.assert_allclose(fast.adv, ref, rtol=1e-9, atol=1e-9, err_msg=name)
+        if name == "blpo":
+            plain, written = BLPOMemory(memory.half_life, ref_records).records(), fast.state.records()
+            assert [(r["role"], r["action"], r["n_children"]) for r in plain] == [
+                (r["role"], r["action"], r["n_children"]) for r in written
+            ], "BLPO reference wrote other keys or contexts"
+            for f in "WSQR":
+                np.testing.assert_allclose([r[f] for r in plain], [r[f] for r in written], rtol=1e-9, atol=1e-9)
         extra = f", memory {len(memory):,} keys" if name == "blpo" else ""
         figures += [
             Figure(

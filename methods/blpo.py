@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from methods.blpo_memory import BLPOMemory, RoleRead, children_by_key, role_progress_advantage
+from methods.blpo_memory import BLPOMemory, KeyCodes, children_by_key, read_progress_keys
 from methods.registry import ADVANTAGES
 from methods.stepwise import (
     MODES,
@@ -39,6 +39,7 @@ from methods.stepwise import (
     group_first,
     group_moments,
     group_standardize,
+    pair_codes,
     penalized_score_and_reward,
     require_finite,
     step_keys,
@@ -104,10 +105,10 @@ def exact_advantage(returns: np.ndarray, k: StepKeys, params: BLPOParams) -> tup
     rows taking canonical action a; E is active iff |E| >= 2, sigma_E^2 > eps^2 and some
     |score_a - mu_E| > eps. Unbalanced: (G_n - mu_E) / (sigma_E + eps), active iff sigma_E^2 > eps^2.
     """
-    count, mean, var = group_moments(returns, k.exact, k.n_exact)
+    count, mean, var = k.exact_moments(returns)
     active = (count >= 2) & (var > params.eps**2)  # (n_exact,)
     if params.exact_action_balance:
-        pair, n_pair = combine_codes(k.exact, k.action, k.n_action)
+        pair, n_pair = pair_codes(k.exact, k.action, k.n_action)
         _, score, _ = group_moments(returns, pair, n_pair)
         pair_exact = k.exact[group_first(pair, n_pair)]
         dev_pair = score - mean[pair_exact]  # (n_pair,) score_a - mu_E
@@ -120,7 +121,7 @@ def exact_advantage(returns: np.ndarray, k: StepKeys, params: BLPOParams) -> tup
     return np.where(row_active, adv, 0.0), row_active
 
 
-def batch_effects(delta: np.ndarray, k: StepKeys, child_balance: bool) -> tuple[list, list, list]:
+def batch_effects(delta: np.ndarray, k: StepKeys, child_balance: bool) -> tuple[KeyCodes, list, tuple]:
     """This batch's effects on the memory summed per key: ``with_effects`` arguments (2.7 (b)-(d)).
 
     An Exact group writes iff it has >= 2 shareable rows with >= 2 distinct abstract actions. With
@@ -129,17 +130,18 @@ def batch_effects(delta: np.ndarray, k: StepKeys, child_balance: bool) -> tuple[
     context-relative returns ``delta`` (N,).
 
     Returns:
-        ``(keys, sums, children)``: K (role, action) keys, [sum w, sum w e, sum w e^2, sum w^2] as
-        length-K lists, and per key (context hashes, weights).
+        ``(keys, sums, children)``: K (role, action) keys (``KeyCodes``), [sum w, sum w e, sum w e^2,
+        sum w^2] as (K,) arrays, and per key (context digests, weights, bounds) (``children_by_key``).
     """
     sh = np.flatnonzero(k.shareable)
-    pair, n_pair = combine_codes(k.exact[sh], k.key_abstract[k.key[sh]], len(k.abstract_values))
+    pair, n_pair = pair_codes(k.exact[sh], k.key_abstract[k.key[sh]], len(k.abstract_values))
     n_distinct = np.bincount(k.exact[sh][group_first(pair, n_pair)], minlength=k.n_exact)
     eligible = (np.bincount(k.exact[sh], minlength=k.n_exact) >= 2) & (n_distinct >= 2)
     rows = sh[eligible[k.exact[sh]]]
     effect, first = delta[rows], rows
-    if child_balance:
-        key_exact, _ = combine_codes(k.key[rows], k.exact[rows], k.n_exact)
+    if child_balance:  # buckets sorted by (key, uid, observation, context): the order S and Q are summed in
+        exact = k.uid[rows] * max(k.n_obs, 1) + k.obs[rows]
+        key_exact, _ = combine_codes(k.key[rows], exact, max(k.n_uid * k.n_obs, 1))
         bucket, n_bucket = combine_codes(key_exact, k.context[rows], len(k.context_values))
         effect, first = group_moments(delta[rows], bucket, n_bucket)[1], rows[group_first(bucket, n_bucket)]
     # first: (E,) one row per effect, whose key and context the effect takes
@@ -147,37 +149,35 @@ def batch_effects(delta: np.ndarray, k: StepKeys, child_balance: bool) -> tuple[
     n_written = len(written)
     weight = np.bincount(key_index, minlength=n_written).astype(np.float64)  # sum w = sum w^2 (w = 1)
     moments = (np.bincount(key_index, weights=v, minlength=n_written) for v in (effect, effect**2))
-    keys = [(k.role_values[k.key_role[c]], k.abstract_values[k.key_abstract[c]]) for c in written.tolist()]
-    sums = [s.tolist() for s in (weight, *moments, weight)]
-    return keys, sums, children_by_key(key_index, k.context[first], n_written, k.context_values)
+    sums = [weight, *moments, weight]
+    return key_codes(k, written), sums, children_by_key(key_index, k.context[first], n_written, k.context_values)
+
+
+def key_codes(k: StepKeys, codes: np.ndarray) -> KeyCodes:
+    """The (role, abstract action) keys of key codes, as the memory takes them."""
+    return KeyCodes(k.role_values, k.key_role[codes], k.abstract_values, k.key_abstract[codes])
 
 
 def read_progress(memory: BLPOMemory, update: int, k: StepKeys, params: BLPOParams) -> tuple:
     """A^P, its activity and the role score m_a per row, read from ``memory`` at ``update`` (2.7 (f), (g)).
 
-    Only shareable rows read, one ``role_progress_advantage`` call per distinct role; a row is active
-    iff its role is active and its (role, action) has a record with W > eps.
+    Only shareable rows read: ``read_progress_keys`` once over the distinct keys they carry (every
+    role of them in one numpy pass); a row is active iff its role is active and its (role, action)
+    has a record with W > eps.
 
     Returns:
         ``(adv, active, score, n_active_roles)``: three (N,) arrays and an int.
     """
     n_key = len(k.key_role)
     adv, score, active = np.zeros(n_key + 1), np.zeros(n_key + 1), np.zeros(n_key + 1, dtype=bool)
-    reads: dict[int, RoleRead] = {}
-    for c in distinct(k.key[k.shareable]).tolist():
-        r = int(k.key_role[c])
-        if r not in reads:
-            reads[r] = role_progress_advantage(
-                memory.role_records(k.role_values[r], update, params.eps),
-                mode=params.mode, confidence=params.role_confidence, tau=params.tau,
-                support_scale=params.support_scale, std_floor=params.std_floor, eps=params.eps,
-            )  # fmt: skip
-        action = k.abstract_values[k.key_abstract[c]]
-        if action in reads[r].score:
-            score[c], active[c] = reads[r].score[action], reads[r].active
-            adv[c] = reads[r].adv.get(action, 0.0)
+    read = distinct(k.key[k.shareable])
+    adv[read], active[read], score[read], n_active_roles = read_progress_keys(
+        memory, key_codes(k, read), update,
+        mode=params.mode, confidence=params.role_confidence, tau=params.tau,
+        support_scale=params.support_scale, std_floor=params.std_floor, eps=params.eps,
+    )  # fmt: skip
     row = np.where(k.shareable, k.key, n_key)  # non-shareable rows read the zero slot n_key
-    return adv[row], active[row], score[row], sum(read.active for read in reads.values())
+    return adv[row], active[row], score[row], n_active_roles
 
 
 def fuse_parallel(adv_x, active_x, adv_p, active_p, params: BLPOParams) -> np.ndarray:
@@ -199,7 +199,7 @@ def local_residual(returns, k: StepKeys, score, reliable, params: BLPOParams) ->
         ``(micro, correction, applied)``: micro (N,), beta * projected role score (N,), its rows (N,).
     """
     rel = np.flatnonzero(reliable)
-    pair, n_pair = combine_codes(k.exact[rel], k.key_abstract[k.key[rel]], len(k.abstract_values))
+    pair, n_pair = pair_codes(k.exact[rel], k.key_abstract[k.key[rel]], len(k.abstract_values))
     n_distinct = np.bincount(k.exact[rel][group_first(pair, n_pair)], minlength=k.n_exact)
     n_rel, mean_rel, var_rel = group_moments(score[rel], k.exact[rel], k.n_exact)
     var_pop = var_rel * np.maximum(n_rel - 1, 0) / np.maximum(n_rel, 1)
@@ -207,7 +207,7 @@ def local_residual(returns, k: StepKeys, score, reliable, params: BLPOParams) ->
     applied = np.zeros(len(returns), dtype=bool)
     applied[rel] = usable[k.exact[rel]]
     projected = np.where(applied, score - mean_rel[k.exact], 0.0)
-    mean = group_moments(returns, k.exact, k.n_exact)[1]
+    mean = k.exact_moments(returns)[1]
     combined = (returns - mean[k.exact]) + params.beta * projected
     count, mean_c, var_c = group_moments(combined, k.exact, k.n_exact)
     combined = combined - mean_c[k.exact]
@@ -227,7 +227,7 @@ def progress_layer(returns, k: StepKeys, memory: BLPOMemory, update: int, params
     """
     delta = returns
     if params.role_residual_center:
-        delta = returns - group_moments(returns, k.exact, k.n_exact)[1][k.exact]  # delta = G - mean_E G
+        delta = returns - k.exact_moments(returns)[1][k.exact]  # delta = G - mean_E G
     effects = batch_effects(delta, k, params.role_child_balance)
     if params.role_read_before_write:
         adv, active, score, n_active_roles = read_progress(memory, update, k, params)

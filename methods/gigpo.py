@@ -21,10 +21,11 @@ import numpy as np
 from methods.registry import ADVANTAGES
 from methods.stepwise import (
     MODES,
-    combine_codes,
     discounted_returns,
-    factorize,
+    first_rows,
     group_standardize,
+    hashed_codes,
+    pair_codes,
     penalized_score_and_reward,
     require_finite,
     trajectory_starts,
@@ -66,8 +67,8 @@ def episode_advantage(
     normalises its own score with those statistics, as verl-agent does (7.4). A group with one
     member has mu = 0 and sigma = 1, so A^E = score / (1 + eps) (7.1).
     """
-    if params.cross_steps:
-        return group_standardize(score, uid, n_uid, params.mode, params.eps, "raw")
+    if params.cross_steps:  # uid is numbered in first-appearance order (``hashed_codes``)
+        return group_standardize(score, uid, n_uid, params.mode, params.eps, "raw", first=first_rows(uid))
     return group_standardize(
         score[starts], uid[starts], n_uid, params.mode, params.eps, "raw", x_apply=score, codes_apply=uid
     )
@@ -92,10 +93,10 @@ def gigpo_advantage(batch: StepBatch, params: GiGPOParams, state: object | None 
     starts = trajectory_starts(batch)
     score, reward = penalized_score_and_reward(batch, params.invalid_penalty)
     returns = discounted_returns(reward, starts, params.gamma)  # (N,) G_n
-    uid, uid_values = factorize(batch.group_id)
-    obs, obs_values = factorize(batch.anchor_obs)
-    anchor, n_anchor = combine_codes(uid, obs, len(obs_values))
-    adv_episode = episode_advantage(score, uid, len(uid_values), starts, params)
+    uid, n_uid = hashed_codes(batch.group_id)  # numbered by first appearance: no sort
+    obs, n_obs = hashed_codes(batch.anchor_obs)
+    anchor, n_anchor = pair_codes(uid, obs, n_obs)  # one hash pass over the packed pairs, not a second sort
+    adv_episode = episode_advantage(score, uid, n_uid, starts, params)
     adv_step = group_standardize(returns, anchor, n_anchor, params.mode, params.eps, "zero")
     adv = adv_episode + params.step_advantage_w * adv_step
     return AdvantageResult(

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pandas as pd
+
+try:  # the hash table pd.factorize uses for a column of str (pandas 2.2 - 3.1); optional
+    from pandas._libs.hashtable import StringHashTable
+except ImportError:  # pragma: no cover
+    StringHashTable = None
 
 from methods.types import StepBatch
 
@@ -85,7 +90,8 @@ def discounted_returns(reward: np.ndarray, starts: np.ndarray, gamma: float) -> 
     is_last = np.zeros(n_rows, dtype=bool)
     is_last[starts + lengths - 1] = True
     successor = np.where(is_last, n_rows, np.arange(n_rows) + 1)  # (N,) row n+1, or the zero pad
-    order = np.argsort(pos, kind="stable")
+    small = np.int16 if n_rows and int(pos.max()) < np.iinfo(np.int16).max else np.int64
+    order = np.argsort(pos.astype(small), kind="stable")  # a radix sort for 16-bit positions: the same order
     offsets = np.concatenate(([0], np.cumsum(np.bincount(pos, minlength=0))))
     returns = np.zeros(n_rows + 1, dtype=np.float64)  # last slot: G after the end = 0
     for j in range(len(offsets) - 2, -1, -1):
@@ -106,12 +112,23 @@ def factorize(values: Any) -> tuple[np.ndarray, list[Any]]:
 
     Object (string) columns and lists are coded in first-appearance order by pandas' hash table
     (C; about 3x faster than a dict pass over 1e6 strings, and much faster than sorting them); None
-    is a value like any other. Numeric arrays use ``np.unique(return_inverse=True)``.
+    is a value like any other. A column of str only goes straight to the string table that
+    ``pd.factorize`` would pick (``StringHashTable``: the same codes, without its NA and type scans,
+    which cost a third as much again); anything else, or a pandas without it, through
+    ``pd.factorize``. Numeric arrays use ``np.unique(return_inverse=True)``.
     """
     if isinstance(values, np.ndarray) and values.dtype != object:
         uniques, codes = np.unique(values, return_inverse=True)
         return codes.reshape(-1).astype(np.int64), uniques.tolist()
     items = values if isinstance(values, np.ndarray) else np.asarray(list(values), dtype=object)
+    if StringHashTable is not None and items.ndim == 1 and len(items):
+        try:
+            uniques, codes = StringHashTable(len(items)).factorize(
+                items, na_sentinel=-1, na_value=None, mask=None, ignore_na=False
+            )
+            return codes.astype(np.int64), list(uniques)
+        except (TypeError, ValueError):  # a value that is not a str: pandas' general path
+            pass
     codes, uniques = pd.factorize(items, use_na_sentinel=False)
     return codes.astype(np.int64), list(uniques)
 
@@ -119,14 +136,54 @@ def factorize(values: Any) -> tuple[np.ndarray, list[Any]]:
 def combine_codes(a: np.ndarray, b: np.ndarray, n_b: int) -> tuple[np.ndarray, int]:
     """Codes of the pairs (a_n, b_n), in sorted (a, b) order, and their number.
 
-    ``b`` must lie in 0..n_b-1. Pairs are packed as a * n_b + b (int64) and coded with
-    ``np.unique(return_inverse=True)``.
+    ``b`` must lie in 0..n_b-1. Pairs are packed as a * n_b + b (int64) and coded by a count over
+    the packed range when it is at most 4N (``dense_codes``), else with ``np.unique(return_inverse=True)``.
     """
+    packed = _packed(a, b, n_b)
+    if len(packed) and int(packed.max()) < DENSE_RANGE * len(packed):
+        return dense_codes(packed)
+    uniques, codes = np.unique(packed, return_inverse=True)
+    return codes.reshape(-1).astype(np.int64), len(uniques)
+
+
+def pair_codes(a: np.ndarray, b: np.ndarray, n_b: int) -> tuple[np.ndarray, int]:
+    """Codes of the pairs (a_n, b_n) and their number, for groupings whose numbering no result
+    depends on (per-group statistics summed in row order): ``combine_codes``' count over a small
+    packed range, else pandas' hash table on the packed int64 (first-appearance order) instead of a
+    sort."""
+    packed = _packed(a, b, n_b)
+    if len(packed) and int(packed.max()) < DENSE_RANGE * len(packed):
+        return dense_codes(packed)
+    codes, uniques = pd.factorize(packed)
+    return codes.astype(np.int64), len(uniques)
+
+
+DENSE_RANGE = 4  # packed pair values below 4N are coded by a count, not a sort or a hash table
+
+
+def _packed(a: np.ndarray, b: np.ndarray, n_b: int) -> np.ndarray:
     a = np.asarray(a, dtype=np.int64)
     if len(a) and int(a.max()) >= np.iinfo(np.int64).max // max(n_b, 1):
         raise ValueError("too many distinct keys to pack into int64 pair codes")
-    uniques, codes = np.unique(a * max(n_b, 1) + np.asarray(b, dtype=np.int64), return_inverse=True)
-    return codes.reshape(-1).astype(np.int64), len(uniques)
+    return a * max(n_b, 1) + np.asarray(b, dtype=np.int64)
+
+
+def dense_codes(packed: np.ndarray) -> tuple[np.ndarray, int]:
+    """Codes of non-negative int64 values in sorted order, by a count over 0..max: what
+    ``np.unique(return_inverse=True)`` gives, in O(N + max)."""
+    present = np.bincount(packed) > 0
+    rank = np.cumsum(present) - 1
+    return rank[packed].astype(np.int64), int(rank[-1]) + 1
+
+
+def hashed_codes(values: Any) -> tuple[np.ndarray, int]:
+    """Integer codes of a column in first-appearance order and their number (``factorize`` without
+    sorting numeric values: for groupings whose numbering no result depends on)."""
+    if isinstance(values, np.ndarray) and values.dtype != object:
+        codes, uniques = pd.factorize(values.reshape(-1))
+        return codes.astype(np.int64), len(uniques)
+    codes, uniques = factorize(values)
+    return codes, len(uniques)
 
 
 def group_first(codes: np.ndarray, n_groups: int) -> np.ndarray:
@@ -136,7 +193,19 @@ def group_first(codes: np.ndarray, n_groups: int) -> np.ndarray:
     return first
 
 
-def group_moments(x: np.ndarray, codes: np.ndarray, n_groups: int) -> tuple[np.ndarray, ...]:
+def first_rows(codes: np.ndarray) -> np.ndarray:
+    """``group_first`` of codes numbered in first-appearance order (``pair_codes``, ``hashed_codes``):
+    the rows where the running maximum grows, without a scatter."""
+    grows = np.empty(len(codes), dtype=bool)
+    if len(codes):
+        peak = np.maximum.accumulate(codes)
+        grows[0], grows[1:] = True, peak[1:] != peak[:-1]
+    return np.flatnonzero(grows)
+
+
+def group_moments(
+    x: np.ndarray, codes: np.ndarray, n_groups: int, first: np.ndarray | None = None
+) -> tuple[np.ndarray, ...]:
     """Per-group count, mean and unbiased variance (ddof = 1) of ``x`` (N,) over ``codes`` (N,).
 
     The mean is taken around the group's first value (mean = x_ref + mean(x - x_ref)), so a group of
@@ -144,13 +213,17 @@ def group_moments(x: np.ndarray, codes: np.ndarray, n_groups: int) -> tuple[np.n
     two-pass sum of squared deviations; it is 0 for groups of size 1. An empty ``x`` gives G groups of
     count 0, mean 0 and variance 0.
 
+    Args:
+        first: each group's first row, if known (``first_rows``; default ``group_first``).
+
     Returns:
         ``(count, mean, var)``, each (G,): int64, float64, float64.
     """
     count = np.bincount(codes, minlength=n_groups)
     if len(x) == 0:  # no member in any group (e.g. no progress-active row): count 0, mean 0, var 0
         return count, np.zeros(n_groups), np.zeros(n_groups)
-    ref = x[np.minimum(group_first(codes, n_groups), len(x) - 1)]  # (G,) first value of each group
+    first = group_first(codes, n_groups) if first is None else first
+    ref = x[np.minimum(first, len(x) - 1)]  # (G,) first value of each group
     safe = np.maximum(count, 1)
     mean = ref + np.bincount(codes, weights=x - ref[codes], minlength=n_groups) / safe
     dev = x - mean[codes]
@@ -167,6 +240,7 @@ def group_standardize(
     singleton: str,
     x_apply: np.ndarray | None = None,
     codes_apply: np.ndarray | None = None,
+    first: np.ndarray | None = None,
 ) -> np.ndarray:
     """(x - mu_g) / (sigma_g + eps) (``mean_std_norm``) or x - mu_g (``mean_norm``) per group (0.4).
 
@@ -176,13 +250,14 @@ def group_standardize(
     Args:
         singleton: rule for a group of size 1: ``"zero"`` (mu = x, so A = 0: BLPO, GiGPO step term)
             or ``"raw"`` (mu = 0, sigma = 1, so A = x / (1 + eps): verl GRPO, GiGPO episode term).
+        first: each group's first row in ``codes``, if known (``group_moments``).
 
     Returns:
         Standardized ``x_apply``, float64.
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
-    count, mean, var = group_moments(x, codes, n_groups)
+    count, mean, var = group_moments(x, codes, n_groups, first)
     std = np.sqrt(var)
     if singleton == "raw":
         mean = np.where(count == 1, 0.0, mean)
@@ -228,17 +303,20 @@ def canonical_action_codes(action: Any, valid: Any, format_valid: Any) -> tuple[
     text, text_values = factorize([normalize_action_text(v) for v in raw_values])
     fmt, ok = np.asarray(format_valid, dtype=bool), np.asarray(valid, dtype=bool)
     validity = np.where(~fmt, 2, np.where(ok, 0, 1))  # (N,)
-    return combine_codes(validity, text[raw], len(text_values))
+    return pair_codes(validity, text[raw], len(text_values))
 
 
 @dataclass(frozen=True)
 class StepKeys:
     """Integer codes of a batch's key columns (2.3, 2.4); ``*_values`` hold the distinct originals."""
 
-    uid: np.ndarray  # (N,) task group
+    uid: np.ndarray  # (N,) task group, numbered in sorted order of the group ids
     n_uid: int
-    exact: np.ndarray  # (N,) Exact group E = (uid, anchor_obs)
+    obs: np.ndarray  # (N,) anchor observation
+    n_obs: int
+    exact: np.ndarray  # (N,) Exact group E = (uid, anchor_obs) (``pair_codes``: no order implied)
     n_exact: int
+    exact_first: np.ndarray  # (n_exact,) first row of each Exact group
     action: np.ndarray  # (N,) canonical exact action (validity, normalised text)
     n_action: int
     key: np.ndarray  # (N,) progress key (role, abstract action)
@@ -249,24 +327,38 @@ class StepKeys:
     context: np.ndarray  # (N,) exact child (context id)
     context_values: list[str]
     shareable: np.ndarray  # (N,) bool
+    _moments: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def exact_moments(self, x: np.ndarray) -> tuple[np.ndarray, ...]:
+        """``group_moments`` of ``x`` over the Exact groups, computed once per array (the Exact and
+        progress layers both centre the returns G in E)."""
+        if id(x) not in self._moments or self._moments[id(x)][0] is not x:
+            self._moments.clear()
+            self._moments[id(x)] = x, group_moments(x, self.exact, self.n_exact, self.exact_first)
+        return self._moments[id(x)][1]
 
 
 def step_keys(batch: StepBatch) -> StepKeys:
-    """Factorize every key column once; no Python loop runs per row except the dict pass (2.3)."""
+    """Factorize every key column once; no Python loop runs per row (2.3). Pairs are coded by hash
+    (``pair_codes``); where an order of summation depends on a numbering, the caller sorts by the
+    columns' own codes (``sorted_exact``)."""
     uid, uid_values = factorize(batch.group_id)
     obs, obs_values = factorize(batch.anchor_obs)
-    exact, n_exact = combine_codes(uid, obs, len(obs_values))
+    exact, n_exact = pair_codes(uid, obs, len(obs_values))
     action, n_action = canonical_action_codes(batch.action, batch.valid, batch.format_valid)
     role, role_values = factorize(batch.progress_key)
     abstract, abstract_values = factorize(batch.abstract_action)
-    key, n_key = combine_codes(role, abstract, len(abstract_values))
+    key, n_key = pair_codes(role, abstract, len(abstract_values))
     first = group_first(key, n_key)
     context, context_values = factorize(batch.context_id)
     return StepKeys(
         uid,
         len(uid_values),
+        obs,
+        len(obs_values),
         exact,
         n_exact,
+        group_first(exact, n_exact),
         action,
         n_action,
         key,

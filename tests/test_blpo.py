@@ -21,7 +21,15 @@ import numpy as np
 import pytest
 
 from methods.blpo import BLPOParams, blpo_advantage
-from methods.blpo_memory import BLPOMemory, MomentRecord, context_hashes, role_progress_advantage, role_support
+from methods.blpo_memory import (
+    BLPOMemory,
+    KeyCodes,
+    MomentRecord,
+    context_hashes,
+    read_progress_keys,
+    role_progress_advantage,
+    role_support,
+)
 from methods.registry import ADVANTAGES
 from methods.types import StepBatch
 
@@ -291,21 +299,26 @@ def test_contexts_one_update_apart_are_inactive():
 
 
 def test_half_life_halves_weight_after_eight_updates():
-    memory = BLPOMemory(8.0).with_effects(0, [("R", "A")], [[1.0], [0.4], [0.16], [1.0]], (["c"], [1.0], [0, 1]))
+    b, c = context_hashes(["b", "c"])  # children are keyed by context hashes (32 hex digits)
+    memory = BLPOMemory(8.0).with_effects(0, [("R", "A")], [[1.0], [0.4], [0.16], [1.0]], ([c], [1.0], [0, 1]))
     later = memory.role_records("R", 8, EPS)["A"]
     assert later.W == pytest.approx(0.5, rel=1e-14) and later.S == pytest.approx(0.2, rel=1e-14)
-    assert later.R == pytest.approx(0.25, rel=1e-14) and later.children["c"] == pytest.approx(0.5, rel=1e-14)
-    grown = memory.with_effects(8, [("R", "A")], [[1.0], [0.0], [0.0], [1.0]], (["b"], [1.0], [0, 1])).get("R", "A")
+    assert later.R == pytest.approx(0.25, rel=1e-14) and later.children[c] == pytest.approx(0.5, rel=1e-14)
+    grown = memory.with_effects(8, [("R", "A")], [[1.0], [0.0], [0.0], [1.0]], ([b], [1.0], [0, 1])).get("R", "A")
     assert grown.W == pytest.approx(1.5, rel=1e-14) and grown.last_update == 8
-    assert grown.children == pytest.approx({"b": 1.0, "c": 0.5}, rel=1e-14) and list(grown.children) == ["b", "c"]
-    again = memory.with_effects(8, [("R", "A")], [[1.0], [0.0], [0.0], [1.0]], (["c"], [1.0], [0, 1])).get("R", "A")
-    assert again.children == pytest.approx({"c": 1.5}, rel=1e-14)  # the same context: 0.5 decayed + 1
+    assert grown.children == pytest.approx({b: 1.0, c: 0.5}, rel=1e-14) and list(grown.children) == sorted([b, c])
+    again = memory.with_effects(8, [("R", "A")], [[1.0], [0.0], [0.0], [1.0]], ([c], [1.0], [0, 1])).get("R", "A")
+    assert again.children == pytest.approx({c: 1.5}, rel=1e-14)  # the same context: 0.5 decayed + 1
     assert memory.get("R", "A").W == 1.0  # with_effects returned a new memory
     with pytest.raises(ValueError, match="backwards"):
         grown_memory = memory.with_effects(8, [], [[], [], [], []], ([], [], [0]))
         grown_memory.with_effects(7, [], [[], [], [], []], ([], [], [0]))
+    with pytest.raises(ValueError, match="hex"):
+        memory.with_effects(8, [("R", "A")], [[1.0], [0.0], [0.0], [1.0]], (["c"], [1.0], [0, 1]))
     faded = MomentRecord(1.0, 1.0, 1.0, 1.0, 0, {"c": 1.0}).decayed(8 * 34, LAMBDA)
     assert faded.children == {}  # 2^-34 = 5.8e-11 <= 1e-10: pruned
+    pruned = memory.with_effects(8 * 34, [("R", "A")], [[1.0], [0.0], [0.0], [1.0]], ([b], [1.0], [0, 1]))
+    assert pruned.get("R", "A").children == {b: 1.0}  # c decayed below 1e-10 is dropped on write
 
 
 def test_memory_json_round_trip():
@@ -430,3 +443,78 @@ def test_bit_identical_across_processes():
     local = hashlib.sha256(b"".join(a.tobytes() for a in advs))
     local.update(json.dumps(memory.to_json_dict()).encode())
     assert digests == {local.hexdigest()}
+
+
+def plain_with_effects(memory: BLPOMemory, update: int, keys, sums, children) -> dict:
+    """The memory write as a plain loop over keys on ``MomentRecord``s (the reference of ``with_effects``)."""
+    records = dict(memory.items())
+    hashes, weights, bounds = children
+    for key, w, s, q, r, lo, hi in zip(keys, *sums, bounds[:-1], bounds[1:]):
+        added = dict(zip(hashes[lo:hi], weights[lo:hi]))
+        old = records.get(key)
+        if old is None:
+            records[key] = MomentRecord(w, s, q, r, update, added)
+            continue
+        base = old.decayed(update, memory.decay)
+        for child in base.children.keys() & added.keys():
+            added[child] += base.children[child]
+        merged = {c: {**base.children, **added}[c] for c in sorted({**base.children, **added})}
+        records[key] = MomentRecord(base.W + w, base.S + s, base.Q + q, base.R + r, update, merged)
+    return records
+
+
+def random_memory(rng: np.random.Generator) -> tuple[BLPOMemory, list[str]]:
+    """Records over 6 roles x 4 actions (some missing) with children from 10 contexts: weights that decay
+    below eps or 1e-10, roles with one action, tied scores, last updates 0..5."""
+    pool = context_hashes([f"ctx{i}" for i in range(10)])
+    records = {}
+    for role in range(6):
+        tied = rng.random() < 0.2
+        for action in range(4):
+            if rng.random() < 0.3:
+                continue
+            W = float(rng.choice([1e-7, 1e-3, rng.uniform(0.5, 5.0)]))
+            S = 0.3 * W if tied else float(rng.normal()) * W
+            n_child = int(rng.integers(0, 5))
+            children = {pool[c]: float(rng.choice([1e-9, 1.0, rng.uniform(0.1, 3.0)]))
+                        for c in rng.choice(10, n_child, replace=False)}  # fmt: skip
+            records[(f"r{role}", f"a{action}")] = MomentRecord(
+                W,
+                S,
+                S * S / W + float(rng.uniform(0, 2)),
+                W * float(rng.uniform(0.2, 1.0)),
+                int(rng.integers(0, 6)),
+                children,
+            )
+    return BLPOMemory(8.0, records), pool
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_vectorised_memory_write_and_read_equal_the_plain_loops(seed):
+    """``with_effects`` equals the plain per-key merge and ``read_progress_keys`` equals
+    ``role_progress_advantage`` role by role, bit for bit, on random memories (new roles and actions,
+    decay, pruning, ties, roles without records, every read setting)."""
+    rng = np.random.default_rng(seed)
+    memory, pool = random_memory(rng)
+    update = 6 + int(rng.integers(0, 40))
+    keys = [(f"r{r}", f"a{a}") for r in range(8) for a in range(5) if rng.random() < 0.4]
+    w = rng.integers(1, 4, len(keys)).astype(float)
+    sums = [w.tolist(), rng.normal(size=len(keys)).tolist(), rng.uniform(0, 2, len(keys)).tolist(), w.tolist()]
+    hashes, weights, bounds = [], [], [0]
+    for _ in keys:
+        chosen = sorted(pool[c] for c in rng.choice(10, int(rng.integers(0, 4)), replace=False))
+        hashes += chosen
+        weights += rng.integers(1, 3, len(chosen)).astype(float).tolist()
+        bounds.append(len(hashes))
+    written = memory.with_effects(update, keys, sums, (hashes, weights, bounds))
+    plain = BLPOMemory(8.0, plain_with_effects(memory, update, keys, sums, (hashes, weights, bounds)), update)
+    assert json.dumps(written.to_json_dict()) == json.dumps(plain.to_json_dict())
+    read_keys = [(f"r{r}", f"a{a}") for r in range(9) for a in range(6)]
+    for settings in ({}, {"mode": "mean_norm"}, {"confidence": False, "std_floor": 0.7}, {"tau": 0.0}):
+        at = update + int(rng.integers(0, 30))
+        adv, active, score, n_active = read_progress_keys(written, KeyCodes.of(read_keys), at, **settings)
+        reads = {r: role_progress_advantage(written.role_records(r, at, EPS), **settings) for r, _ in read_keys}
+        expected = [(reads[r].adv.get(a, 0.0), reads[r].active and a in reads[r].score, reads[r].score.get(a, 0.0))
+                    for r, a in read_keys]  # fmt: skip
+        assert list(zip(adv.tolist(), active.tolist(), score.tolist())) == expected
+        assert n_active == sum(read.active for read in reads.values())
