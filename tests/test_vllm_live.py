@@ -60,6 +60,7 @@ def live(tiny_policy, tiny_policy_dir, tmp_path_factory):
         cache_root=str(root / "cache"),
         dev_mode=True,
         max_model_len=max_positions(tiny_policy_dir),
+        trie_processor=True,
     )
     server = VLLMServer(spec, root / "server.log", startup_timeout_s=600, source=str(tiny_policy_dir))
     server.start()
@@ -70,6 +71,7 @@ def live(tiny_policy, tiny_policy_dir, tmp_path_factory):
         max_concurrency=8,
         server=server,
         weights_dir=root / "weights",
+        one_request=True,
     )
     try:
         engine.generate(
@@ -120,18 +122,42 @@ def _perturbed(tiny_policy_dir, out: Path, seed: int) -> tuple[torch.nn.Module, 
 @pytest.mark.parametrize("admissible", [True, False])
 def test_greedy_window_generations_equal_the_transformers_engine(live, tiny_policy, household_suite, admissible):
     """Window context (whole prompts): same tokens, masks, allowed sets and finished flags; log-probs and
-    entropies at T = 0.7 within 1e-4 (top_logprobs = V: nothing cut). Admissible mode sends exactly one
-    request per token with a choice (the server's own request counter), none for a forced token."""
+    entropies at T = 0.7 within 1e-4 (top_logprobs = V: nothing cut). One request per action in either
+    mode (the server's own request counter): admissible actions through the trie logits processor."""
     _, _, fmt, hf = tiny_policy
     prompts, commands = _prompts(fmt, household_suite)
     tries = [TokenTrie([fmt.command(c) for c in cs], cs) if admissible else None for cs in commands]
     before = live.client.metrics()[REQUESTS]
     gens = live.generate(prompts, tries, 6, 0.7, True, 0)
     sent = live.client.metrics()[REQUESTS] - before
-    expected = hf.generate(prompts, tries, 6, 0.7, True, 0)
-    for v, h in zip(gens, expected):
+    for v, h in zip(gens, hf.generate(prompts, tries, 6, 0.7, True, 0)):
         _same(v, h)
-    assert sent == (sum(sum(g.policy_mask) for g in expected) if admissible else len(prompts))
+    assert sent == len(prompts)
+
+
+def test_one_request_per_action_equals_the_per_step_path(live, tiny_policy, household_suite):
+    """The trie processor's single request against the per-step path (one ``allowed_token_ids`` request per
+    token with a choice, none for a forced token) on the same server: greedy actions identical, forced
+    tokens policy_mask False, log-probs and entropies within 1e-4; requests 3 against the branching count."""
+    _, tokenizer, fmt, hf = tiny_policy
+    prompts, commands = _prompts(fmt, household_suite)
+    tries = [TokenTrie([fmt.command(c) for c in cs], cs) for cs in commands]
+    per_step = VLLMEngine(live.client, hf.end_ids, len(tokenizer), one_request=False)
+    try:
+        counts = []
+        for engine in (live, per_step):
+            before = live.client.metrics()[REQUESTS]
+            gens = engine.generate(prompts, tries, 8, 0.7, True, 0)
+            counts.append(live.client.metrics()[REQUESTS] - before)
+            if engine is live:
+                one = gens
+    finally:
+        per_step.close()
+    for a, b in zip(one, gens):
+        _same(a, b)
+        assert all(m == (len(al) > 1) for m, al in zip(a.policy_mask, a.allowed))
+        assert all(lp == 0.0 for lp, m in zip(a.logprobs, a.policy_mask) if not m)
+    assert counts == [len(prompts), sum(sum(g.policy_mask) for g in gens)] and counts[1] > counts[0]
 
 
 def test_full_context_session_equals_the_transformers_session_and_reuses_its_prefix(live, tiny_policy, household_suite):

@@ -79,6 +79,9 @@ from horizonrl.engines.base import Generation, TokenTrie
 from horizonrl.seeding import derive_seed
 
 TOKEN_PREFIX = "token_id:"
+TRIE_PROCESSOR = "horizonrl_trie:TrieLogitsProcessor"  # server-side module in vllm_server_side/ (its docstring)
+TRIE_ARG = "horizonrl_trie"
+SERVER_SIDE = Path(__file__).resolve().parent / "vllm_server_side"
 SERVED_NAME = "policy"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # values vLLM's --max-lora-rank accepts
 
@@ -194,6 +197,23 @@ def distribution(step: Step, returned_temperature: float, temperature: float) ->
 def entropy(logprobs: dict[int, float]) -> float:
     """``-sum p log p`` over the given tokens (vLLM writes -inf as -9999, whose term is 0)."""
     return -sum(math.exp(v) * v for v in logprobs.values() if v > -9999.0)
+
+
+def trie_paths(root: dict[int, dict]) -> tuple[list[int], int]:
+    """A trie as the server-side processor reads it (each root-to-leaf path, then -1) and its widest node."""
+    flat: list[int] = []
+    width = 0
+
+    def walk(node: dict[int, dict], path: list[int]) -> None:
+        nonlocal width
+        width = max(width, len(node))
+        if not node:
+            flat.extend([*path, -1])
+        for t, child in node.items():
+            walk(child, [*path, t])
+
+    walk(root, [])
+    return flat, width
 
 
 # ---------------------------------------------------------------------------------------------- client
@@ -331,6 +351,7 @@ class ServerSpec:
     cpu_kvcache_gib: float = 1.0
     dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: /collective_rpc (in-place weight reload), loopback only
     max_model_len: int | None = None  # CPU build: the prefill budget per step (chunked prefill off), see below
+    trie_processor: bool = False  # load the trie logits processor: one request per admissible action
 
 
 def server_command(spec: ServerSpec) -> list[str]:
@@ -368,6 +389,8 @@ def server_command(spec: ServerSpec) -> list[str]:
             cmd += ["--max-model-len", str(spec.max_model_len)]
     else:
         cmd += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
+    if spec.trie_processor:
+        cmd += ["--logits-processors", TRIE_PROCESSOR]
     if spec.max_lora_rank is not None:
         rank = next((r for r in LORA_RANKS if r >= spec.max_lora_rank), None)
         if rank is None:
@@ -387,6 +410,8 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if spec.dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
+    if spec.trie_processor:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SERVER_SIDE), env.get("PYTHONPATH", "")) if p)
     if spec.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{spec.cpu_kvcache_gib:g}"
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # the machine is shared with the learner: bind no cores
@@ -495,10 +520,12 @@ class VLLMEngine:
         tolerance: float = SYNC_TOLERANCE,
         reload_in_place: bool = True,
         untie_head: bool = True,
+        one_request: bool = False,
     ) -> None:
         """``weights_dir``: where the untied serving copies of full-weight checkpoints go (``serving_copy``);
         ``tolerance``: the largest probe log-prob difference a weight sync accepts; ``untie_head=False``
-        reloads checkpoints as they are (a tied head then stays stale on CPU: the probe catches it)."""
+        reloads checkpoints as they are (a tied head then stays stale on CPU: the probe catches it);
+        ``one_request``: the server runs the trie logits processor, so an admissible action is one request."""
         self.client = client
         self.end_ids = sorted({i for i in end_ids if i is not None})  # a tokenizer may lack an eos id
         self.top_logprobs = top_logprobs
@@ -509,6 +536,7 @@ class VLLMEngine:
         self.tolerance = tolerance
         self.reload_in_place = reload_in_place
         self.untie_head = untie_head
+        self.one_request = one_request  # the server has the trie processor: one request per admissible action
         self.last_sync: WeightSync | None = None
         self._copies = 0
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="vllm")
@@ -546,6 +574,8 @@ class VLLMEngine:
         try:
             if trie is None:
                 return self._free(k, prompt, max_new_tokens, temperature, greedy, seed)
+            if self.one_request:
+                return self._admissible_one(k, prompt, trie, max_new_tokens, temperature, greedy, seed)
             return self._admissible(k, prompt, trie, max_new_tokens, temperature, greedy, seed)
         except VLLMUnreachable as err:  # the server died: this episode ends as an error, the batch goes on
             return Generation([], [], [], [], [], finished=False, error=f"vLLM server unreachable: {err}")
@@ -621,6 +651,62 @@ class VLLMEngine:
             seq.append(tok)
             node = node[tok]
             if tok in self.end_ids or not node:
+                break
+        g.finished = bool(g.token_ids) and (g.token_ids[-1] in self.end_ids or not node)
+        return g
+
+    def _admissible_one(
+        self,
+        k: int,
+        prompt: list[int],
+        trie: TokenTrie,
+        max_new_tokens: int,
+        temperature: float,
+        greedy: bool,
+        seed: int,
+    ) -> Generation:
+        """The whole action in one request: the server's trie processor masks each step to the trie node's
+        children (``vllm_server_side/horizonrl_trie.py``); log-probs and entropies are read per step over
+        those children as in ``_admissible``, and a token with one continuation counts as forced (log-prob
+        0, entropy 0, ``policy_mask`` False). Sampling draws from the same distributions as the per-step
+        path with one seed per action instead of one per step."""
+        flat, width = trie_paths(trie.root)
+        body = completion_body(
+            self.model,
+            prompt,
+            max_new_tokens,
+            temperature,
+            greedy,
+            derive_seed(seed, "vllm", k),
+            max(1, min(width, self.top_logprobs)),
+            self.end_ids,
+        )
+        body["vllm_xargs"] = {TRIE_ARG: flat}
+        comp = parse_completion(self.client.post("/v1/completions", body))
+        g, node = Generation([], [], [], [], []), trie.root
+        for step in comp.steps:
+            if step.token not in node:
+                raise VLLMError(
+                    f"server sampled {step.token} outside the trie node's {sorted(node)}: was it started with "
+                    f"--logits-processors {TRIE_PROCESSOR}? (engine.vllm.one_request_per_action)"
+                )
+            allowed = sorted(node.keys())
+            if len(allowed) == 1:
+                lp, ent = 0.0, 0.0
+            else:
+                dist = {
+                    t: v
+                    for t, v in distribution(step, 1.0 if greedy else temperature, temperature).items()
+                    if t in node
+                }
+                lp, ent = dist[step.token], entropy(dist)
+            g.token_ids.append(step.token)
+            g.logprobs.append(lp)
+            g.entropy.append(ent)
+            g.policy_mask.append(len(allowed) != 1)
+            g.allowed.append(allowed)
+            node = node[step.token]
+            if step.token in self.end_ids or not node:
                 break
         g.finished = bool(g.token_ids) and (g.token_ids[-1] in self.end_ids or not node)
         return g
@@ -762,7 +848,12 @@ def engine_from_config(cfg: TrainConfig, policy_path: str, end_ids: list[int]) -
     device = cfg.vllm_device()
     tolerance = SYNC_TOLERANCE if v.sync_tolerance is None else v.sync_tolerance
     root = Path(cfg.data_dir) / "vllm"
-    common = dict(weights_dir=root / f"weights-{v.port}", tolerance=tolerance, reload_in_place=v.reload_in_place)
+    common = dict(
+        weights_dir=root / f"weights-{v.port}",
+        tolerance=tolerance,
+        reload_in_place=v.reload_in_place,
+        one_request=v.one_request_per_action,
+    )
     if v.url is not None:
         return VLLMEngine(VLLMClient(v.url, v.request_timeout_s), end_ids, v.top_logprobs, v.max_concurrency, **common)
     is_lora = lora.is_adapter_dir(policy_path)
@@ -783,6 +874,7 @@ def engine_from_config(cfg: TrainConfig, policy_path: str, end_ids: list[int]) -
         cpu_kvcache_gib=v.cpu_kvcache_gib,
         dev_mode=v.reload_in_place and not is_lora,
         max_model_len=max_positions(source),
+        trie_processor=v.one_request_per_action,
     )
     server = VLLMServer(spec, root / f"server-{v.port}.log", v.startup_timeout_s, source=source)
     server.start()
