@@ -27,10 +27,18 @@ from pathlib import Path
 import torch
 
 from horizonrl.training.checkpoint import CheckpointRef
-from horizonrl.training.rank_worker import UpdateJob, job_path, result_path, write_whole
+from horizonrl.training.rank_worker import UpdateJob, job_path, pid_alive, result_path, write_whole
 
 SPOOL = ".update-ranks"
 LOG_TAIL = 4_000  # characters of torchrun's log quoted in a failure
+
+
+def remove_stale_spools(run_dir: Path) -> None:
+    """Remove the spool folders of processes that are gone (a killed flow's ranks exit on their own, seeing
+    their parent gone, but leave its folder)."""
+    for folder in (run_dir / SPOOL).glob("*"):
+        if folder.name.isdigit() and not pid_alive(int(folder.name)):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 class RankFailed(RuntimeError):
@@ -46,6 +54,7 @@ class RankGroup:
         self.spool = Path(run_dir) / SPOOL / str(os.getpid())
         self.holds: CheckpointRef | None = None  # the checkpoint the ranks' weights and optimizer are
         self._seq = 0
+        remove_stale_spools(Path(run_dir))
         shutil.rmtree(self.spool, ignore_errors=True)
         self.spool.mkdir(parents=True)
         self.log = self.spool / "torchrun.log"

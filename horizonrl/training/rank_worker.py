@@ -104,7 +104,8 @@ def run_job(job: UpdateJob, held: _Held, device: torch.device, ranks: Ranks) -> 
     }
 
 
-def _parent_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         while True:
             path = job_path(args.spool, seq)
             while not path.exists():
-                if (args.spool / "stop").exists() or not _parent_alive(args.parent):
+                if (args.spool / "stop").exists() or not pid_alive(args.parent):
                     return
                 time.sleep(POLL_S)
             job: UpdateJob = torch.load(path, weights_only=False)  # written by the flow's process of this run
