@@ -106,7 +106,7 @@ def evaluation_config(
     except ValidationError as err:
         raise ValueError(one_line(err)) from err
     try:
-        suite = make_suite(cfg.env.name, cfg.env.suite_seed, cfg.env.games)
+        suite = make_suite(cfg.env.name, cfg.env.suite_seed, cfg.env.games, cfg.data_dir)
         suite.tasks(split, cfg.env.tier, 1)
     except ValueError as err:
         raise ValueError(f"--split {split!r}: {one_line(err)}") from err

@@ -8,6 +8,7 @@ three ``tw-make custom`` games once per module.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
@@ -392,3 +393,16 @@ def test_short_train_run_plays_the_users_games(prefect_harness, user_games, tmp_
         c, run.info.run_id, "eval/success_rate"
     ) == [0, 1]
     assert run.data.metrics["collect/episodes"] == 4 and run.data.metrics["collect/error_rate"] == 0.0
+
+
+def test_generated_games_are_cached_in_the_runs_data_folder(tmp_path):
+    """The run's data folder reaches the suite (and the worker processes' suites) as an argument, not through
+    the process environment: two runs in one process with different ``data_dir`` cache games apart."""
+    import pickle
+
+    for d in ("a", "b"):
+        suite = make_suite("textworld-coin", 0, data_dir=str(tmp_path / d))
+        assert suite.root == tmp_path / d / "envs" / "textworld"
+        worker_suite = pickle.loads(pickle.dumps(suite_ref("textworld-coin", None, str(tmp_path / d))))(0)
+        assert worker_suite.root == suite.root
+    assert "HORIZONRL_DATA_DIR" not in os.environ

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from pathlib import Path
 
 from horizonrl.envs.base import Env, EnvSuite, Task
 from horizonrl.envs.scienceworld_env import TASK_NAMES as SCIENCEWORLD_TASKS  # a name list; imports no scienceworld
@@ -102,16 +103,19 @@ def _textworld_only(name: str) -> None:
         )
 
 
-def make_suite(name: str, seed: int = 0, games: str | None = None) -> EnvSuite:
-    """Suite ``name`` with task seed ``seed``; ``games``: the user's TextWorld games (``env.games``)."""
+def make_suite(name: str, seed: int = 0, games: str | None = None, data_dir: str | None = None) -> EnvSuite:
+    """Suite ``name`` with task seed ``seed``; ``games``: the user's TextWorld games (``env.games``);
+    ``data_dir``: the run's data folder, under which TextWorld caches the games it generates
+    (``<data_dir>/envs/textworld``; the working directory's ``data/`` when None)."""
     if name not in SUITES:
         raise ValueError(f"env.name = {name!r} is unknown; known: {', '.join(sorted(SUITES))}")
-    if games is None:
+    if games is None and not name.startswith("textworld-"):
         return SUITES[name](seed)
     _textworld_only(name)
     from horizonrl.envs.textworld_env import TextWorldSuite
 
-    return TextWorldSuite(name, seed=seed, games=games)
+    root = Path(data_dir) / "envs" / "textworld" if data_dir is not None else None
+    return TextWorldSuite(name, seed=seed, root=root, games=games)
 
 
 def suite_corpus(suite: EnvSuite, tier: str) -> list[str]:
@@ -123,10 +127,12 @@ def suite_corpus(suite: EnvSuite, tier: str) -> list[str]:
     return suite.corpus()
 
 
-def suite_ref(name: str, games: str | None = None) -> str | Callable[[int], EnvSuite]:
+def suite_ref(name: str, games: str | None = None, data_dir: str | None = None) -> str | Callable[[int], EnvSuite]:
     """What a worker process builds its suite from (``EnvPool``): the name, or a picklable factory of
-    the suite on the user's games."""
-    return name if games is None else functools.partial(make_suite, name, games=games)
+    the suite on the user's games or in the run's data folder."""
+    if games is None and data_dir is None:
+        return name
+    return functools.partial(make_suite, name, games=games, data_dir=data_dir)
 
 
 __all__ = [

@@ -352,8 +352,7 @@ class TextWorldSuite:
         self.challenge = CHALLENGES[name]
         self.folder: GameFolder | None = load_games(games, seed) if games is not None else None
         self.splits = ("train", "dev", "test") if self.challenge == "tw-cooking" or self.folder else ("train", "test")
-        data = Path(os.environ.get("HORIZONRL_DATA_DIR", "data"))
-        self.root = Path(root) if root is not None else data / "envs" / "textworld"
+        self.root = Path(root) if root is not None else Path("data") / "envs" / "textworld"
         self._seeds: dict[str, _Seeds] = {}
 
     def tasks(self, split: str, tier: str, n: int, offset: int = 0) -> list[Task]:

@@ -7,7 +7,6 @@ once per iteration.
 
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,8 +55,7 @@ class PolicyRuntime:
     def suite(self, cfg: TrainConfig) -> EnvSuite:
         key = (cfg.env.name, cfg.env.suite_seed, cfg.env.games)
         if key not in self._suites:
-            os.environ["HORIZONRL_DATA_DIR"] = cfg.data_dir  # where suites cache generated games
-            self._suites[key] = make_suite(*key)
+            self._suites[key] = make_suite(*key, data_dir=cfg.data_dir)
         return self._suites[key]
 
     def episodes(self, cfg: TrainConfig) -> EpisodeBatch:
@@ -67,8 +65,8 @@ class PolicyRuntime:
         key = (cfg.env.name, cfg.env.suite_seed, cfg.env.games, r.env_workers, r.step_timeout_s)
         if self._episodes is None or self._episodes[0] != key:
             self.close_episodes()
-            suite = self.suite(cfg)  # also sets HORIZONRL_DATA_DIR, which the workers inherit
-            ref = suite_ref(cfg.env.name, cfg.env.games)
+            suite = self.suite(cfg)
+            ref = suite_ref(cfg.env.name, cfg.env.games, cfg.data_dir)
             batch = (
                 EnvPool(ref, cfg.env.suite_seed, r.env_workers, step_timeout_s=r.step_timeout_s)
                 if r.env_workers
