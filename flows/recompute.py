@@ -13,7 +13,7 @@ from pathlib import Path
 
 from prefect import flow
 
-from horizonrl import store
+from horizonrl import faults, store
 from horizonrl.config import load_config
 from horizonrl.run import runlock
 from horizonrl.tracking import mlflow_runs
@@ -36,6 +36,7 @@ def recompute_advantages(run_dir: str, method: str, params: dict | None = None) 
         for d in iterations:
             path, state, stats = recompute_iteration(str(d), method, params or {}, state)
             it = int(d.name.split("=")[1])
+            faults.kill_point("recompute", it)
             written[it] = path
             if not any(
                 m.step == it for m in c.get_metric_history(run_id, "advantage/trajectories")

@@ -13,6 +13,8 @@ Points where the process SIGKILLs itself (nothing after the point runs, not even
 - ``trace``: half of the iteration's sampled training episodes are logged as MLflow traces, the rest not yet
 - ``update-rank``: with ``update.world_size`` > 1, the last rank of the update's process group, on receiving
   the iteration's job (the flow's process lives on and sees the rank die)
+- ``clone`` (warmstart, iteration = epoch): the epoch's checkpoint is written, its losses are not logged yet
+- ``recompute`` (iteration = the stored iteration): its recomputed advantages are written, not logged yet
 
 And one that does not kill:
 
@@ -29,7 +31,7 @@ from contextlib import contextmanager
 import torch
 
 ENV = "HORIZONRL_FAULT"
-KILL_POINTS = ("collect", "advantage", "update", "checkpoint", "evaluate", "trace", "update-rank")
+KILL_POINTS = ("collect", "advantage", "update", "checkpoint", "evaluate", "trace", "update-rank", "clone", "recompute")
 POINTS = (*KILL_POINTS, "nan-grad")
 
 

@@ -10,7 +10,7 @@ from mlflow.entities import Metric
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
-from horizonrl import store
+from horizonrl import faults, store
 from horizonrl.config import TrainConfig
 from horizonrl.files import file_digest
 from horizonrl.seeding import derive_seed
@@ -110,6 +110,7 @@ def clone(ctx: RunContext, epoch: int, demos: DemonstrationsRef, policy: Checkpo
     except BaseException:
         RUNTIME.drop()
         raise
+    faults.kill_point("clone", epoch)
     RUNTIME.advance(ref)
     log_losses(ctx, ref)
     get_run_logger().info(

@@ -128,3 +128,67 @@ def test_a_deleted_parquet_file_of_a_finished_iteration_is_named_with_the_way_ba
     run = run_of(c, "lost")
     assert run.info.status == "FINISHED"
     assert [m.step for m in c.get_metric_history(run.info.run_id, "summary/final_success_rate")] == [1]
+
+
+@pytest.mark.slow
+def test_a_warmstart_killed_after_an_epoch_resumes_to_the_same_policy(prefect_harness, tmp_path):
+    """``warmstart`` SIGKILLed after epoch 1's checkpoint, before its losses are logged, then run again:
+    the same demonstrations and final weights as a warm start never killed, each loss step logged once,
+    one registered version per run."""
+    from flows.warmstart import warmstart
+
+    def ws(name: str) -> dict:
+        cfg = _config(tmp_path, name, iterations=1)
+        cfg["env"].pop("max_turns")  # whole walkthroughs
+        cfg["warmstart"] = {"demonstrations": 3, "epochs": 2, "minibatch_size": 2, "model_name": f"m-{name}"}
+        cfg["eval"] = {"every": 2, "n_tasks": 2, "greedy": False}
+        return cfg
+
+    killed = _cli(["warmstart", *(f"--set={k}={v}" for k, v in flat(ws("killed")).items())], "clone:1")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    a, b = tmp_path / "data" / "test" / "straight", tmp_path / "data" / "test" / "killed"
+    assert latest_checkpoint(b).iteration == 1
+    c = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    assert not c.get_metric_history(run_of(c, "killed").info.run_id, "clone/epoch_loss")
+    assert warmstart(config=ws("killed"))["model_uri"] == "models:/m-killed/1"
+    warmstart(config=ws("straight"))
+    for name in ("episodes.parquet", "turns.parquet"):
+        _same_tables(a / "demonstrations", b / "demonstrations", name)
+    wa, wb = (load_file(checkpoint_dir(d, 2) / "model.safetensors") for d in (a, b))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    run = run_of(c, "killed")
+    assert run.info.status == "FINISHED"
+    for key in ("clone/loss", "clone/epoch_loss", "eval/success_rate"):
+        got = [m.step for m in c.get_metric_history(run.info.run_id, key)]
+        want = [m.step for m in c.get_metric_history(run_of(c, "straight").info.run_id, key)]
+        assert sorted(got) == sorted(want) and len(got) == len(set(got)), key
+    assert [str(v.version) for v in c.search_model_versions("name = 'm-killed'")] == ["1"]
+
+
+@pytest.mark.slow
+def test_a_recompute_killed_half_way_is_run_again_to_the_same_tables(prefect_harness, tmp_path):
+    """``recompute --method blpo`` over a BLPO run's stored rollouts, SIGKILLed after iteration 1's table is
+    written, then run again: the recomputed tables equal the ones the training wrote (BLPO's memory chained
+    from an empty start, as in the run), and each iteration's figures are logged once."""
+    from flows.train import train
+
+    train(config=_config(tmp_path, "src", "blpo"))
+    d = tmp_path / "data" / "test" / "src"
+    trained = {it: (d / f"iter={it:05d}" / "advantages-blpo.parquet").read_bytes() for it in (1, 2)}
+    args = ["recompute", "--run-dir", str(d), "--method", "blpo"]
+    killed = _cli(args, "recompute:1")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert _cli(args).returncode == 0
+    for it in (1, 2):
+        again = pq.read_table(d / f"iter={it:05d}" / "advantages-blpo.parquet")
+        assert again.equals(pq.read_table(pa_buffer(trained[it]))), it
+    c = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = run_of(c, "src--recompute-blpo")
+    assert run.info.status == "FINISHED"
+    assert sorted(m.step for m in c.get_metric_history(run.info.run_id, "advantage/trajectories")) == [1, 2]
+
+
+def pa_buffer(data: bytes):
+    import pyarrow as pa
+
+    return pa.BufferReader(data)
