@@ -11,7 +11,8 @@ Two kinds of server stand in for vLLM (nothing in the engine is patched):
   ``TransformersEngine`` produces: same tokens, masks, allowed sets, and log-probs/entropies within 1e-4.
 
 These stay for what a real server cannot be made to do (malformed answers, a server process stand-in);
-everything a real server can show is tested against one in ``test_vllm_live.py``.
+everything a real server can show is tested against one in ``test_vllm_live.py``. Last, two checks that need
+no server: the untied serving copy and the config's refusal of a head_dim vLLM's CPU build cannot serve.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import pytest
 import torch
 from flowkit import free_port
 
+from horizonrl.config import load_config
 from horizonrl.engines.base import TokenTrie
 from horizonrl.engines.vllm import (
     ServerSpec,
@@ -41,6 +43,8 @@ from horizonrl.engines.vllm import (
     parse_completion,
     server_command,
     server_env,
+    serving_copy,
+    tied_embeddings,
 )
 
 END = 3
@@ -466,3 +470,39 @@ def test_missing_vllm_environment_says_how_to_create_it(tmp_path):
     )
     with pytest.raises(VLLMError, match="make vllm-venv"):
         VLLMServer(spec, tmp_path / "log", 1).start()
+
+
+# ------------------------------------------------------------------------------- weights and config
+def test_serving_copy_unties_the_head_and_leaves_the_checkpoint_alone(tiny_policy_dir, tmp_path):
+    """The copy declares untied embeddings and stores the head (= the embedding) in its own file; the
+    checkpoint's files, hard-linked into the copy, still say tied."""
+    from safetensors.torch import load_file
+
+    out = serving_copy(tiny_policy_dir, tmp_path / "w1")
+    assert tied_embeddings(tiny_policy_dir) and not tied_embeddings(out)
+    head = load_file(out / "lm_head.safetensors")["lm_head.weight"]
+    assert torch.equal(head, load_file(out / "model.safetensors")["model.embed_tokens.weight"])
+    assert json.loads((Path(tiny_policy_dir) / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error"),
+    [
+        (
+            ["model.tiny.hidden_size=64", "model.tiny.num_heads=4"],
+            "model.tiny.hidden_size / model.tiny.num_heads: head_dim 16",
+        ),
+        (["model.tiny.hidden_size=120", "model.tiny.num_heads=3"], "head_dim 40 .*allowed head_dim: 32, 64, 80"),
+        (["model.tiny.hidden_size=64", "model.tiny.num_heads=2"], None),
+    ],
+)
+def test_config_refuses_a_head_dim_the_cpu_build_cannot_serve(overrides, error):
+    """vLLM's CPU kernel serves some head sizes only; a model with another would start and die at its first
+    request, so the config check names the field and the allowed values before any work."""
+    args = ["engine.name=vllm", "engine.vllm.device=cpu", *overrides]
+    if error is None:
+        assert load_config(None, args).engine.vllm.device == "cpu"
+        return
+    with pytest.raises(ValueError, match=error):
+        load_config(None, args)
+    assert load_config(None, [*overrides, "engine.vllm.device=cuda", "engine.name=vllm"]).model.tiny.num_heads

@@ -11,7 +11,6 @@ that kills and restarts the server runs last.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -21,7 +20,6 @@ import pytest
 import torch
 from flowkit import free_port
 
-from horizonrl.config import load_config
 from horizonrl.engines.base import TokenTrie, allowed_log_softmax
 from horizonrl.engines.hf import TransformersEngine
 from horizonrl.engines.vllm import (
@@ -33,11 +31,11 @@ from horizonrl.engines.vllm import (
     max_positions,
     probe_of,
     serving_copy,
-    tied_embeddings,
 )
 from horizonrl.models.loading import load_policy
 from horizonrl.rollout.loop import SamplingSettings, collect
 
+pytestmark = pytest.mark.slow  # a server start (and a restart) costs minutes: CI's `make test`, not `make test-fast`
 TOL = 1e-4
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 REQUESTS = "vllm:request_success_total"
@@ -252,41 +250,6 @@ def test_full_weights_reload_in_place_within_a_second_and_serve_the_new_policy(
     finally:
         live.sync(str(tiny_policy_dir), probe_of(tiny_policy[0], len(tokenizer)))
     assert live.last_sync.path == "in_place" and live.server.proc.pid == pid
-
-
-def test_serving_copy_unties_the_head_and_leaves_the_checkpoint_alone(tiny_policy_dir, tmp_path):
-    """The copy declares untied embeddings and stores the head (= the embedding) in its own file; the
-    checkpoint's files, hard-linked into the copy, still say tied."""
-    from safetensors.torch import load_file
-
-    out = serving_copy(tiny_policy_dir, tmp_path / "w1")
-    assert tied_embeddings(tiny_policy_dir) and not tied_embeddings(out)
-    head = load_file(out / "lm_head.safetensors")["lm_head.weight"]
-    assert torch.equal(head, load_file(out / "model.safetensors")["model.embed_tokens.weight"])
-    assert json.loads((Path(tiny_policy_dir) / "config.json").read_text())["tie_word_embeddings"] is True
-
-
-@pytest.mark.parametrize(
-    ("overrides", "error"),
-    [
-        (
-            ["model.tiny.hidden_size=64", "model.tiny.num_heads=4"],
-            "model.tiny.hidden_size / model.tiny.num_heads: head_dim 16",
-        ),
-        (["model.tiny.hidden_size=120", "model.tiny.num_heads=3"], "head_dim 40 .*allowed head_dim: 32, 64, 80"),
-        (["model.tiny.hidden_size=64", "model.tiny.num_heads=2"], None),
-    ],
-)
-def test_config_refuses_a_head_dim_the_cpu_build_cannot_serve(overrides, error):
-    """vLLM's CPU kernel serves some head sizes only; a model with another would start and die at its first
-    request, so the config check names the field and the allowed values before any work."""
-    args = ["engine.name=vllm", "engine.vllm.device=cpu", *overrides]
-    if error is None:
-        assert load_config(None, args).engine.vllm.device == "cpu"
-        return
-    with pytest.raises(ValueError, match=error):
-        load_config(None, args)
-    assert load_config(None, [*overrides, "engine.vllm.device=cuda", "engine.name=vllm"]).model.tiny.num_heads
 
 
 def test_a_reload_that_leaves_the_head_stale_is_caught_by_the_probe(live, tiny_policy, tiny_policy_dir, tmp_path):
