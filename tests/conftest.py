@@ -124,7 +124,7 @@ def chat_policy(request, chat_model_dir):
 END_TO_END = {"prefect_harness", "api_url"}  # fixtures of tests that run a flow
 SIMULATORS = ("textworld", "scienceworld")  # games made by tw-make, a JVM per ScienceWorld episode
 
-# The files with minutes of work (a local stack each, kill-and-resume runs, a vLLM server, generated games), longest first.
+# The files with minutes of work (a local stack each, kill-and-resume runs, a vLLM server, games), longest first.
 LONGEST = ("test_stack.py", "test_reliability.py", "test_vllm_live.py", "test_textworld.py")
 
 
