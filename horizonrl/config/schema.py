@@ -70,12 +70,13 @@ class EnvConfig(Strict):
     train_pool: int = Field(10_000, ge=1)
     """Number of training tasks sampled from."""
     max_turns: int | None = Field(None, ge=1)
-    """Horizon; None takes the tier's (the user's games: 10 + 2 x their longest walkthrough)."""
+    """Horizon; None takes the tier's (the user's games: the generated games' of the same challenge and
+    tier). The run logs the one it used as the param ``env.horizon``."""
     games: str | None = None
-    """TextWorld suites only: a folder (searched recursively) or glob of the user's own games (``.z8``
-    with their ``.json``), played instead of generated challenge games; split by a ``splits.yaml`` in the
-    folder, else by a hash of each file name and ``suite_seed`` (docs/configuration.md).
-    ``tier`` is then only a label in task ids."""
+    """TextWorld suites only: a folder (searched recursively, symlinks followed), glob, or one game file of
+    the user's own games (``.z8`` with their ``.json``), played instead of generated challenge games; split
+    by a ``splits.yaml`` in the folder, else by a hash of each file name and ``suite_seed``; one game file
+    is in every split (docs/configuration.md). ``tier`` then sets only the horizon."""
 
 
 class TinyModelConfig(Strict):
