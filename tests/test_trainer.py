@@ -7,6 +7,7 @@ gradient is read by an optimizer that records it (no clipping takes effect: grad
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import Counter
@@ -309,6 +310,24 @@ def test_pi_old_shortcut_only_where_the_sampler_is_the_learner(overrides, sample
     cfg = load_config("configs/loop_household_easy.yaml", overrides)
     s = UpdateSettings.from_config(cfg, 0, sampled_here=sampled_here)
     assert s.pi_old_tol == (cfg.update.pi_old_tol if eligible else None)
+
+
+def test_a_vllm_sampler_recomputes_every_row_and_reports_the_largest_difference(
+    tiny_policy_dir, tiny_policy, sampled_rows
+):
+    """Another sampler (a vLLM server): pi_old is the learner's recompute of every row, and
+    ``pi_old_max_diff`` is the largest |stored - recomputed| over all of them (one row moved by 0.05 shows)."""
+    pad = tiny_policy[1].pad_token_id
+    s = settings(pad, temperature=0.7, measure_sampler=True)
+    model = load_policy(tiny_policy_dir)[0]
+    old, figures = old_logprobs(model, sampled_rows, s, seed=5)
+    assert old == old_logprobs(model, sampled_rows, settings(pad, temperature=0.7), seed=5)[0]
+    assert set(figures) == {"pi_old_max_diff"} and figures["pi_old_max_diff"] <= 1e-4
+    last = sampled_rows[-1]
+    moved = [*sampled_rows[:-1], dataclasses.replace(last, sample_logp=[v - 0.05 for v in last.sample_logp])]
+    assert old_logprobs(model, moved, s, seed=5)[1]["pi_old_max_diff"] == pytest.approx(0.05, abs=2e-4)
+    cfg = load_config("configs/loop_household_easy.yaml", ["engine.name=vllm"])
+    assert UpdateSettings.from_config(cfg, 0, sampled_here=True).measure_sampler
 
 
 def test_annealed_lr_is_linear_from_lr_to_lr_final_over_the_iterations():
