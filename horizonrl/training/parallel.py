@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -43,8 +43,7 @@ class Ranks:
     rank: int
     world_size: int
     comm_s: float = 0.0  # seconds in collectives since the update started
-    step_s: float = 0.0  # seconds in minibatch steps (compute and collectives)
-    stats: dict[str, float] = field(default_factory=dict)
+    steps: int = 0  # minibatch steps since the update started (taken or skipped)
 
     @classmethod
     def current(cls) -> Ranks:

@@ -91,7 +91,7 @@ def run_job(job: UpdateJob, held: _Held, device: torch.device, ranks: Ranks) -> 
         ref_model = held.reference[1]
     for group in held.optimizer.param_groups:
         group["lr"] = job.lr
-    ranks.comm_s = 0.0
+    ranks.comm_s, ranks.steps = 0.0, 0
     with faults.nan_gradients(held.model, job.iteration):
         result = ppo_update(held.model, held.optimizer, job.rows, job.settings, job.seed, ref_model, ranks)
     if ranks.rank != 0:

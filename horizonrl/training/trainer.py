@@ -368,15 +368,16 @@ def ppo_update(
 
 
 def _rank_figures(ranks: Ranks, counts: Counter, elapsed: float) -> dict[str, float]:
-    """The whole group's padding share, each rank's update time (``step_s_rank<r>``) and the share of it
-    spent in collectives (``comm_share``: gradient all-reduce and figure gathers, mean over ranks)."""
+    """The whole group's padding share, each rank's mean seconds per minibatch step (``step_s_rank<r>``:
+    its update time over its steps) and the share of the update spent in collectives (``comm_share``:
+    gradient all-reduce, figure and pi_old gathers; mean over ranks)."""
     parts = ranks.gather((counts["real_tokens"], counts["computed_tokens"], elapsed, ranks.comm_s))
     out = {
         "pad_fraction": 1.0 - sum(p[0] for p in parts) / max(sum(p[1] for p in parts), 1),
         "comm_share": sum(p[3] / max(p[2], 1e-9) for p in parts) / len(parts),
         "world_size": float(ranks.world_size),
     }
-    out.update({f"step_s_rank{r}": p[2] for r, p in enumerate(parts)})
+    out.update({f"step_s_rank{r}": p[2] / max(ranks.steps, 1) for r, p in enumerate(parts)})
     return out
 
 
@@ -483,6 +484,7 @@ def _sum_over_ranks(
         m = mask.bool()
         log_ratio += float(torch.where(m, (logp - old_lp).to(torch.float64), 0.0).sum())
         units += int(m.any(dim=1).sum())
+    ranks.steps += 1
     merged = ranks.sum_stats({**out, "traj_kl": 0.0, "_log_ratio": log_ratio, "_units": float(units)})
     merged["traj_kl"] = -merged.pop("_log_ratio") / max(merged.pop("_units"), 1.0)
     return merged
