@@ -192,3 +192,41 @@ def pa_buffer(data: bytes):
     import pyarrow as pa
 
     return pa.BufferReader(data)
+
+
+@pytest.mark.slow
+def test_evaluate_beside_two_trainings_on_one_sqlite_store(prefect_harness, tmp_path):
+    """``evaluate`` of a finished run and two new trainings, three processes at once on one SQLite store and
+    data folder: all three finish whole, with no lock error and no traceback, and no run is left RUNNING."""
+    from flows.train import train
+
+    train(config=_config(tmp_path, "source", iterations=1))
+    c = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    source = run_of(c, "source").info.run_id
+    from prefect.settings import PREFECT_API_URL
+
+    env = {k: v for k, v in os.environ.items() if k != faults.ENV}
+    env.update(PREFECT_API_URL=PREFECT_API_URL.value(), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
+    commands = {
+        "a": _train_args(_config(tmp_path, "a")),
+        "b": _train_args(_config(tmp_path, "b")),
+        "eval": ["evaluate", "--source", source, "--set=eval.n_tasks=2"],
+    }
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name, args in commands.items()
+    }
+    for name, proc in procs.items():
+        out, _ = proc.communicate(timeout=900)
+        assert proc.returncode == 0, (name, out[-3000:])
+        assert "locked" not in out and "Traceback" not in out, out[-3000:]
+    runs = c.search_runs([e.experiment_id for e in c.search_experiments()])
+    assert sorted(r.info.status for r in runs) == ["FINISHED"] * 4
+    assert {run_of(c, n).info.status for n in ("a", "b")} == {"FINISHED"}
