@@ -1,9 +1,11 @@
 """VLLMEngine against a real vLLM server (vLLM 0.32.0 from ``.venv-vllm``, ``make vllm-venv``): the CPU build
 where no CUDA device is present, so these tests run on every machine and are never skipped.
 
-One server for the module (start-up ~40-90 s on 2 CPU cores, plus ~25 s of lazy initialisation at the first
-request, paid in the fixture), serving the session's tiny policy (Qwen2, hidden 128 / 4 heads: head_dim
-32, which the CPU attention kernel serves; word-level tokenizer, 123 ids) in float32. Every check compares
+One server for the module (start-up 60-150 s on 2 shared CPU cores, mostly imports; the first request's lazy
+initialisation is paid in the fixture), serving the session's tiny policy (Qwen2, hidden 128 / 4 heads:
+head_dim 32, which the CPU attention kernel serves; word-level tokenizer, 123 ids) in float32, with the trie
+logits processor (one request per admissible action) and the development endpoints (in-place weight
+reloads). The live tests are marked slow (``make test``, not ``make test-fast``). Every check compares
 with ``TransformersEngine`` or the learner on the same weights; tolerance 1e-4 nats on log-probs and
 entropies (measured: 1e-6). Tests that change the served weights put the start-up weights back; the one
 that kills and restarts the server runs last.
