@@ -98,6 +98,8 @@ def test_a_policy_is_scored_on_an_outside_game_and_the_records_are_true(world, m
             + ["--set=eval.n_tasks=1", "--set=eval.greedy=true", "--set=env.max_turns=30"]
         )
     assert rc == 0
+    said = [r.getMessage() for r in caplog.records if "eval: success" in r.getMessage()]
+    assert said and all("(greedy " in m and "nan" not in m for m in said), said  # greedy on: named
     [run] = _evaluations(c)
     assert run.info.status == "FINISHED" and run.data.tags["horizonrl.source_run_id"] == source.info.run_id
     params = run.data.params
@@ -179,7 +181,7 @@ def test_a_failure_after_the_run_exists_marks_it_failed_with_the_cause(world, tm
 
 
 @pytest.mark.slow
-def test_a_killed_evaluation_is_marked_by_the_next_one(world, monkeypatch):
+def test_a_killed_evaluation_is_marked_by_the_next_one(world, monkeypatch, caplog):
     """SIGKILL in the evaluate stage (``HORIZONRL_FAULT=evaluate:1``: episodes played and stored, nothing
     logged): the run stays RUNNING, as a killed process cannot mark it. The same command run again
     finishes and marks the killed run KILLED, naming its process; no run is left RUNNING."""
@@ -197,7 +199,10 @@ def test_a_killed_evaluation_is_marked_by_the_next_one(world, monkeypatch):
     [killed] = [r for r in _evaluations(c) if r.info.run_id not in before]
     assert killed.info.status == "RUNNING"
     assert killed.data.tags["horizonrl.process"].partition(":")[0] == socket.gethostname()
-    assert main(command) == 0
+    with caplog.at_level(logging.INFO):
+        assert main(command) == 0
+    said = [r.getMessage() for r in caplog.records if "eval: success" in r.getMessage()]
+    assert said and not any("nan" in m or "greedy" in m for m in said), said  # greedy off: not named
     killed = c.get_run(killed.info.run_id)
     assert killed.info.status == "KILLED" and "killed" in killed.data.tags["horizonrl.failure"]
     again = [r for r in _evaluations(c) if r.info.run_id not in before and r.info.run_id != killed.info.run_id]
