@@ -6,7 +6,8 @@
 * one at a time: the same tasks and settings, each episode its own ``collect`` call;
 * bare replay: the forward calls the batched collect made (recorded by a hook on the model), replayed
   alone with the same inputs, each against a zero cache of the shape it had: what the schedule costs
-  without the environment, the trie, sampling and the engine's bookkeeping (cache reassembly included);
+  without the environment, the trie, sampling and the engine's bookkeeping (its in-place cache slab
+  included; the replay appends to a dynamic cache, as transformers does by default);
 * one ``generate``: transformers' ``model.generate`` over the same number of prompts, each as long as
   its episode's first prompt, producing the same number of new tokens in total (information: no turns,
   no environment, no trie, and no episode leaves early);
@@ -187,7 +188,8 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, seed: int = 0) -> list[Figur
             "x",
             ">= 0.8",
             replay_s / batched_s >= 0.8,
-            f"the same {len(calls)} forward calls alone: {replay_s:.1f} s ({prefills} prefill, {len(calls) - prefills} decode)",
+            f"the same {len(calls)} forward calls alone: {replay_s:.1f} s ({prefills} prefill, "
+            f"{len(calls) - prefills} decode)",
         ),
         Figure(
             "rollout/vs_one_generate",
@@ -220,7 +222,8 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, seed: int = 0) -> list[Figur
             "tok/s",
             "",
             None,
-            f"{chat_vocab:,} ids (word-level: {len(tokenizer):,} ids, {batched_tps:,.0f} tok/s): x{chat_tps / batched_tps:.2f}; {chat_tokens} new tokens",
+            f"{chat_vocab:,} ids (word-level: {len(tokenizer):,} ids, {batched_tps:,.0f} tok/s): "
+            f"x{chat_tps / batched_tps:.2f}; {chat_tokens} new tokens",
         ),
         Figure(
             "rollout/decode_padding",

@@ -8,18 +8,23 @@ no choice, so no policy-gradient signal).
 
 A ``Session`` keeps one KV cache for a batch of episodes across turns (full-history context): each turn
 prefills only the new tokens (the observation), not the whole history. Position ids are explicit and
-padding is masked, so where a row's columns sit in the cache changes nothing but the holes; the session
-uses that three ways:
+padding is masked, so where a row's columns sit in the cache changes nothing but the holes. Each turn's
+cache is one preallocated slab per layer, (rows, kv_heads, columns, head_dim), written in place:
 
+* the slab is sized once per turn (the rows' longest history plus the longest new tokens and the
+  token budget) and each row's history is gathered into it once, its real columns packed to the
+  right, so the rows of a prefill bucket end at one column and every bucket ends at the same one;
 * prefill: rows are grouped by the length of their new tokens into buckets (the fewest buckets whose
-  padding stays within ``PREFILL_SLACK`` of the real tokens), each prefilled left-padded to its own
-  longest row;
-* decode: a row whose action ends (end token, trie leaf or token budget) leaves the batch at once. Its
-  cache rows are set aside for the next turn, and its last token (sampled, not yet fed) is prepended to
+  padding stays within ``PREFILL_SLACK`` of the real tokens), each a run of slab rows prefilled
+  left-padded to its own longest row; attention reads a view of the slab ([rows, :, start:cursor]) and
+  the layer writes the new keys and values at the cursor (``_SlabLayer``): no concatenation, no copy;
+* decode: one column per step, written in place the same way, over the live rows, which are always
+  the slab's first rows. A row whose action ends (end token, trie leaf or token budget) leaves the
+  batch at once: it swaps places with the last row that stays (two rows copied, not the batch), keeps
+  its cache in the slab for the next turn, and its last token (sampled, not yet fed) is prepended to
   its next turn's new tokens: the same token at the same position, so every row sees exactly its own
-  sequence, as when finished rows were fed padding to the end of the longest action;
-* between calls the cache is reassembled with each row's real columns packed to the right end, so the
-  holes (padding, rows that left early) are dropped and the cache is as long as the longest row.
+  sequence, as when finished rows were fed padding to the end of the longest action. A row's place in
+  the batch changes none of its floats (each row of a matmul is computed alone), only the holes do.
 
 Sampling is ``torch.multinomial``'s own draw for one sample per row, argmax(p / q) with q ~ Exp(1),
 drawn for every row of the call at every step, rows that left included: a row leaving the batch
@@ -35,7 +40,6 @@ seed reproduces on one device type (CPU and CUDA draw different streams).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -76,83 +80,91 @@ class TransformersEngine:
         )
 
 
-@dataclass
-class _Block:
-    """Rows of a KV cache: ``cache`` holds (rows, kv_heads, L, head_dim) keys and values per layer (None
-    before the first prefill), ``attn`` (rows, L) is 1 at real columns, ``next_pos`` (rows,) is the
-    position id of each row's next token."""
+class _SlabLayer(DynamicLayer):
+    """One layer's keys and values as views of a preallocated slab (rows, kv_heads, C, head_dim): a call
+    reads ``slab[rows, :, start:cursor]`` and its new keys and values are written in place at the cursor
+    (``at`` places the view before each call)."""
 
-    cache: DynamicCache | None
-    attn: torch.Tensor
-    next_pos: torch.Tensor
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.slab_keys, self.slab_values = keys, values
+        self.device, self.is_initialized = keys.device, True
+        self.at(slice(0, 0), 0, 0)
 
-    def take(self, idx: torch.Tensor) -> _Block:
-        """A copy of rows ``idx``."""
-        return _Block(
-            _wrap([(layer.keys[idx], layer.values[idx]) for layer in self.cache.layers]),
-            self.attn[idx],
-            self.next_pos[idx],
-        )
+    def at(self, rows: slice, start: int, cursor: int) -> None:
+        self.rows, self.start, self.cursor = rows, start, cursor
+        self.keys = self.slab_keys[rows, :, start:cursor]
+        self.values = self.slab_values[rows, :, start:cursor]
 
-    def keep(self, idx: torch.Tensor) -> None:
-        """Keep rows ``idx`` only."""
-        self.cache.batch_select_indices(idx)
-        self.attn, self.next_pos = self.attn[idx], self.next_pos[idx]
-
-
-def _wrap(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    """A ``DynamicCache`` over these per-layer (keys, values), without copying them."""
-    cache = DynamicCache()
-    for k, v in kv:
-        layer = DynamicLayer()
-        layer.lazy_initialization(k, v)
-        layer.keys, layer.values = k, v
-        cache.layers.append(layer)
-    return cache
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.cursor + key_states.shape[-2]
+        self.slab_keys[self.rows, :, self.cursor : end] = key_states
+        self.slab_values[self.rows, :, self.cursor : end] = value_states
+        self.at(self.rows, self.start, end)
+        return self.keys, self.values
 
 
-def _pick(t: torch.Tensor, src: torch.Tensor, column: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[j, :, c] = t[src[j], :, column[j, c]]`` for every (j, c). ``t`` (rows, heads, L, d) is read
-    as rows of ``d`` floats, so this is one ``index_select`` into ``out`` (copying whole rows is what it
-    is fast at; advanced indexing over two dimensions is several times slower)."""
+class _Slab:
+    """One turn's KV cache: per layer keys and values (rows, kv_heads, C, head_dim), zeros where nothing
+    was written (masked columns must hold finite values); ``attn`` (rows, C) is 1 at real columns,
+    ``next_pos`` (rows,) the position id of each row's next token."""
+
+    def __init__(self, model: torch.nn.Module, rows: int, columns: int, device: torch.device) -> None:
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dtype = next(model.parameters()).dtype
+        shape = (rows, heads, columns, dim)
+        self.cache = DynamicCache()
+        for _ in range(cfg.num_hidden_layers):
+            self.cache.layers.append(
+                _SlabLayer(
+                    torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+                )
+            )
+        self.attn = torch.zeros((rows, columns), dtype=torch.long, device=device)
+        self.next_pos = torch.zeros(rows, dtype=torch.long, device=device)
+
+    def at(self, rows: slice, start: int, cursor: int) -> DynamicCache:
+        """The cache as a view of ``rows`` from column ``start``, the next column written at ``cursor``."""
+        for layer in self.cache.layers:
+            layer.at(rows, start, cursor)
+        return self.cache
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor whose first dimension is the row: keys and values of each layer, attn, next_pos."""
+        return [t for layer in self.cache.layers for t in (layer.slab_keys, layer.slab_values)] + [
+            self.attn,
+            self.next_pos,
+        ]
+
+    def swap(self, a: list[int], b: list[int], start: int, end: int, keep_a: bool) -> None:
+        """Rows ``b`` move to rows ``a`` (columns start:end); rows ``a`` move to ``b`` too if ``keep_a``."""
+        ia, ib = (torch.tensor(x, device=self.attn.device) for x in (a, b))
+        for t in self.tensors():
+            if t.dim() == 1:
+                moved, kept = t[ib], t[ia]
+                t[ia] = moved
+                if keep_a:
+                    t[ib] = kept
+                continue
+            view = t[..., start:end, :] if t.dim() == 4 else t[:, start:end]
+            moved = view[ib]
+            kept = view[ia] if keep_a else None
+            view[ia] = moved
+            if keep_a:
+                view[ib] = kept
+
+
+def _pick(t: torch.Tensor, src: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+    """``out[j, :, c] = t[src[j], :, column[j, c]]`` for every (j, c), (len(src), heads, width, d). ``t``
+    (rows, heads, L, d) is read as rows of ``d`` floats, so this is one ``index_select`` (copying whole
+    rows is what it is fast at; advanced indexing over two dimensions is several times slower)."""
     _, heads, length, d = t.shape
     flat = (src[:, None, None] * heads + torch.arange(heads, device=t.device)[None, :, None]) * length + column[
         :, None, :
     ]
-    torch.index_select(t.reshape(-1, d), 0, flat.reshape(-1), out=out.view(-1, d))
-
-
-def _assemble(sources: list[tuple[_Block, torch.Tensor]]) -> _Block:
-    """A block of the rows ``src`` of each ``(block, src)``, one source after the other, each row with its
-    real columns, in order, packed to the right end: the holes are dropped, so the block is as long as
-    its longest row."""
-    device = sources[0][1].device
-    n = sum(len(src) for _, src in sources)
-    width = max(int(block.attn[src].sum(1).max()) for block, src in sources)
-    attn = torch.zeros((n, width), dtype=torch.long, device=device)
-    next_pos = torch.empty(n, dtype=torch.long, device=device)
-    kv = [
-        (
-            layer.keys.new_empty((n, layer.keys.shape[1], width, layer.keys.shape[3])),
-            layer.values.new_empty((n, layer.values.shape[1], width, layer.values.shape[3])),
-        )
-        for layer in sources[0][0].cache.layers
-    ]
-    start = 0
-    for block, src in sources:
-        end = start + len(src)
-        a = block.attn[src]
-        j, col = a.nonzero(as_tuple=True)  # real columns, row by row, left to right
-        to = (width - a.sum(1))[j] + a.cumsum(1)[j, col] - 1
-        column = torch.zeros((len(src), width), dtype=torch.long, device=device)  # holes read column 0: masked
-        column[j, to] = col
-        attn[start + j, to] = 1
-        next_pos[start:end] = block.next_pos[src]
-        for (k, v), layer in zip(kv, block.cache.layers):
-            _pick(layer.keys, src, column, k[start:end])
-            _pick(layer.values, src, column, v[start:end])
-        start = end
-    return _Block(_wrap(kv), attn, next_pos)
+    return torch.index_select(t.reshape(-1, d), 0, flat.reshape(-1)).view(len(src), heads, column.shape[1], d)
 
 
 def _buckets(lengths: list[int], slack: float) -> list[list[int]]:
@@ -182,8 +194,8 @@ class Session:
     def __init__(self, engine: TransformersEngine, keep_cache: bool = True) -> None:
         self.e = engine
         self.keep_cache = keep_cache
-        self.parts: list[_Block] = []  # the cache after the last call, in blocks of rows
-        self.where: dict[int, tuple[int, int]] = {}  # slot -> (part, row in it)
+        self.slab: _Slab | None = None  # the cache after the last call
+        self.row: dict[int, int] = {}  # slot -> its row in the slab
         self.pending: dict[int, int] = {}  # slot -> its last sampled token, not yet in the cache
 
     @torch.no_grad()
@@ -204,45 +216,66 @@ class Session:
         model.eval()
         try:
             inputs = [([self.pending[s]] if s in self.pending else []) + list(ids) for s, ids in zip(slots, new_ids)]
-            block, live, logits = self._prefill(slots, inputs)
-            self.parts, self.where, self.pending = [], {}, {}
-            return self._decode(slots, block, live, logits, tries, max_new_tokens, temperature, greedy, seed)
+            slab, live, logits, start, cursor = self._prefill(slots, inputs, max_new_tokens)
+            self.slab, self.row, self.pending = None, {}, {}
+            return self._decode(
+                slots, slab, live, logits, start, cursor, tries, max_new_tokens, temperature, greedy, seed
+            )
         finally:
             model.train(was_training)
 
-    def _rows(self, slots: list[int], rows: list[int]) -> tuple[_Block, list[int]]:
-        """The cached rows of ``slots[rows]`` (empty rows in a fresh session), and their order in the
-        block (grouped by the part that held them)."""
+    def _prefill(
+        self, slots: list[int], inputs: list[list[int]], max_new_tokens: int
+    ) -> tuple[_Slab, list[int], torch.Tensor, int, int]:
+        """This turn's slab with every row's history gathered and its new tokens prefilled, bucket by
+        bucket: the slab, its rows' order (indices into ``slots``), their next-token logits (R, V), and
+        the columns decoding starts from and writes next."""
         dev = self.e.device
-        if not self.parts:
-            n = len(rows)
-            return _Block(
-                None, torch.zeros((n, 0), dtype=torch.long, device=dev), torch.zeros(n, dtype=torch.long, device=dev)
-            ), rows
-        by_part: dict[int, list[tuple[int, int]]] = {}
-        for i in rows:
-            part, row = self.where[slots[i]]
-            by_part.setdefault(part, []).append((row, i))
-        order = [i for p in by_part for _, i in by_part[p]]
-        return _assemble(
-            [(self.parts[p], torch.tensor([row for row, _ in by_part[p]], device=dev)) for p in by_part]
-        ), order
+        old = self.slab
+        history = [0] * len(slots)
+        if old is not None:
+            real = old.attn.sum(1).tolist()
+            history = [real[self.row[s]] for s in slots]
+        buckets = _buckets([len(x) for x in inputs], PREFILL_SLACK)
+        new = [max(len(inputs[i]) for i in b) for b in buckets]  # D_b
+        longest = [max(history[i] for i in b) for b in buckets]  # H_b
+        end = max(h + d for h, d in zip(longest, new))  # every bucket ends its new tokens at this column
+        slab = _Slab(self.e.model, len(slots), end + max(max_new_tokens - 1, 0), dev)
+        order, logits, first = [], [], 0
+        for bucket, d, h in zip(buckets, new, longest):
+            rows = slice(first, first + len(bucket))
+            past = end - d  # the bucket's history ends here, right-packed
+            if h:
+                self._gather(old, slab, [self.row[slots[i]] for i in bucket], rows, past - h, past)
+            logits.append(self._prefill_rows(slab, rows, [inputs[i] for i in bucket], past - h, past))
+            order += bucket
+            first += len(bucket)
+        start = min(end - d - h for d, h in zip(new, longest))
+        return slab, order, torch.cat(logits), start, end
 
-    def _prefill(self, slots: list[int], inputs: list[list[int]]) -> tuple[_Block, list[int], torch.Tensor]:
-        """Prefill every row's new tokens, bucket by bucket: the rows' block, the order of its rows
-        (indices into ``slots``) and their next-token logits (R, V)."""
-        done, order, logits = [], [], []
-        for bucket in _buckets([len(x) for x in inputs], PREFILL_SLACK):
-            block, rows = self._rows(slots, bucket)
-            logits.append(self._prefill_block(block, [inputs[i] for i in rows]))
-            done.append(block)
-            order += rows
-        if len(done) > 1:
-            done = [_assemble([(block, torch.arange(len(block.attn), device=self.e.device)) for block in done])]
-        return done[0], order, torch.cat(logits)
+    @staticmethod
+    def _gather(old: _Slab, slab: _Slab, src_rows: list[int], rows: slice, start: int, past: int) -> None:
+        """Rows ``src_rows`` of ``old``, their real columns in order, packed right to end at ``past`` in
+        ``slab[rows]`` (columns ``start:past``); a shorter row's first columns are holes (column 0, masked)."""
+        dev = old.attn.device
+        src = torch.tensor(src_rows, device=dev)
+        a = old.attn[src]
+        width = past - start
+        j, col = a.nonzero(as_tuple=True)  # real columns, row by row, left to right
+        to = (width - a.sum(1))[j] + a.cumsum(1)[j, col] - 1
+        column = torch.zeros((len(src_rows), width), dtype=torch.long, device=dev)
+        column[j, to] = col
+        attn = torch.zeros((len(src_rows), width), dtype=torch.long, device=dev)
+        attn[j, to] = 1
+        slab.attn[rows, start:past] = attn
+        slab.next_pos[rows] = old.next_pos[src]
+        for new_layer, old_layer in zip(slab.cache.layers, old.cache.layers):
+            new_layer.slab_keys[rows, :, start:past] = _pick(old_layer.slab_keys, src, column)
+            new_layer.slab_values[rows, :, start:past] = _pick(old_layer.slab_values, src, column)
 
-    def _prefill_block(self, block: _Block, new_ids: list[list[int]]) -> torch.Tensor:
-        """Append ``new_ids`` (left-padded to the longest) to ``block``; the next-token logits (n, V)."""
+    def _prefill_rows(self, slab: _Slab, rows: slice, new_ids: list[list[int]], start: int, past: int) -> torch.Tensor:
+        """Prefill ``new_ids`` (left-padded to the longest) into ``slab[rows]`` from column ``past``, the
+        history read from ``start``; the next-token logits (n, V)."""
         D = max(len(x) for x in new_ids)
         ids = torch.full((len(new_ids), D), self.e.pad_id, dtype=torch.long)  # built on the CPU, moved once
         mask = torch.zeros((len(new_ids), D), dtype=torch.long)
@@ -250,39 +283,39 @@ class Session:
             ids[i, D - len(x) :] = torch.tensor(x, dtype=torch.long)
             mask[i, D - len(x) :] = 1
         ids, mask = ids.to(self.e.device), mask.to(self.e.device)
-        pos = block.next_pos[:, None] + (mask.cumsum(1) - 1).clamp_min(0)  # (n, D)
-        block.attn = torch.cat([block.attn, mask], dim=1)
+        pos = slab.next_pos[rows, None] + (mask.cumsum(1) - 1).clamp_min(0)  # (n, D)
+        slab.attn[rows, past : past + D] = mask
         out = self.e.model(
             input_ids=ids,
-            attention_mask=block.attn,
+            attention_mask=slab.attn[rows, start : past + D].clone(),  # copies: the slab's change later
             position_ids=pos,
-            cache=block.cache,
+            cache=slab.at(rows, start, past),
             use_cache=True,
             logits_to_keep=1,
         )
-        block.cache = out.cache
-        block.next_pos = block.next_pos + mask.sum(1)
+        slab.next_pos[rows] += mask.sum(1)
         self.e.counts.update(prefill_real=int(mask.sum()), prefill_computed=mask.numel())
         return out.logits[:, -1].float()
 
-    def _feed(self, block: _Block, tok: torch.Tensor) -> torch.Tensor:
-        """Append one token per row of ``block``; the next logits (n, V)."""
-        block.attn = torch.cat([block.attn, torch.ones_like(tok)[:, None]], dim=1)
+    def _feed(self, slab: _Slab, n: int, start: int, cursor: int, tok: torch.Tensor) -> torch.Tensor:
+        """Append one token to each of the slab's first ``n`` rows at column ``cursor``; the next logits (n, V)."""
+        slab.attn[:n, cursor] = 1
         out = self.e.model(
             input_ids=tok[:, None],
-            attention_mask=block.attn,
-            position_ids=block.next_pos[:, None],
-            cache=block.cache,
+            attention_mask=slab.attn[:n, start : cursor + 1].clone(),
+            position_ids=slab.next_pos[:n, None].clone(),
+            cache=slab.at(slice(0, n), start, cursor),
             use_cache=True,
         )
-        block.cache = out.cache
-        block.next_pos = block.next_pos + 1
-        self.e.counts.update(decode_real=len(tok), decode_computed=len(tok))
+        slab.next_pos[:n] += 1
+        self.e.counts.update(decode_real=n, decode_computed=n)
         return out.logits[:, -1].float()
 
-    def _decode(self, slots, block, live, logits, tries, max_new_tokens, temperature, greedy, seed) -> list[Generation]:
-        """Sample until every row's action has ended; ``block`` and ``logits`` hold the rows still
-        decoding, ``live`` (indices into ``slots``), in that order."""
+    def _decode(
+        self, slots, slab, live, logits, start, cursor, tries, max_new_tokens, temperature, greedy, seed
+    ) -> list[Generation]:
+        """Sample until every row's action has ended; the slab's first rows are the rows still decoding,
+        ``live`` (indices into ``slots``), in that order, ``logits`` theirs."""
         R, dev = len(slots), self.e.device
         gen = torch.Generator(device=dev).manual_seed(seed)
         nodes = [t.root if t is not None else None for t in tries]
@@ -314,27 +347,36 @@ class Session:
                 elif step + 1 < max_new_tokens:
                     stay.append(k)
             if len(stay) < len(live):
-                self._leave(slots, live, block, toks, stay)
+                order = self._leave(slots, live, slab, toks, stay, start, cursor)
+                live = [live[k] for k in order]
+                if stay:
+                    tok = tok[torch.tensor(order, device=dev)]
             if not stay:
                 break
-            if len(stay) < len(live):
-                idx = torch.tensor(stay, device=dev)
-                block.keep(idx)
-                tok = tok[idx]
-            live = [live[k] for k in stay]
-            logits = self._feed(block, tok)
+            logits = self._feed(slab, len(live), start, cursor, tok)
+            cursor += 1
         return results
 
-    def _leave(self, slots: list[int], live: list[int], block: _Block, toks: list[int], stay: list[int]) -> None:
-        """Rows of ``block`` not in ``stay`` leave the batch: kept for the next turn (full context) with
-        their last token pending."""
-        if not self.keep_cache:
-            return
+    def _leave(self, slots, live, slab, toks, stay, start, cursor) -> list[int]:
+        """Rows not in ``stay`` leave the batch: each leaving row among the first ``len(stay)`` swaps
+        places with a staying row after them, so the rows still decoding are the slab's first ones. The
+        leaving rows keep their cache there for the next turn (full context), their last token pending.
+        Returns the rows still decoding, in their new order (positions in ``live``)."""
+        n = len(stay)
         kept = set(stay)
-        leave = [k for k in range(len(live)) if k not in kept]
-        part = block if not stay else block.take(torch.tensor(leave, device=self.e.device))
-        for j, k in enumerate(leave):
-            s = slots[live[k]]
-            self.where[s] = (len(self.parts), k if not stay else j)
-            self.pending[s] = toks[k]
-        self.parts.append(part)
+        holes = [k for k in range(n) if k not in kept]
+        movers = [k for k in stay if k >= n]
+        if holes:
+            slab.swap(holes, movers, start, cursor, keep_a=self.keep_cache)
+        place = dict(zip(movers, holes)) | dict(zip(holes, movers))  # old position -> new position
+        if self.keep_cache:
+            for k in range(len(live)):
+                if k not in kept:
+                    s = slots[live[k]]
+                    self.row[s] = place.get(k, k)
+                    self.pending[s] = toks[k]
+            self.slab = slab
+        order = list(range(n))
+        for hole, mover in zip(holes, movers):
+            order[hole] = mover
+        return order
