@@ -293,7 +293,13 @@ def test_collect_and_evaluate_are_retried_and_write_once(prefect_harness, tmp_pa
     assert metric_steps(uri, RUN)["collect/success_rate"] == [1]
     assert metric_steps(uri, RUN)["eval/success_rate"] == [0, 1]
     d = store.iteration_dir(tmp_path / "data", "test", RUN, 1)
-    assert sorted(p.name for p in d.iterdir()) == ["advantages-loop.parquet", "episodes.parquet", "turns.parquet"]
+    assert sorted(p.name for p in d.iterdir()) == [
+        "advantages-loop.parquet",
+        "episodes.parquet",
+        "eval-episodes.parquet",  # the evaluation after the iteration, stored beside its rollouts
+        "eval-turns.parquet",
+        "turns.parquet",
+    ]
     episodes, turns = (
         store.read_table(d / "episodes.parquet", "episodes"),
         store.read_table(d / "turns.parquet", "turns"),
