@@ -105,7 +105,7 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, rounds: int = 2) -> list[Fig
             tokens, seconds = bare_loop(model, rows, s.epochs, steps_per_epoch, cfg.update.lr, s.grad_clip)
             bare_tokens, bare_s = bare_tokens + tokens, bare_s + seconds
     ppo_tps, bare_tps = rounds * s.epochs * real / ppo_s, bare_tokens / bare_s
-    dp_tps, dp = data_parallel(cfg, PolicyRuntime().initial_model_dir(cfg), rows, s, 2)
+    dp_tps, one_tps, dp = data_parallel(cfg, PolicyRuntime().initial_model_dir(cfg), rows, s, 2)
     pad = result.stats["pad_fraction"]
     pi_old = "stored sampling log-probs" if result.stats["pi_old_shortcut"] else "recomputed (check failed)"
     return [
@@ -132,8 +132,9 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, rounds: int = 2) -> list[Fig
             "tok/s",
             "",
             None,
-            f"update.world_size 2 (torchrun, gloo): {dp_tps / ppo_tps:.2f}x the one-process {ppo_tps:,.0f} tok/s; "
-            f"all-reduce and gathers {dp['comm_share']:.0%} of a rank's update; information only (2 shared cores)",
+            f"update.world_size 2 (torchrun, gloo): {dp_tps / one_tps:.2f}x one process alternated with it "
+            f"({one_tps:,.0f} tok/s, {torch.get_num_threads()} threads; ranks 1 each); collectives "
+            f"{dp['comm_share']:.0%} of a rank's update; information only",
         ),
         Figure("update/padding", pad, "frac", "<= 0.10", pad <= 0.10, "padded share of computed decoder positions"),
         Figure(
@@ -149,19 +150,34 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, rounds: int = 2) -> list[Fig
 
 
 def data_parallel(
-    cfg: TrainConfig, policy_dir: object, rows: list[TrainRow], s: UpdateSettings, world_size: int
-) -> tuple[float, dict[str, float]]:
-    """The same update on ``world_size`` ranks (``update.world_size``): tokens/s of the second of two jobs
-    (the first loads the ranks' model and warms them up; process start is not counted), and its figures."""
+    cfg: TrainConfig, policy_dir: object, rows: list[TrainRow], s: UpdateSettings, world_size: int, rounds: int = 2
+) -> tuple[float, float, dict[str, float]]:
+    """The update on ``world_size`` ranks (``update.world_size``) against the same update in this process,
+    alternated (R P P R ...) so that both see the same machine load: (ranks' tokens/s, this process's
+    tokens/s, the ranks' last figures). A first job loads the ranks' model and is not timed, nor is the
+    ranks' start. The ranks run one thread each (torchrun's default with several ranks); this process its
+    usual number."""
     group = RankGroup(Path(cfg.data_dir) / "bench-ranks", world_size, "gloo")
-    real = sum(r.positions[-1] + 1 for r in rows)
+    tokens = s.epochs * sum(r.positions[-1] + 1 for r in rows)
     job = dict(rows=rows, settings=s, seed=0, lr=cfg.update.lr, weight_decay=cfg.update.weight_decay, model=cfg.model)
+    initial, _ = load_policy(policy_dir)
+    dp_s = one_s = 0.0
     try:
         group.update(policy=str(policy_dir), iteration=0, **job)
-        group.advance(CheckpointRef("ranks", 0))
-        t0 = time.perf_counter()
-        out = group.update(policy="ranks", iteration=1, **job)
-        seconds = time.perf_counter() - t0
+        for k in range(2 * rounds):
+            if (k % 4) in (0, 3):
+                group.advance(CheckpointRef("ranks", k))
+                t0 = time.perf_counter()
+                out = group.update(policy="ranks", iteration=1, **job)
+                dp_s += time.perf_counter() - t0
+            else:
+                model = copy.deepcopy(initial)
+                optimizer = torch.optim.AdamW(
+                    model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay
+                )
+                t0 = time.perf_counter()
+                ppo_update(model, optimizer, rows, s, seed=0)
+                one_s += time.perf_counter() - t0
     finally:
         group.stop()
-    return s.epochs * real / seconds, out["stats"]
+    return rounds * tokens / dp_s, rounds * tokens / one_s, out["stats"]
