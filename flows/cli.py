@@ -148,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[STARTED_AT] = str(psutil.Process().create_time())  # the flow logs time/startup_s from it
         if server is not None:
             server.join()
+        quiet = _OneLineErrors((RunInUse, CheckpointDamaged, StoreError))  # reported below in one line
+        for name in ("prefect.flow_runs", "prefect.task_runs"):
+            logging.getLogger(name).addFilter(quiet)
         try:
             summary = train(config=cfg.model_dump())
         except (RunInUse, CheckpointDamaged, StoreError) as err:
@@ -307,10 +310,15 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 class _OneLineErrors(logging.Filter):
     """Prefect logs a failed flow or task with its traceback; on the terminal of a command that reports the
-    failure in one line itself, the exception's own line is kept and the traceback dropped."""
+    failure in one line itself, the exception's own line is kept and the traceback dropped (for the
+    exception types ``only`` where given: the others keep theirs, to be debugged)."""
+
+    def __init__(self, only: tuple[type[BaseException], ...] = (BaseException,)) -> None:
+        super().__init__()
+        self.only = only
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.exc_info[1] is not None:
+        if record.exc_info and isinstance(record.exc_info[1], self.only):
             err = record.exc_info[1]
             record.msg = f"{record.getMessage()} {type(err).__name__}: {err}".replace("\n", " ")
             record.args, record.exc_info, record.exc_text = None, None, None

@@ -118,7 +118,9 @@ def test_a_deleted_parquet_file_of_a_finished_iteration_is_named_with_the_way_ba
     (d / "turns.parquet").unlink()
     capsys.readouterr()
     assert main(_train_args(cfg)) == 1
-    err = capsys.readouterr().err.strip().splitlines()[-1]
+    everything = capsys.readouterr().err
+    assert "Traceback" not in everything, everything[-3000:]
+    err = everything.strip().splitlines()[-1]
     assert err.startswith("horizonrl: run 'lost' not started: ") and str(d / "turns.parquet") in err, err
     assert "stored rollouts of finished iterations are missing" in err and "move" in err, err
     c = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
@@ -230,3 +232,42 @@ def test_evaluate_beside_two_trainings_on_one_sqlite_store(prefect_harness, tmp_
     runs = c.search_runs([e.experiment_id for e in c.search_experiments()])
     assert sorted(r.info.status for r in runs) == ["FINISHED"] * 4
     assert {run_of(c, n).info.status for n in ("a", "b")} == {"FINISHED"}
+
+
+@pytest.mark.slow
+def test_a_sweep_killed_with_a_cell_half_done_is_run_again_to_the_same_cells(prefect_harness, tmp_path):
+    """``sweep --here`` SIGKILLed inside its first cell's iteration 2 (``update:2``), then run again: the half
+    done cell resumes and ends with the weights of the same config trained straight, the other cell runs,
+    the report is made, every run (the parent's included) ends FINISHED, and no metric step is logged twice."""
+    import yaml
+
+    from flows.sweep import sweep
+    from flows.train import train
+
+    base = _config(tmp_path, "unused")
+    for key in ("run_name", "seed"):
+        base.pop(key)
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    path = tmp_path / "pair.yaml"
+    path.write_text(yaml.safe_dump({"name": "pair", "base": "base.yaml", "grid": {"seed": [3, 4]}}))
+    killed = _cli(["sweep", str(path), "--here"], "update:2")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    cell = tmp_path / "data" / "test" / "pair--seed=3"
+    assert latest_checkpoint(cell).iteration == 1
+    sweep(str(path), in_process=True)
+    train(config={**_config(tmp_path, "straight"), "seed": 3})
+    wa, wb = (
+        load_file(checkpoint_dir(d, 2) / "model.safetensors") for d in (tmp_path / "data" / "test" / "straight", cell)
+    )
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    for it in (1, 2):
+        a, b = (store.iteration_dir(tmp_path / "data", "test", n, it) for n in ("straight", "pair--seed=3"))
+        for name in ("episodes.parquet", "turns.parquet", "advantages-loop.parquet"):
+            _same_tables(a, b, name)
+    c = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = c.search_runs([e.experiment_id for e in c.search_experiments()])
+    assert [r.info.run_name for r in runs if r.info.status != "FINISHED"] == []
+    for name in ("pair--seed=3", "pair--seed=4"):
+        run = run_of(c, name)
+        got = [m.step for m in c.get_metric_history(run.info.run_id, "update/steps")]
+        assert sorted(got) == [1, 2], (name, got)
