@@ -148,11 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[STARTED_AT] = str(psutil.Process().create_time())  # the flow logs time/startup_s from it
         if server is not None:
             server.join()
-        quiet = _OneLineErrors((RunInUse, CheckpointDamaged, StoreError))  # reported below in one line
-        for name in ("prefect.flow_runs", "prefect.task_runs"):
-            logging.getLogger(name).addFilter(quiet)
         try:
-            summary = train(config=cfg.model_dump())
+            with _OneLineErrors((RunInUse, CheckpointDamaged, StoreError)):  # reported below in one line
+                summary = train(config=cfg.model_dump())
         except (RunInUse, CheckpointDamaged, StoreError) as err:
             print(f"horizonrl: run {cfg.run_name!r} not started: {err}", file=sys.stderr)
             return 1
@@ -297,11 +295,9 @@ def _evaluate(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"horizonrl: evaluate: {one_line(err)}", file=sys.stderr)
         return 2
-    quiet = _OneLineErrors()
-    for name in ("prefect.flow_runs", "prefect.task_runs"):
-        logging.getLogger(name).addFilter(quiet)
     try:
-        evaluate_policy(args.source, args.split, args.n_tasks, args.samples, overrides=args.set)
+        with _OneLineErrors():
+            evaluate_policy(args.source, args.split, args.n_tasks, args.samples, overrides=args.set)
     except Exception as err:  # noqa: BLE001 - a run-time failure: one line; the MLflow run is marked FAILED
         print(f"horizonrl: evaluate failed: {one_line(err)} (its MLflow run is marked FAILED)", file=sys.stderr)
         return 1
@@ -313,9 +309,21 @@ class _OneLineErrors(logging.Filter):
     failure in one line itself, the exception's own line is kept and the traceback dropped (for the
     exception types ``only`` where given: the others keep theirs, to be debugged)."""
 
+    LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+
     def __init__(self, only: tuple[type[BaseException], ...] = (BaseException,)) -> None:
         super().__init__()
         self.only = only
+
+    def __enter__(self) -> _OneLineErrors:
+        """On Prefect's run loggers for the block only (an in-process caller's later logs keep theirs)."""
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeFilter(self)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and isinstance(record.exc_info[1], self.only):
