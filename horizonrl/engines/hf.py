@@ -139,21 +139,16 @@ class _Slab:
         ]
 
     def swap(self, a: list[int], b: list[int], start: int, end: int, keep_a: bool) -> None:
-        """Rows ``b`` move to rows ``a`` (columns start:end); rows ``a`` move to ``b`` too if ``keep_a``."""
-        ia, ib = (torch.tensor(x, device=self.attn.device) for x in (a, b))
+        """Rows ``b`` move to rows ``a`` (columns start:end); rows ``a`` move to ``b`` too if ``keep_a``.
+        Row by row: a few rows move per step, and a plain copy of a row is cheaper than an indexed
+        gather and scatter of them."""
         for t in self.tensors():
-            if t.dim() == 1:
-                moved, kept = t[ib], t[ia]
-                t[ia] = moved
+            view = t[..., start:end, :] if t.dim() == 4 else t[:, start:end] if t.dim() == 2 else t
+            for p, q in zip(a, b):
+                kept = view[p].clone() if keep_a else None
+                view[p].copy_(view[q])
                 if keep_a:
-                    t[ib] = kept
-                continue
-            view = t[..., start:end, :] if t.dim() == 4 else t[:, start:end]
-            moved = view[ib]
-            kept = view[ia] if keep_a else None
-            view[ia] = moved
-            if keep_a:
-                view[ib] = kept
+                    view[q].copy_(kept)
 
 
 def _pick(t: torch.Tensor, src: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
