@@ -19,12 +19,9 @@ from prefect.cache_policies import NONE
 
 from horizonrl import faults, store
 from horizonrl.files import file_digest
-from horizonrl.rollout.branching import collect_branches, plan_branches
-from horizonrl.rollout.loop import SamplingSettings, Shard, collect, split_shards
+from horizonrl.rollout.loop import Shard
 from horizonrl.rollout.metrics import branch_metrics, episode_metrics
 from horizonrl.rollout.records import EpisodeRecord
-from horizonrl.run.runtime import sample_tasks
-from horizonrl.seeding import derive_seed
 from horizonrl.tracking import mlflow_runs
 from horizonrl.training.checkpoint import CheckpointRef
 from tasks.context import RUNTIME, RunContext
@@ -110,38 +107,18 @@ def _shard_records(ctx: RunContext, policy: CheckpointRef, shard: Shard) -> list
     """The shard task's body, apart so that Ray ships it by reference: cloudpickle sends a task's own
     function by value (its module attribute is the Task, not the function) together with the globals it
     uses, which would copy this process's RUNTIME (model, optimizer, environments) into every shard."""
-    cfg = ctx.cfg
-    loaded, envs = RUNTIME.get(cfg, policy), RUNTIME.episodes(cfg)
-    settings = SamplingSettings.from_config(cfg, RUNTIME.suite(cfg), shard.seed)
-    return collect(
-        envs,
-        shard.tasks,
-        cfg.rollout.group_size,
-        loaded.engine,
-        loaded.fmt,
-        settings,
-        first_rollout_id=shard.first_rollout_id,
-        first_group_id=shard.first_group_id,
-    )
+    return RUNTIME.play_shard(ctx.cfg, policy, shard)
 
 
 def _play(ctx: RunContext, iteration: int, policy: CheckpointRef) -> list[EpisodeRecord]:
     """K rollouts of the iteration's tasks, shard by shard; for a method that branches also the branches,
     planned over them and played in one batch in this process."""
     cfg = ctx.cfg
-    seed = derive_seed(cfg.seed, "collect", iteration)
-    tasks = sample_tasks(
-        RUNTIME.task_pool(cfg, "train", cfg.env.train_pool), cfg.rollout.tasks_per_iteration, cfg.seed, iteration
-    )
-    shards = split_shards(tasks, cfg.rollout.shards, cfg.rollout.group_size, seed)
+    shards = RUNTIME.iteration_shards(cfg, iteration)
     records = [r for part in _play_shards(ctx, policy, shards) for r in part]
-    branching = cfg.branching()
-    if branching is not None:
-        loaded, envs = RUNTIME.get(cfg, policy), RUNTIME.episodes(cfg)
-        budget = cfg.rollout.branch_budget or cfg.rollout.group_size
-        starts, _, stats = plan_branches(records, budget, branching, loaded.tokenizer)
-        settings = SamplingSettings.from_config(cfg, RUNTIME.suite(cfg), seed)
-        records += collect_branches(envs, starts, loaded.engine, loaded.fmt, settings, first_rollout_id=len(records))
+    if cfg.preset.branches:
+        branches, stats = RUNTIME.play_branches(cfg, policy, records, iteration)
+        records += branches
         log_stage(ctx, f"collect/{cfg.method}", stats, iteration)
     return records
 

@@ -21,7 +21,10 @@ from horizonrl.envs.batch import EpisodeBatch, InProcess
 from horizonrl.envs.pool import EnvPool
 from horizonrl.models import lora
 from horizonrl.models.loading import initial_adapter_dir, load_policy, resolve_device, resolve_dtype, tiny_model_dir
+from horizonrl.rollout.branching import collect_branches, plan_branches
+from horizonrl.rollout.loop import SamplingSettings, Shard, collect, split_shards
 from horizonrl.rollout.prompting import ChatFormat
+from horizonrl.rollout.records import EpisodeRecord
 from horizonrl.seeding import derive_seed
 from horizonrl.tracking import mlflow_runs
 from horizonrl.tracking.mlflow_runs import tracking_uri
@@ -118,6 +121,40 @@ class PolicyRuntime:
         if key not in self._pools:
             self._pools[key] = self.suite(cfg).tasks(split, cfg.env.tier, n)
         return self._pools[key]
+
+    def iteration_shards(self, cfg: TrainConfig, iteration: int) -> list[Shard]:
+        """The iteration's tasks, fixed by (seed, iteration), in ``rollout.shards`` fixed shards: group and
+        rollout ids and one sampling seed per shard, so the records do not depend on where shards play."""
+        tasks = sample_tasks(
+            self.task_pool(cfg, "train", cfg.env.train_pool), cfg.rollout.tasks_per_iteration, cfg.seed, iteration
+        )
+        return split_shards(tasks, cfg.rollout.shards, cfg.rollout.group_size, _collect_seed(cfg, iteration))
+
+    def play_shard(self, cfg: TrainConfig, policy: CheckpointRef, shard: Shard) -> list[EpisodeRecord]:
+        """K rollouts of the shard's tasks with this process's policy and environments."""
+        loaded, envs = self.get(cfg, policy), self.episodes(cfg)
+        settings = SamplingSettings.from_config(cfg, self.suite(cfg), shard.seed)
+        return collect(
+            envs,
+            shard.tasks,
+            cfg.rollout.group_size,
+            loaded.engine,
+            loaded.fmt,
+            settings,
+            first_rollout_id=shard.first_rollout_id,
+            first_group_id=shard.first_group_id,
+        )
+
+    def play_branches(
+        self, cfg: TrainConfig, policy: CheckpointRef, records: list[EpisodeRecord], iteration: int
+    ) -> tuple[list[EpisodeRecord], dict[str, float]]:
+        """A branching method's branches (APPO), planned over the iteration's initial rollouts and played in
+        one batch in this process; with the planner's figures."""
+        loaded, envs = self.get(cfg, policy), self.episodes(cfg)
+        budget = cfg.rollout.branch_budget or cfg.rollout.group_size
+        starts, _, stats = plan_branches(records, budget, cfg.branching(), loaded.tokenizer)
+        settings = SamplingSettings.from_config(cfg, self.suite(cfg), _collect_seed(cfg, iteration))
+        return collect_branches(envs, starts, loaded.engine, loaded.fmt, settings, first_rollout_id=len(records)), stats
 
     def initial_model_dir(self, cfg: TrainConfig) -> Path:
         """The starting weights: ``model.path`` (a directory, hub id, or ``models:/<name>/<version>`` or
@@ -252,6 +289,10 @@ def policy_from_store(cfg: TrainConfig) -> CheckpointRef:
     c = mlflow_runs.client(tracking_uri(cfg.tracking_uri))
     _, model_uri = mlflow_runs.resolve_policy(c, cfg.model.path)
     return mlflow_runs.download_policy(model_uri, Path(cfg.data_dir) / "policies")
+
+
+def _collect_seed(cfg: TrainConfig, iteration: int) -> int:
+    return derive_seed(cfg.seed, "collect", iteration)
 
 
 def sample_tasks(pool: list, n: int, seed: int, iteration: int) -> list:
