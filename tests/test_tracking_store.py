@@ -77,10 +77,12 @@ def test_each_commit_a_resumed_run_ran_at_is_recorded_once(tmp_path, monkeypatch
 
 def test_changed_code_names_only_files_a_cell_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+
     def git(*args):
         return subprocess.run(
             ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True, capture_output=True, text=True
         ).stdout.strip()
+
     git("init", "-q")
     (tmp_path / "methods").mkdir()
     (tmp_path / "methods" / "loop.py").write_text("A = 1\n")
