@@ -191,8 +191,10 @@ def test_session_turns_equal_fresh_generation_on_the_whole_sequence(tiny_policy,
     fresh ``generate`` on the whole sequence samples, with log-probs within 1e-4."""
     _, _, fmt, engine = tiny_policy
     prompts, commands = _prompts(tiny_policy, household_suite)
+
     def trie(cs):
         return TokenTrie([fmt.command(c) for c in cs], cs) if admissible else None
+
     session, seq = engine.session(), {}
     schedule = [
         ([10, 11, 12], prompts),
