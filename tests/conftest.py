@@ -125,7 +125,16 @@ END_TO_END = {"prefect_harness", "api_url"}  # fixtures of tests that run a flow
 SIMULATORS = ("textworld", "scienceworld")  # games made by tw-make, a JVM per ScienceWorld episode
 
 # The files with minutes of work (a local stack each, kill-and-resume runs, a vLLM server, games), longest first.
-LONGEST = ("test_stack.py", "test_reliability.py", "test_vllm_live.py", "test_textworld.py")
+LONGEST = (
+    "test_vllm_live.py",
+    "test_faults_round3.py",
+    "test_stack.py",
+    "test_reliability.py",
+    "test_evaluate.py",
+    "test_textworld.py",
+    "test_distributed_update.py",
+    "test_outside_games.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
