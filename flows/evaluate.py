@@ -172,7 +172,7 @@ def evaluate_policy(
         mlflow_runs.log_params(c, run_id, run_params(cfg, policy.path))
         ctx = RunContext(cfg, str(Path(cfg.data_dir) / cfg.experiment / cfg.run_name), c.tracking_uri, run_id)
         # a finished policy: judged as a run's last evaluation; this run has no rollouts to count steps of
-        metrics = evaluate(ctx, policy, policy.iteration, end=True, by_env_steps=False)
+        metrics = evaluate(ctx, policy, policy.iteration, end=True)
     except BaseException as err:  # KeyboardInterrupt too: only a killed process leaves its run RUNNING
         mlflow_runs.set_tags(c, run_id, {FAILURE_TAG: one_line(err)[:4000] or type(err).__name__})
         c.set_terminated(run_id, "FAILED")

@@ -47,7 +47,7 @@ def train(
         steps = store.env_steps(cfg.data_dir, cfg.experiment, cfg.run_name, range(1, policy.iteration + 1))
         if _eval_due(cfg, policy.iteration, elapsed, steps) and not logged(ctx, "eval/success_rate", policy.iteration):
             evaluate(
-                ctx, policy, policy.iteration, _at_end(cfg, policy.iteration, elapsed, steps)
+                ctx, policy, policy.iteration, _at_end(cfg, policy.iteration, elapsed, steps), steps
             )  # before training (or a missed one)
         progress = Progress(ctx, policy.iteration)
         for it in range(policy.iteration + 1, cfg.iterations + 1):
@@ -65,7 +65,7 @@ def train(
             log_stage(ctx, "system", {"max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, it)
             progress.advance(it, rollouts.episodes)
             if _eval_due(cfg, it, elapsed, steps) and not logged(ctx, "eval/success_rate", it):
-                evaluate(ctx, policy, it, _at_end(cfg, it, elapsed, steps))  # 4. held-out evaluation
+                evaluate(ctx, policy, it, _at_end(cfg, it, elapsed, steps), steps)  # 4. held-out evaluation
         progress.close()
         return finish_run(ctx, policy)
 

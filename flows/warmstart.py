@@ -40,11 +40,11 @@ def warmstart(
         log_losses(ctx, policy)  # a resumed run whose last epoch crashed before its log
         demos = record_demonstrations(ctx, policy)  # 1. walkthroughs as Parquet
         if not logged(ctx, "eval/success_rate", 0):
-            evaluate(ctx, policy, 0, by_env_steps=False)  # the starting point (a warm start has no rollouts)
+            evaluate(ctx, policy, 0)  # the starting point (a warm start has no rollouts)
         for epoch in range(policy.iteration + 1, cfg.warmstart.epochs + 1):
             policy = clone(ctx, epoch, demos, policy)  # 2. cross-entropy on action tokens
             if epoch % cfg.eval.every == 0 or epoch == cfg.warmstart.epochs:
-                evaluate(ctx, policy, epoch, end=epoch == cfg.warmstart.epochs, by_env_steps=False)  # 3. held-out
+                evaluate(ctx, policy, epoch, end=epoch == cfg.warmstart.epochs)  # 3. held-out
         summary: dict[str, Any] = dict(finish_run(ctx, policy))  # 4. logged as an MLflow model
     c = ctx.mlflow()
     version = mlflow_runs.register_policy(c, ctx.mlflow_run_id, cfg.warmstart.model_name)

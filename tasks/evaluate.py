@@ -30,12 +30,12 @@ def play(
 
 @task(name="evaluate", retries=1, retry_delay_seconds=1, cache_policy=NONE)
 def evaluate(
-    ctx: RunContext, policy: CheckpointRef, iteration: int, end: bool = False, by_env_steps: bool = True
+    ctx: RunContext, policy: CheckpointRef, iteration: int, end: bool = False, env_steps: int | None = None
 ) -> dict[str, float]:
     """Same held-out tasks at every evaluation (the first ``eval.n_tasks`` of the split, or
     ``eval.n_tasks_ends`` at the run's two ``end``s); sampling seeds fixed by (seed, iteration). Logs nothing
-    until every figure is computed, so a retry logs once. ``by_env_steps`` off (a run of its own, with no
-    rollouts to count steps from: the evaluate command) leaves out ``eval/success_by_env_steps``."""
+    until every figure is computed, so a retry logs once. ``env_steps``: the run's environment steps so far
+    (the train flow's count); without it (the evaluate command, a warm start) no ``eval/success_by_env_steps``."""
     cfg = ctx.cfg
     n_tasks = cfg.eval.tasks_at(end)
     sampled = play(ctx, policy, n_tasks, cfg.eval.samples, False, derive_seed(cfg.seed, "eval", iteration))
@@ -52,8 +52,8 @@ def evaluate(
     if not logged(ctx, "eval/success_rate", iteration):
         log_table(ctx.mlflow(), ctx.mlflow_run_id, sample_episodes(sampled), f"episodes/eval_iter_{iteration:05d}.json")
     trace_evaluation(ctx, iteration, sampled, policy.iteration)
-    if by_env_steps:
-        log_success_by_env_steps(ctx, iteration, metrics["success_rate"])
+    if env_steps is not None:
+        log_success_by_env_steps(ctx, env_steps, metrics["success_rate"])
     log_stage(ctx, "eval", metrics, iteration)
     greedy_text = f" (greedy {metrics['greedy_success_rate']:.3f})" if "greedy_success_rate" in metrics else ""
     get_run_logger().info(

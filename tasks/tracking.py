@@ -72,15 +72,12 @@ def trace_evaluation(ctx: RunContext, iteration: int, records: list[EpisodeRecor
     log_stage(ctx, "trace/eval", stats, iteration)
 
 
-def log_success_by_env_steps(ctx: RunContext, iteration: int, success: float) -> None:
+def log_success_by_env_steps(ctx: RunContext, env_steps: int, success: float) -> None:
     """``eval/success_by_env_steps``: held-out success with the run's cumulative environment steps as the
-    step, counted from the stored episodes (``store.env_steps``, APPO's branches included) like
-    ``time/env_steps`` and the step budget, so the experiment's chart view plots every run's success
-    against the same x."""
-    cfg = ctx.cfg
-    steps = store.env_steps(cfg.data_dir, cfg.experiment, cfg.run_name, range(1, iteration + 1))
-    if not logged(ctx, "eval/success_by_env_steps", steps):
-        mlflow_runs.log_metrics(ctx.mlflow(), ctx.mlflow_run_id, "eval", {"success_by_env_steps": success}, steps)
+    step (``store.env_steps``, APPO's branches included, as the train flow counts them for ``time/env_steps``
+    and the step budget), so the experiment's chart view plots every run's success against the same x."""
+    if not logged(ctx, "eval/success_by_env_steps", env_steps):
+        mlflow_runs.log_metrics(ctx.mlflow(), ctx.mlflow_run_id, "eval", {"success_by_env_steps": success}, env_steps)
 
 
 class Progress:
