@@ -27,7 +27,6 @@ from horizonrl.rollout.prompting import ChatFormat
 from horizonrl.rollout.records import EpisodeRecord
 from horizonrl.seeding import derive_seed
 from horizonrl.tracking import mlflow_runs
-from horizonrl.tracking.mlflow_runs import tracking_uri
 from horizonrl.training.checkpoint import CheckpointRef, checkpoint_dir, load_optimizer_state, read_state
 from horizonrl.training.rank_group import RankGroup
 
@@ -248,7 +247,7 @@ class PolicyRuntime:
         cfg = self.current.cfg
         if cfg is not None and lora.is_adapter_dir(ref.path):
             mlflow_runs.log_adapter(
-                mlflow_runs.client(tracking_uri(cfg.tracking_uri)),
+                mlflow_runs.client(mlflow_runs.tracking_uri(cfg.tracking_uri)),
                 read_state(ref)["mlflow_run_id"],
                 ref.path,
                 ref.iteration,
@@ -286,7 +285,7 @@ class PolicyRuntime:
 def policy_from_store(cfg: TrainConfig) -> CheckpointRef:
     """The checkpoint of ``model.path`` = ``models:/<name>/<version>`` or ``runs:/<run id>``, downloaded
     once under ``<data_dir>/policies``."""
-    c = mlflow_runs.client(tracking_uri(cfg.tracking_uri))
+    c = mlflow_runs.client(mlflow_runs.tracking_uri(cfg.tracking_uri))
     _, model_uri = mlflow_runs.resolve_policy(c, cfg.model.path)
     return mlflow_runs.download_policy(model_uri, Path(cfg.data_dir) / "policies")
 
