@@ -142,16 +142,17 @@ def main(argv: list[str] | None = None) -> int:
         from flows.train import STARTED_AT, train
         from horizonrl.run.runlock import RunInUse
         from horizonrl.store import StoreError
-        from horizonrl.tracking.mlflow_runs import tracking_uri
+        from horizonrl.tracking.mlflow_runs import ArtifactStoreUnwritable, tracking_uri
         from horizonrl.training.checkpoint import CheckpointDamaged
 
         os.environ[STARTED_AT] = str(psutil.Process().create_time())  # the flow logs time/startup_s from it
         if server is not None:
             server.join()
         try:
-            with _OneLineErrors((RunInUse, CheckpointDamaged, StoreError)):  # reported below in one line
+            one_line = (RunInUse, CheckpointDamaged, StoreError, ArtifactStoreUnwritable)
+            with _OneLineErrors(one_line):  # reported below in one line
                 summary = train(config=cfg.model_dump())
-        except (RunInUse, CheckpointDamaged, StoreError) as err:
+        except one_line as err:
             print(f"horizonrl: run {cfg.run_name!r} not started: {err}", file=sys.stderr)
             return 1
         uri = tracking_uri(cfg.tracking_uri)

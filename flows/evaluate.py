@@ -31,7 +31,6 @@ from tasks.evaluate import evaluate
 from tasks.run import run_params
 
 SOURCE_TAG = "horizonrl.source_run_id"
-FAILURE_TAG = "horizonrl.failure"  # why a run was marked FAILED (or KILLED), in one line
 PROCESS_TAG = "horizonrl.process"  # <host>:<pid> of the process evaluating, to find a killed one later
 # What ``evaluate --set`` may change: where and how the policy plays, and where results go. The method,
 # the update, the model and its training settings are the source's (the policy evaluated is its own).
@@ -131,7 +130,7 @@ def mark_killed_evaluations(c: MlflowClient, experiment: str) -> list[str]:
         where, _, pid = run.data.tags.get(PROCESS_TAG, "").rpartition(":")
         if where == host and pid.isdigit() and not psutil.pid_exists(int(pid)):
             cause = f"its process (pid {pid} on {host}) ended without reporting: killed; found by the next evaluate"
-            mlflow_runs.set_tags(c, run.info.run_id, {FAILURE_TAG: cause})
+            mlflow_runs.set_tags(c, run.info.run_id, {mlflow_runs.FAILURE_TAG: cause})
             c.set_terminated(run.info.run_id, "KILLED")
             marked.append(run.info.run_name)
     return marked
@@ -174,7 +173,7 @@ def evaluate_policy(
         # a finished policy: judged as a run's last evaluation; this run has no rollouts to count steps of
         metrics = evaluate(ctx, policy, policy.iteration, end=True)
     except BaseException as err:  # KeyboardInterrupt too: only a killed process leaves its run RUNNING
-        mlflow_runs.set_tags(c, run_id, {FAILURE_TAG: one_line(err)[:4000] or type(err).__name__})
+        mlflow_runs.set_tags(c, run_id, {mlflow_runs.FAILURE_TAG: one_line(err)[:4000] or type(err).__name__})
         c.set_terminated(run_id, "FAILED")
         raise
     finally:

@@ -85,6 +85,7 @@ def start_run(cfg: TrainConfig, killed_holder: dict[str, Any] | None = None) -> 
         mlflow_runs.COMMITS_TAG: commit,
         **mlflow_runs.lineage_tags(c, cfg.model.path),
     }
+    mlflow_runs.check_artifact_store(c, cfg.experiment)  # a read-only or full disk: named, before the run is touched
     run_id, resumed = mlflow_runs.find_or_create_run(c, cfg.experiment, cfg.run_name, tags)
     if resumed and not c.get_run(run_id).data.params:  # created ahead by a sweep, to nest it in the UI
         mlflow_runs.set_tags(c, run_id, tags)
@@ -216,13 +217,9 @@ def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
         "iterations": float(policy.iteration),
     }
     log_stage(ctx, "summary", summary, policy.iteration)  # once: a finished run run again logs nothing twice
-    mlflow.set_tracking_uri(ctx.tracking_uri)
-    logged = mlflow.search_logged_models(
-        experiment_ids=[c.get_run(ctx.mlflow_run_id).info.experiment_id],
-        filter_string=f"source_run_id = {mlflow_runs.quoted(ctx.mlflow_run_id)}",
-        output_format="list",
-    )
+    logged = mlflow_runs.policy_models(c, ctx.mlflow_run_id)
     if not any(m.name == "policy" and m.tags.get(ITERATION_TAG) == str(policy.iteration) for m in logged):
+        mlflow.set_tracking_uri(ctx.tracking_uri)
         with mlflow.start_run(run_id=ctx.mlflow_run_id):
             state_file = Path(policy.path) / "estimator_state.json"
             if state_file.is_file():  # BLPO memory: load with methods.state_from_json, inspect with .records()
@@ -242,7 +239,8 @@ def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
 
 def end_failed_run(flow: object, flow_run: FlowRun, state: State) -> None:
     """Train flow hook (failure, crash): stop the environment workers and the Ray cluster, and mark the
-    run FAILED in MLflow so the UI does not show a dead run as running. Running the same run name again
+    run FAILED in MLflow with the cause (tag ``horizonrl.failure``) so the UI does not show a dead run as
+    running. Running the same run name again
     resumes it (RUNNING again). A config too broken to name a run leaves nothing to mark."""
     RUNTIME.close_episodes()
     RUNTIME.close_ray()
@@ -259,6 +257,8 @@ def end_failed_run(flow: object, flow_run: FlowRun, state: State) -> None:
         return  # stopped before its store was created: nothing to mark, and no store to create now
     c = mlflow_runs.client(uri)
     run = mlflow_runs.find_run(c, cfg.experiment, cfg.run_name)
-    if run is not None and run.info.status == "RUNNING":
+    # FAILED already: MLflow's own ``start_run`` block (the final model's upload) marks it when it fails
+    if run is not None and run.info.status in ("RUNNING", "FAILED"):
+        mlflow_runs.set_tags(c, run.info.run_id, {mlflow_runs.FAILURE_TAG: (state.message or "")[:4000]})
         c.set_terminated(run.info.run_id, "FAILED")
         get_run_logger().warning("MLflow run %s (%s) marked FAILED: %s", run.info.run_id, cfg.run_name, state.message)

@@ -9,6 +9,8 @@ that are not killed.
 
 from __future__ import annotations
 
+import errno
+import gc
 import os
 import signal
 import subprocess
@@ -18,7 +20,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from flowkit import REPO, flat, run_of, tiny_config
+from flowkit import REPO, flat, run_of, steps, tiny_config
 from safetensors.torch import load_file
 
 from horizonrl import faults, store
@@ -271,3 +273,51 @@ def test_a_sweep_killed_with_a_cell_half_done_is_run_again_to_the_same_cells(pre
         run = run_of(c, name)
         got = [m.step for m in c.get_metric_history(run.info.run_id, "update/steps")]
         assert sorted(got) == [1, 2], (name, got)
+
+
+@pytest.mark.slow
+def test_a_read_only_then_full_disk_under_the_mlflow_artifacts(prefect_harness, tmp_path):
+    """The MLflow artifact folder on a real tmpfs (the tests run as root, so a read-only folder has to be a
+    read-only mount). Read-only: the run is refused before it is created, naming the folder. Writable but
+    with room for the config and the evaluation tables and not for the policy model logged at the end
+    (~55 KB of weights): the run fails at its end, marked FAILED with the cause, its tables and checkpoint
+    intact. With room again, running it again only finishes it: nothing trained or logged twice."""
+    from flows.train import train
+    from horizonrl.tracking.mlflow_runs import ArtifactStoreUnwritable
+
+    cfg = _config(tmp_path, "disk", iterations=1)
+    cfg["eval"] = {"every": 1, "n_tasks": 2, "greedy": False}
+    artifacts = tmp_path / "artifacts"  # beside mlflow.db: where the project's SQLite stores keep artifacts
+    artifacts.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32k,ro", "tmpfs", str(artifacts)], check=True)
+    try:
+        with pytest.raises(
+            ArtifactStoreUnwritable, match=rf"MLflow artifact folder {artifacts}.*Read-only file system"
+        ):
+            train(config=cfg)
+        c = MlflowClient(cfg["tracking_uri"])
+        assert c.search_runs([c.get_experiment_by_name("test").experiment_id]) == [], "refused before it exists"
+        assert not (tmp_path / "data" / "test" / "disk" / "checkpoints").exists()
+
+        subprocess.run(["mount", "-o", "remount,rw", str(artifacts)], check=True)
+        with pytest.raises(OSError) as err:
+            train(config=cfg)
+        assert err.value.errno == errno.ENOSPC
+        run = run_of(c, "disk")
+        assert run.info.status == "FAILED" and "No space left on device" in run.data.tags["horizonrl.failure"]
+        d = tmp_path / "data" / "test" / "disk"
+        assert latest_checkpoint(d).iteration == 1
+        tables = {p: p.read_bytes() for p in (d / "iter=00001").glob("*.parquet")}
+        assert tables, "the iteration's tables were stored before the disk filled"
+        evals = steps(c, run.info.run_id, "eval/success_rate")
+
+        subprocess.run(["mount", "-o", "remount,size=4m", str(artifacts)], check=True)
+        train(config=cfg)
+        run = run_of(c, "disk")
+        assert run.info.status == "FINISHED" and "horizonrl.failure" not in run.data.tags
+        assert steps(c, run.info.run_id, "eval/success_rate") == evals == [0, 1]
+        assert steps(c, run.info.run_id, "update/steps") == [1]
+        assert {p: p.read_bytes() for p in (d / "iter=00001").glob("*.parquet")} == tables
+    finally:
+        gc.collect()
+        subprocess.run(["umount", str(artifacts)], check=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
-from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, Run, RunTag
+from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModel, LoggedModelStatus, Metric, Param, Run, RunTag
 from mlflow.exceptions import MlflowException
 
 import mlflow
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from horizonrl.training.checkpoint import CheckpointRef
 
 RUN_NAME_TAG = "horizonrl.run_name"
+FAILURE_TAG = "horizonrl.failure"  # why a run was marked FAILED (or KILLED), in one line
 DEFAULT_STORE = "mlflow"
 
 
@@ -118,6 +119,36 @@ def experiment_id(c: MlflowClient, name: str) -> str:
         return exp.experiment_id
 
 
+class ArtifactStoreUnwritable(OSError):
+    """The experiment's artifact folder cannot take a file (read-only, full, or missing permissions)."""
+
+
+def check_artifact_store(c: MlflowClient, experiment: str) -> None:
+    """Write and remove a small probe file in ``experiment``'s artifact folder when it is a local folder,
+    so a read-only or full disk stops a run before it is created or resumed, with the folder named,
+    instead of failing at its first artifact with MLflow's traceback. Remote stores are not probed."""
+    location = c.get_experiment(experiment_id(c, experiment)).artifact_location
+    if "://" in location and not location.startswith("file://"):
+        return
+    folder = Path(location.removeprefix("file://"))
+    probe = folder / f".write-probe-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        raise ArtifactStoreUnwritable(
+            err.errno,
+            f"the MLflow artifact folder {folder} of experiment {experiment!r} cannot take a file "
+            f"({os.strerror(err.errno or 0)}): make it writable or free space there, then run again",
+        ) from err
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
+
+
 def find_run(c: MlflowClient, experiment: str, run_name: str) -> Run | None:
     """The newest run tagged with ``run_name`` in ``experiment``, or None."""
     exp = c.get_experiment_by_name(experiment)
@@ -143,11 +174,14 @@ def quoted(value: str) -> str:
 
 
 def find_or_create_run(c: MlflowClient, experiment: str, run_name: str, tags: dict[str, str]) -> tuple[str, bool]:
-    """Return (run_id, resumed): the newest run tagged with ``run_name`` (set RUNNING again), or a new one."""
+    """Return (run_id, resumed): the newest run tagged with ``run_name`` (set RUNNING again, its failure tag
+    removed), or a new one."""
     found = find_run(c, experiment, run_name)
     if found:
         run_id = found.info.run_id
         c.update_run(run_id, status="RUNNING")
+        if FAILURE_TAG in found.data.tags:  # the cause of the last failure no longer holds
+            c.delete_tag(run_id, FAILURE_TAG)
         return run_id, True
     return create_run(c, experiment, run_name, tags), False
 
@@ -277,15 +311,27 @@ def resolve_policy(c: MlflowClient, source: str) -> tuple[str, str]:
             ) from err
     run_id = source.removeprefix("runs:/").split("/")[0]
     try:
-        run = c.get_run(run_id)
+        c.get_run(run_id)
     except mlflow.exceptions.MlflowException as err:
         raise ValueError(f"source {source!r}: no run with id {run_id!r} in {c.tracking_uri}") from err
-    models = mlflow.search_logged_models(
-        experiment_ids=[run.info.experiment_id], filter_string=f"source_run_id = {quoted(run_id)}", output_format="list"
-    )
+    models = policy_models(c, run_id)
     if not models:
         raise ValueError(f"source run {run_id} has no logged policy model (it logs one when its training finishes)")
     return run_id, f"models:/{models[0].model_id}"
+
+
+def policy_models(c: MlflowClient, run_id: str) -> list[LoggedModel]:
+    """The models run ``run_id`` logged completely (status READY), newest first. One whose upload failed
+    half way (a full disk) is left FAILED by MLflow with some of its files: never used, and the run logs
+    its policy again when it is run again."""
+    mlflow.set_tracking_uri(c.tracking_uri)  # the fluent API (logged models) reads the global URI
+    models = mlflow.search_logged_models(
+        experiment_ids=[c.get_run(run_id).info.experiment_id],
+        filter_string=f"source_run_id = {quoted(run_id)}",
+        order_by=[{"field_name": "creation_time", "ascending": False}],
+        output_format="list",
+    )
+    return [m for m in models if m.status == LoggedModelStatus.READY]
 
 
 INIT_MODEL_TAG = "horizonrl.init.model"  # lineage of a run that starts from a logged policy
@@ -319,12 +365,7 @@ def download_policy(model_uri: str, cache: Path) -> CheckpointRef:
 def register_policy(c: MlflowClient, run_id: str, model_name: str) -> str:
     """Register the policy logged by run ``run_id`` under ``model_name``; returns the version (the existing
     one if this run's policy is already registered under that name, so a rerun registers nothing new)."""
-    mlflow.set_tracking_uri(c.tracking_uri)
-    models = mlflow.search_logged_models(
-        experiment_ids=[c.get_run(run_id).info.experiment_id],
-        filter_string=f"source_run_id = {quoted(run_id)}",
-        output_format="list",
-    )
+    models = policy_models(c, run_id)
     if not models:
         raise ValueError(f"run {run_id} has no logged policy model")
     existing = c.search_model_versions(f"name = {quoted(model_name)} and run_id = {quoted(run_id)}")
