@@ -17,6 +17,7 @@ no server: the untied serving copy and the config's refusal of a head_dim vLLM's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -428,6 +429,19 @@ def test_server_command_binds_loopback_with_prefix_caching_and_lora():
     assert "--enable-lora" not in server_command(full) and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in server_env(
         full, {}
     )
+
+
+def test_cpu_server_runs_its_worker_inside_the_engine_core_process():
+    """The CPU build's start-up: eager, chunked prefill off, and the one worker in the engine-core process
+    (``uni``, which the CPU platform honours only with VLLM_ENABLE_V1_MULTIPROCESSING=0); the GPU build keeps
+    vLLM's defaults."""
+    cpu = ServerSpec(python="p", model="/m", port=1, gpu_memory_utilization=0.4, max_logprobs=8, device="cpu")
+    cmd = server_command(cpu)
+    assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni" and "--enforce-eager" in cmd
+    assert server_env(cpu, {})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    gpu = dataclasses.replace(cpu, device="cuda")
+    assert "--distributed-executor-backend" not in server_command(gpu)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in server_env(gpu, {})
 
 
 def test_owned_server_starts_restarts_on_new_weights_and_leaves_no_process(tmp_path, monkeypatch):

@@ -7,8 +7,8 @@ head_dim 32, which the CPU attention kernel serves; word-level tokenizer, 123 id
 logits processor (one request per admissible action) and the development endpoints (in-place weight
 reloads). The live tests are marked slow (``make test``, not ``make test-fast``). Every check compares
 with ``TransformersEngine`` or the learner on the same weights; tolerance 1e-4 nats on log-probs and
-entropies (measured: 1e-6). Tests that change the served weights put the start-up weights back; the one
-that kills and restarts the server runs last.
+entropies (measured: 1e-6). Tests that change the served weights put the start-up weights back; the two
+that restart the server (a corrupted in-place reload, a killed server) run last.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ TOL = 1e-4
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 REQUESTS = "vllm:request_success_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
+VLLM_CACHE = Path(__file__).resolve().parents[1] / "data" / "cache" / "vllm"  # kept across sessions, as the flow's
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def live(tiny_policy, tiny_policy_dir, tmp_path_factory):
         max_logprobs=len(tokenizer),
         dtype="float32",
         device="cuda" if torch.cuda.is_available() else "cpu",
-        cache_root=str(root / "cache"),
+        cache_root=str(VLLM_CACHE),
         dev_mode=True,
         max_model_len=max_positions(tiny_policy_dir),
         trie_processor=True,
@@ -272,6 +273,33 @@ def test_a_reload_that_leaves_the_head_stale_is_caught_by_the_probe(live, tiny_p
     finally:
         as_saved.close()
         live.sync(str(tiny_policy_dir), probe_of(model, len(tokenizer)))
+
+
+def test_a_corrupted_in_place_reload_is_caught_and_the_owned_server_restarts_on_the_right_weights(
+    live, tiny_policy, tiny_policy_dir, household_suite, tmp_path
+):
+    """The in-place reload of a server the engine owns is made to load wrong weights (the checkpoint as
+    saved, with no ``lm_head.weight``: vLLM's CPU backend keeps serving its start-up head and reports
+    nothing). The probe catches it, the engine restarts its server on the checkpoint's untied copy, the sync
+    says ``restart`` and why, and the restarted server serves the learner's weights (probe within 1e-4,
+    greedy actions equal the transformers engine's)."""
+    _, tokenizer, fmt, hf = tiny_policy
+    moved, ckpt = _perturbed(tiny_policy_dir, tmp_path / "iter=4", seed=4)
+    pid = live.server.proc.pid
+    live.untie_head = False  # the corruption: the reload reads the checkpoint as saved
+    try:
+        live.sync(str(ckpt), probe_of(moved, len(tokenizer)))
+    finally:
+        live.untie_head = True
+    s = live.last_sync
+    assert s.path == "restart" and live.alive() and live.server.proc.pid != pid
+    assert s.reason.startswith("probe log-probs off by") and s.reason.endswith("after the in-place reload")
+    assert float(s.reason.split()[4]) > TOL and s.probe_max_diff <= TOL
+    prompts, commands = _prompts(fmt, household_suite)
+    tries = [TokenTrie([fmt.command(c) for c in cs], cs) for cs in commands]
+    moved_hf = TransformersEngine(moved, tokenizer.pad_token_id, hf.end_ids)
+    for v, h in zip(live.generate(prompts, tries, 6, 0.7, True, 0), moved_hf.generate(prompts, tries, 6, 0.7, True, 0)):
+        _same(v, h)
 
 
 def test_a_dead_server_ends_its_episodes_as_errors_and_the_next_sync_restarts_it(
