@@ -17,12 +17,14 @@ import os
 import time
 from pathlib import Path
 
-from benchmarks import advantages, pipeline, rollout, store, update, vllm_server
+from benchmarks import advantages, async_rollouts, pipeline, rollout, store, update, vllm_server
 from benchmarks.report import Figure, log_mlflow, publish, save, table
 from horizonrl.config import load_config
 
 CONFIG = "configs/loop_household_easy.yaml"
-SECTIONS = ("advantages", "store", "rollout", "update", "pipeline") + (("vllm",) if vllm_server.available() else ())
+SECTIONS = ("advantages", "store", "rollout", "update", "pipeline", "async") + (
+    ("vllm",) if vllm_server.available() else ()
+)
 SIZES = {  # full, quick
     "adv_rows": (1_000_000, 20_000),
     "adv_groups": (100_000, 2_000),
@@ -33,6 +35,7 @@ SIZES = {  # full, quick
     "update_tasks": (16, 2),
     "update_group": (8, 2),
     "pipeline_iterations": (2, 1),
+    "async_iterations": (4, 2),
     "vllm_tasks": (8, 2),
     "vllm_group": (8, 2),
 }
@@ -53,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/out", help="output folder (default benchmarks/out)")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="run these sections only")
     parser.add_argument("--no-mlflow", action="store_true", help="do not log the figures to MLflow")
+    parser.add_argument(
+        "--gen-latency-ms",
+        type=float,
+        default=50.0,
+        help="async section: idle ms per engine call standing in for a GPU generator (default 50)",
+    )
     parser.add_argument(
         "--publish",
         metavar="PAGE",
@@ -79,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             figures += rollout.run(cfg, n["rollout_tasks"], n["rollout_group"])
         elif section == "update":
             figures += update.run(cfg, n["update_tasks"], n["update_group"])
+        elif section == "async":
+            figures += async_rollouts.run(cfg, n["async_iterations"], args.gen_latency_ms)
         elif section == "vllm":
             figures += vllm_server.run(cfg, n["vllm_tasks"], n["vllm_group"], out / "vllm")
         else:

@@ -2,6 +2,12 @@
 
     for each iteration:  collect -> advantages -> update (writes the checkpoint) -> evaluate (every N)
 
+With ``rollout.max_staleness`` = k >= 1 (docs/algorithms.md §1.10) the collect task of iteration i+1 is
+submitted (a Prefect task future) before the update of iteration i, so the generator plays it beside that
+update with its own copy of checkpoint max(i-k, 0) (``async_mode: fixed``; ``bounded``: the newest one it
+finds, at least that one). Each stage logs at its own iteration; ``async/*`` figures say how stale the
+rows were and how long each side waited.
+
 Running it again with the same ``run_name`` resumes after the last completed iteration, and evaluates on
 the same schedule as an uninterrupted run (never at the iteration it resumes from), so a cell's numbers
 do not depend on whether it was killed. One process at a time: a second one on a running run name is
@@ -16,13 +22,17 @@ import time
 from typing import Any
 
 from prefect import flow
+from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
 
 from horizonrl import store
 from horizonrl.config import TrainConfig, run_dir, train_config
 from horizonrl.run import runlock
+from horizonrl.tracking import mlflow_runs
+from horizonrl.training.checkpoint import CheckpointRef, checkpoint_dir
 from tasks.advantage import advantages
-from tasks.collect import collect_rollouts
+from tasks.collect import RolloutRef, collect_rollouts
+from tasks.context import GENERATOR, RunContext
 from tasks.evaluate import evaluate
 from tasks.run import end_failed_run, finish_run, start_run
 from tasks.tracking import Progress, log_stage, logged
@@ -50,11 +60,15 @@ def train(
                 ctx, policy, policy.iteration, _at_end(cfg, policy.iteration, elapsed, steps), steps
             )  # before training (or a missed one)
         progress = Progress(ctx, policy.iteration)
+        ahead = AsyncCollect(ctx) if cfg.rollout.max_staleness else None
         for it in range(policy.iteration + 1, cfg.iterations + 1):
             if _budget_spent(cfg, elapsed, steps):
                 break
             t0 = time.perf_counter()
-            rollouts = collect_rollouts(ctx, it, policy)  # 1. rollouts of the current policy
+            if ahead is None:
+                rollouts = collect_rollouts(ctx, it, policy)  # 1. rollouts of the current policy
+            else:
+                rollouts = ahead.take(it, policy)  # 1. rollouts of a policy at most k versions older
             steps += store.env_steps(cfg.data_dir, cfg.experiment, cfg.run_name, range(it, it + 1))
             adv = advantages(ctx, it, rollouts, policy)  # 2. the method's advantages
             policy = update(ctx, it, rollouts, adv, policy, elapsed + time.perf_counter() - t0)  # 3. PPO -> checkpoint
@@ -63,10 +77,14 @@ def train(
                 ctx, "time", {"iteration_s": time.perf_counter() - t0, "train_s": elapsed, "env_steps": steps}, it
             )
             log_stage(ctx, "system", {"max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, it)
+            if ahead is not None:
+                ahead.done(it, rollouts, policy)
             progress.advance(it, rollouts.episodes)
             if _eval_due(cfg, it, elapsed, steps) and not logged(ctx, "eval/success_rate", it):
                 evaluate(ctx, policy, it, _at_end(cfg, it, elapsed, steps), steps)  # 4. held-out evaluation
         progress.close()
+        if ahead is not None:
+            ahead.close()
         return finish_run(ctx, policy)
 
 
@@ -86,3 +104,78 @@ def _budget_spent(cfg: TrainConfig, elapsed_s: float, env_steps: int) -> bool:
     return (cfg.time_budget_s is not None and elapsed_s >= cfg.time_budget_s) or (
         cfg.env_step_budget is not None and env_steps >= cfg.env_step_budget
     )
+
+
+class AsyncCollect:
+    """The generator's side of asynchronous rollouts (``rollout.max_staleness`` = k >= 1, docs/algorithms.md
+    §1.10): collect tasks submitted ahead of the update, one after another (each waits for the one before:
+    the generator holds one model), iteration j played by checkpoint max(j-1-k, 0), so the schedule is
+    fixed by k alone and a resumed run plays what an uninterrupted one does (``bounded``: that checkpoint or
+    a newer one, whichever is newest when the task starts)."""
+
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx, self.k = ctx, ctx.cfg.rollout.max_staleness
+        self.newest = ctx.cfg.rollout.async_mode == "bounded"
+        self.futures: dict[int, PrefectFuture] = {}
+        self.played: list[tuple[float, float]] = []  # wall-clock (start, end) of every collect played here
+        self.windows: dict[int, tuple[float, float, float]] = {}  # iteration -> (start, end, learner wait s)
+        self.started: float | None = None
+        if self.newest:
+            mlflow_runs.set_tags(
+                ctx.mlflow(),
+                ctx.mlflow_run_id,
+                {"async_mode": "bounded", "reproducible": "false: the generator plays whichever checkpoint is newest"},
+            )
+
+    def take(self, iteration: int, policy: CheckpointRef) -> RolloutRef:
+        """Submit every collect the bound allows now (up to iteration + k), then wait for this iteration's."""
+        self.started = time.time()
+        last = min(policy.iteration + 1 + self.k, self.ctx.cfg.iterations)
+        for j in range(iteration, last + 1):
+            if j not in self.futures:
+                version = max(j - 1 - self.k, 0)
+                ref = CheckpointRef(str(checkpoint_dir(self.ctx.path, version)), version)
+                before = [self.futures[j - 1]] if j - 1 in self.futures else []
+                self.futures[j] = collect_rollouts.submit(self.ctx, j, ref, self.newest, wait_for=before)
+        rollouts = self.futures[iteration].result()
+        if rollouts.played is not None:
+            self.played.append(rollouts.played)
+        self.windows[iteration] = (self.started, 0.0, time.time() - self.started)
+        return rollouts
+
+    def done(self, iteration: int, rollouts: RolloutRef, policy: CheckpointRef) -> None:
+        """Log the iteration's ``async/*`` figures: staleness of its rows against the checkpoint its update
+        started from, the learner's waiting share, batches played and not yet used; and the generator's idle
+        share of the iteration before (its collects overlapping that one have ended by now)."""
+        start, _, wait = self.windows[iteration]
+        end = time.time()
+        self.windows[iteration] = (start, end, wait)
+        stale = float(policy.iteration - 1 - rollouts.policy_version)
+        queued = sum(f.state.is_completed() for j, f in self.futures.items() if j > iteration)
+        figures = {
+            "staleness_mean": stale,
+            "staleness_max": stale,
+            "learner_idle_fraction": wait / max(end - start, 1e-9),
+            "queued_batches": float(queued),
+        }
+        log_stage(self.ctx, "async", figures, iteration)
+        self.futures.pop(iteration, None)
+        if iteration - 1 in self.windows:
+            self._log_generator_idle(iteration - 1)
+
+    def _log_generator_idle(self, iteration: int) -> None:
+        """The share of iteration ``iteration``'s wall time the generator was not playing."""
+        start, end, _ = self.windows.pop(iteration)
+        busy = sum(max(0.0, min(b, end) - max(a, start)) for a, b in self.played)
+        log_stage(self.ctx, "async", {"generator_idle_fraction": 1.0 - busy / max(end - start, 1e-9)}, iteration)
+
+    def close(self) -> None:
+        """Wait for collects still playing (a budget stopped the run early), log the last iteration's
+        generator figure and free the generator's copy of the weights and its environments."""
+        for f in self.futures.values():
+            f.wait()
+        for it in sorted(self.windows):
+            if self.windows[it][1]:
+                self._log_generator_idle(it)
+        GENERATOR.close_episodes()
+        GENERATOR.drop()

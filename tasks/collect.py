@@ -7,10 +7,16 @@ a single local shard plays in the collect task itself) or in parallel on a Ray c
 its own policy and environments in its ``RUNTIME``. The shards' records are joined in order, so the
 tables do not depend on where the shards ran. A method that branches (APPO) has its branches planned over
 all initial rollouts and played here, after the shards.
+
+With ``rollout.max_staleness`` >= 1 (asynchronous rollouts, docs/algorithms.md §1.10) the train flow submits
+this task so it runs beside the update of the iteration before, and it plays with the process's generator
+(``tasks.context.GENERATOR``: its own copy of the weights, loaded from the checkpoint it is given) instead of
+the learner's model.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import pyarrow.compute as pc
@@ -18,13 +24,15 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from horizonrl import faults, store
+from horizonrl.config import TrainConfig
 from horizonrl.files import file_digest
 from horizonrl.rollout.loop import Shard
 from horizonrl.rollout.metrics import branch_metrics, episode_metrics
 from horizonrl.rollout.records import EpisodeRecord
+from horizonrl.run.runtime import PolicyRuntime
 from horizonrl.tracking import mlflow_runs
-from horizonrl.training.checkpoint import CheckpointRef
-from tasks.context import RUNTIME, RunContext
+from horizonrl.training.checkpoint import CheckpointRef, checkpoints
+from tasks.context import GENERATOR, RUNTIME, RunContext
 from tasks.tracking import log_stage
 
 
@@ -33,29 +41,41 @@ class RolloutRef:
     iteration: int
     episodes: str  # path of episodes.parquet
     turns: str  # path of turns.parquet
+    policy_version: int = -1  # the checkpoint that played the rows (episodes.policy_version)
+    played: tuple[float, float] | None = None  # wall-clock (start, end) of playing them here; None: reused
 
 
 @task(name="collect", retries=1, retry_delay_seconds=1, cache_policy=NONE)
-def collect_rollouts(ctx: RunContext, iteration: int, policy: CheckpointRef) -> RolloutRef:
+def collect_rollouts(ctx: RunContext, iteration: int, policy: CheckpointRef, newest: bool = False) -> RolloutRef:
     """Rollout tables are immutable: if this iteration's are complete (after a crash), reuse them.
 
     No Prefect cache: completeness is read from the store itself (episodes.parquet is written last).
+    ``newest`` (``rollout.async_mode: bounded``): play with the run's newest checkpoint if it is newer
+    than ``policy``, the oldest the staleness bound allows.
     """
     cfg = ctx.cfg
     d = store.iteration_dir(cfg.data_dir, cfg.experiment, cfg.run_name, iteration)
-    ref = RolloutRef(iteration, str(d / "episodes.parquet"), str(d / "turns.parquet"))
+    paths = (str(d / "episodes.parquet"), str(d / "turns.parquet"))
+    played = None
     if (d / "episodes.parquet").is_file() and (d / "turns.parquet").is_file():
+        ref = RolloutRef(iteration, *paths)
         digests = {"turns": file_digest(ref.turns), "episodes": file_digest(ref.episodes)}
         _check_recorded(ctx, iteration, ref, digests)
         get_run_logger().info("iteration %d: rollouts already stored, reused", iteration)
     else:
+        if newest:
+            policy = max([policy, *checkpoints(ctx.path)], key=lambda c: c.iteration)
+        start = time.time()
         records = _play(ctx, iteration, policy)
-        digests = {"turns": store.write_table(store.turns_table(records), ref.turns, "turns")}
+        digests = {"turns": store.write_table(store.turns_table(records), paths[1], "turns")}
         faults.kill_point("collect", iteration)
         digests["episodes"] = store.write_table(
-            store.episodes_table(records, cfg.run_name, iteration, policy.iteration), ref.episodes, "episodes"
+            store.episodes_table(records, cfg.run_name, iteration, policy.iteration), paths[0], "episodes"
         )
-    episodes = store.read_table(ref.episodes, "episodes")
+        played = (start, time.time())
+    episodes = store.read_table(paths[0], "episodes")
+    version = int(episodes["policy_version"][0].as_py()) if episodes.num_rows else policy.iteration
+    ref = RolloutRef(iteration, *paths, version, played)
     metrics = episode_metrics(episodes)
     if cfg.preset.branches:
         metrics.update(branch_metrics(episodes))
@@ -107,17 +127,22 @@ def _shard_records(ctx: RunContext, policy: CheckpointRef, shard: Shard) -> list
     """The shard task's body, apart so that Ray ships it by reference: cloudpickle sends a task's own
     function by value (its module attribute is the Task, not the function) together with the globals it
     uses, which would copy this process's RUNTIME (model, optimizer, environments) into every shard."""
-    return RUNTIME.play_shard(ctx.cfg, policy, shard)
+    return generator(ctx.cfg).play_shard(ctx.cfg, policy, shard)
+
+
+def generator(cfg: TrainConfig) -> PolicyRuntime:
+    """Who plays: the learner's holder, or with asynchronous rollouts the generator's own copy."""
+    return GENERATOR if cfg.rollout.max_staleness else RUNTIME
 
 
 def _play(ctx: RunContext, iteration: int, policy: CheckpointRef) -> list[EpisodeRecord]:
     """K rollouts of the iteration's tasks, shard by shard; for a method that branches also the branches,
     planned over them and played in one batch in this process."""
     cfg = ctx.cfg
-    shards = RUNTIME.iteration_shards(cfg, iteration)
+    shards = generator(cfg).iteration_shards(cfg, iteration)
     records = [r for part in _play_shards(ctx, policy, shards) for r in part]
-    if cfg.preset.branches:
-        branches, stats = RUNTIME.play_branches(cfg, policy, records, iteration)
+    if cfg.preset.branches:  # played by the same checkpoint as their parents
+        branches, stats = generator(cfg).play_branches(cfg, policy, records, iteration)
         records += branches
         log_stage(ctx, f"collect/{cfg.method}", stats, iteration)
     return records

@@ -11,6 +11,9 @@ from horizonrl.tracking.mlflow_runs import client
 
 # The one heavy-object holder of this process (model, optimizer, engine); tasks ask it for a checkpoint.
 RUNTIME = PolicyRuntime()
+# With asynchronous rollouts (``rollout.max_staleness`` >= 1) the generator's own holder: the collect task plays
+# with it beside the update, which trains RUNTIME's model (docs/algorithms.md §1.10).
+GENERATOR = PolicyRuntime()
 
 
 @dataclass(frozen=True)

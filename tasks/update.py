@@ -36,8 +36,11 @@ def update(
             store.read_table(adv.table, "advantages"),
         )
         # the rows were sampled by ``policy``, the checkpoint trained here, whether played in this call or
-        # stored before a restart; so a resumed run takes the same pi_old path as one never stopped
-        s = UpdateSettings.from_config(cfg, loaded.tokenizer.pad_token_id, sampled_here=True)
+        # stored before a restart; so a resumed run takes the same pi_old path as one never stopped. With
+        # asynchronous rollouts an older checkpoint may have played them: the decoupled objective
+        # (docs/algorithms.md §1.10)
+        stale = bool(cfg.rollout.max_staleness) and rollouts.policy_version != policy.iteration
+        s = UpdateSettings.from_config(cfg, loaded.tokenizer.pad_token_id, sampled_here=not stale, decoupled=stale)
         ranks = RUNTIME.update_ranks(cfg, ctx.path) if cfg.update.world_size > 1 and rows else None
         ref_model = RUNTIME.reference(cfg, ctx.path) if s.needs_reference and ranks is None else None
         ref, stats = update_policy(

@@ -185,6 +185,14 @@ class RolloutConfig(Strict):
     runner: Literal["local", "ray"] = "local"
     """Where shards play: local = one after another in the flow's process; ray = in parallel on a Ray
     cluster (section ``ray``), each worker with its own engine and environments."""
+    max_staleness: int = Field(0, ge=0)
+    """k: iteration i's rollouts are played by a policy at most k versions older than the one its update
+    starts from, in a generator beside the update (docs/algorithms.md §1.10). 0 plays them with that very
+    policy, one stage after another."""
+    async_mode: Literal["fixed", "bounded"] = "fixed"
+    """With ``max_staleness`` >= 1: fixed = iteration i is always played by checkpoint max(i-1-k, 0), so a
+    seed reproduces the run and a killed run resumes exactly; bounded = the generator plays with the newest
+    checkpoint it finds, at most k behind (faster under uneven stages, not reproducible: tagged so)."""
 
 
 class UpdateConfig(Strict):
@@ -438,6 +446,16 @@ class TrainConfig(Strict):
             raise ValueError(
                 "rollout.runner = 'ray' needs engine.name = 'transformers': each Ray worker would start its own vLLM "
                 "server"
+            )
+        if r.max_staleness and self.engine.name != "transformers":
+            raise ValueError(
+                f"rollout.max_staleness = {r.max_staleness} needs engine.name = 'transformers': the vLLM server as "
+                "an asynchronous generator (playing one version while the learner updates) is not built yet"
+            )
+        if r.max_staleness and r.runner != "local":
+            raise ValueError(
+                f"rollout.max_staleness = {r.max_staleness} needs rollout.runner = 'local': the generator is a "
+                "second policy copy in the flow's process, Ray workers hold the learner's"
             )
         return self
 

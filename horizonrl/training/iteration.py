@@ -72,6 +72,7 @@ def update_policy(
             iteration=iteration,
             model=cfg.model,
             reference=str(checkpoint_dir(run_dir, 0)) if s.needs_reference else None,
+            strategy=cfg.update.strategy,
         )
         model.load_state_dict(out["model"])
         optimizer.load_state_dict(out["optimizer"])
@@ -84,7 +85,9 @@ def update_policy(
             f"{cfg.update.max_nan_skips}); last good checkpoint: {policy.path}"
         )
     state = {"update_stats": stats, "nonfinite_steps": nonfinite, **run_state}
-    ref = save_checkpoint(run_dir, iteration, model, tokenizer, optimizer, state, estimator_state)
+    # an asynchronous generator still plays (or, after a restart, plays again) checkpoints up to k + 1 back
+    keep = max(2, cfg.rollout.max_staleness + 2)
+    ref = save_checkpoint(run_dir, iteration, model, tokenizer, optimizer, state, estimator_state, keep)
     if ranks is not None:
         ranks.advance(ref)
     return ref, {**stats, "skipped": float(not rows), "lr": lr}

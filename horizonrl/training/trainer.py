@@ -32,7 +32,7 @@ import random
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -41,7 +41,7 @@ from horizonrl.config import TrainConfig
 from horizonrl.engines.base import allowed_log_softmax
 from horizonrl.training.parallel import Ranks
 from horizonrl.training.sequences import TrainRow
-from methods.losses import trajectory_kl_estimate
+from methods.losses import LOG_RATIO_CLAMP, trajectory_kl_estimate
 from methods.registry import LossParams
 
 
@@ -59,15 +59,19 @@ class UpdateSettings:
     pad_id: int
     pi_old_tol: float | None = None  # stored sampling log-probs as pi_old within this max |diff| (None: recompute)
     measure_sampler: bool = False  # recomputing every row: also report max |stored - recomputed| (a vLLM sampler)
+    decoupled: bool = False  # rows played by an older policy: weight by pi_prox / pi_behav (docs/algorithms.md §1.10)
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig, pad_id: int, sampled_here: bool) -> UpdateSettings:
+    def from_config(cls, cfg: TrainConfig, pad_id: int, sampled_here: bool, decoupled: bool = False) -> UpdateSettings:
         """The run's update settings: the method's loss and epochs, ``update.*``, the sampling temperature.
 
         ``sampled_here``: the rows were sampled by the weights about to be trained (the iteration's
         checkpoint, in this call or before a restart; not a copy changed since). Only then, and with the
         transformers engine playing locally without LoRA, can the stored sampling log-probs stand for
-        pi_old (module docstring); a sample of rows is still recomputed and compared every update."""
+        pi_old (module docstring); a sample of rows is still recomputed and compared every update.
+        ``decoupled``: the rows were played by an older checkpoint than the one trained (asynchronous
+        rollouts, ``rollout.max_staleness``); pi_old is then recomputed and the stored log-probs weight the
+        loss (docs/algorithms.md §1.10)."""
         loss_name, loss_params = cfg.loss_spec()
         u = cfg.update
         learner_sampled = (
@@ -87,8 +91,9 @@ class UpdateSettings:
             cfg.rollout.temperature,
             u.micro_batch_tokens,
             pad_id,
-            u.pi_old_tol if learner_sampled else None,
+            u.pi_old_tol if learner_sampled and not decoupled else None,
             sampled_here and cfg.engine.name == "vllm",
+            decoupled,
         )
 
     @property
@@ -300,6 +305,22 @@ def shared_old_logprobs(
     return old, stats
 
 
+def behaviour_weighted(rows: list[TrainRow], prox: list[list[float]]) -> tuple[list[TrainRow], dict[str, float]]:
+    """The decoupled PPO objective's behaviour weight (docs/algorithms.md §1.10) folded into the advantages:
+    each policy token's A becomes w A with w = pi_prox / pi_behav = exp(log pi_prox - log pi_behav), pi_prox
+    the learner's policy before the update (``prox``, the recomputed pi_old) and pi_behav the stored
+    sampling log-probs of the version that played the row. w is a constant > 0, so
+    w * max(-rA, -clip(r)A) = max(-r(wA), -clip(r)(wA)): the loss function's clip stays on pi_theta / pi_prox.
+    The log-weight is clamped like a log-ratio (``LOG_RATIO_CLAMP``)."""
+    out, weights = [], []
+    for row, p in zip(rows, prox):
+        w = [math.exp(max(-LOG_RATIO_CLAMP, min(LOG_RATIO_CLAMP, a - b))) for a, b in zip(p, row.sample_logp)]
+        weights += w
+        out.append(replace(row, adv=[a * x for a, x in zip(row.adv, w)]))
+    stats = {"behav_weight_mean": sum(weights) / len(weights), "behav_weight_max": max(weights)} if weights else {}
+    return out, stats
+
+
 def balanced_shares_of_rows(rows: list[TrainRow], ranks: Ranks) -> list[int]:
     """This rank's fixed share of ``rows`` (indices), balanced by token count."""
     return [u[0] for u in ranks.share([[i] for i in range(len(rows))], [len(r.input_ids) for r in rows])]
@@ -325,6 +346,9 @@ def ppo_update(
         old, pi_old_stats = old_logprobs(model, rows, s, seed, counts)
     else:
         old, pi_old_stats = shared_old_logprobs(model, rows, s, seed, counts, ranks)
+    if s.decoupled:
+        rows, behav_stats = behaviour_weighted(rows, old)
+        pi_old_stats = {**pi_old_stats, **behav_stats}
     units = trajectory_units(rows)
     gen = torch.Generator().manual_seed(seed)
     agg: dict[str, list[float]] = defaultdict(list)
