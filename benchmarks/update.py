@@ -105,7 +105,8 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, rounds: int = 2) -> list[Fig
             tokens, seconds = bare_loop(model, rows, s.epochs, steps_per_epoch, cfg.update.lr, s.grad_clip)
             bare_tokens, bare_s = bare_tokens + tokens, bare_s + seconds
     ppo_tps, bare_tps = rounds * s.epochs * real / ppo_s, bare_tokens / bare_s
-    dp_tps, one_tps, dp = data_parallel(cfg, PolicyRuntime().initial_model_dir(cfg), rows, s, 2)
+    policy_dir = PolicyRuntime().initial_model_dir(cfg)
+    parallel = data_parallel(cfg, policy_dir, rows, s, 2, ("ddp", "fsdp"))
     pad = result.stats["pad_fraction"]
     pi_old = "stored sampling log-probs" if result.stats["pi_old_shortcut"] else "recomputed (check failed)"
     return [
@@ -126,15 +127,19 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, rounds: int = 2) -> list[Fig
             ppo_tps / bare_tps >= 0.95,
             f"bare forward+backward: {bare_tps:,.0f} tok/s",
         ),
-        Figure(
-            "update/dp2_tokens_s",
-            dp_tps,
-            "tok/s",
-            "",
-            None,
-            f"update.world_size 2 (torchrun, gloo): {dp_tps / one_tps:.2f}x one process alternated with it "
-            f"({one_tps:,.0f} tok/s, {torch.get_num_threads()} threads; ranks 1 each); collectives "
-            f"{dp['comm_share']:.0%} of a rank's update; information only",
+        *(
+            Figure(
+                f"update/{name}_tokens_s",
+                dp_tps,
+                "tok/s",
+                "",
+                None,
+                f"update.world_size 2, strategy {strategy} (torchrun, gloo): {dp_tps / one_tps:.2f}x world_size 1 "
+                f"alternated with it ({one_tps:,.0f} tok/s, {torch.get_num_threads()} threads; ranks 1 each); "
+                f"collectives {dp['comm_share']:.0%} of a rank's update; information only",
+            )
+            for name, strategy in (("dp2", "ddp"), ("fsdp2", "fsdp"))
+            for dp_tps, one_tps, dp in [parallel[strategy]]
         ),
         Figure("update/padding", pad, "frac", "<= 0.10", pad <= 0.10, "padded share of computed decoder positions"),
         Figure(
@@ -150,34 +155,44 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, rounds: int = 2) -> list[Fig
 
 
 def data_parallel(
-    cfg: TrainConfig, policy_dir: object, rows: list[TrainRow], s: UpdateSettings, world_size: int, rounds: int = 2
-) -> tuple[float, float, dict[str, float]]:
-    """The update on ``world_size`` ranks (``update.world_size``) against the same update in this process,
-    alternated (R P P R ...) so that both see the same machine load: (ranks' tokens/s, this process's
-    tokens/s, the ranks' last figures). A first job loads the ranks' model and is not timed, nor is the
-    ranks' start. The ranks run one thread each (torchrun's default with several ranks); this process its
-    usual number."""
+    cfg: TrainConfig,
+    policy_dir: object,
+    rows: list[TrainRow],
+    s: UpdateSettings,
+    world_size: int,
+    strategies: tuple[str, ...],
+    rounds: int = 2,
+) -> dict[str, tuple[float, float, dict[str, float]]]:
+    """The update on ``world_size`` ranks (``update.world_size``) with each of ``strategies``
+    (``update.strategy``) against the same update in this process, alternated (R P P R ...) so that both
+    see the same machine load: {strategy: (ranks' tokens/s, this process's tokens/s, the ranks' last
+    figures)}. One rank group serves every strategy; a first job per strategy loads the ranks' model and
+    is not timed, nor is the ranks' start. The ranks run one thread each (torchrun's default with several
+    ranks); this process its usual number."""
     group = RankGroup(Path(cfg.data_dir) / "bench-ranks", world_size, "gloo")
     tokens = s.epochs * sum(r.positions[-1] + 1 for r in rows)
     job = dict(rows=rows, settings=s, seed=0, lr=cfg.update.lr, weight_decay=cfg.update.weight_decay, model=cfg.model)
     initial, _ = load_policy(policy_dir)
-    dp_s = one_s = 0.0
+    out: dict[str, tuple[float, float, dict[str, float]]] = {}
     try:
-        group.update(policy=str(policy_dir), iteration=0, **job)
-        for k in range(2 * rounds):
-            if (k % 4) in (0, 3):
-                group.advance(CheckpointRef("ranks", k))
-                t0 = time.perf_counter()
-                out = group.update(policy="ranks", iteration=1, **job)
-                dp_s += time.perf_counter() - t0
-            else:
-                model = copy.deepcopy(initial)
-                optimizer = torch.optim.AdamW(
-                    model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay
-                )
-                t0 = time.perf_counter()
-                ppo_update(model, optimizer, rows, s, seed=0)
-                one_s += time.perf_counter() - t0
+        for strategy in strategies:
+            group.update(policy=str(policy_dir), iteration=0, strategy=strategy, **job)
+            dp_s = one_s = 0.0
+            for k in range(2 * rounds):
+                if (k % 4) in (0, 3):
+                    group.advance(CheckpointRef("ranks", k))
+                    t0 = time.perf_counter()
+                    last = group.update(policy="ranks", iteration=1, strategy=strategy, **job)
+                    dp_s += time.perf_counter() - t0
+                else:
+                    model = copy.deepcopy(initial)
+                    optimizer = torch.optim.AdamW(
+                        model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay
+                    )
+                    t0 = time.perf_counter()
+                    ppo_update(model, optimizer, rows, s, seed=0)
+                    one_s += time.perf_counter() - t0
+            out[strategy] = (rounds * tokens / dp_s, rounds * tokens / one_s, last["stats"])
     finally:
         group.stop()
-    return rounds * tokens / dp_s, rounds * tokens / one_s, out["stats"]
+    return out

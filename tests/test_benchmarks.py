@@ -27,6 +27,7 @@ FIGURES = {
         "update/ppo_tokens_s",
         "update/vs_bare_loop",
         "update/dp2_tokens_s",
+        "update/fsdp2_tokens_s",
         "update/padding",
         "update/pi_old_max_diff",
     ],

@@ -1,4 +1,5 @@
-"""The update on two ranks (torchrun, gloo, 2 CPU processes) against the same update in one process.
+"""The update on two ranks (torchrun, gloo, 2 CPU processes) against the same update in one process, for
+both strategies (ddp: full replicas; fsdp: FSDP2 shards), served by one rank group.
 
 The ranks are the real thing (``horizonrl.training.rank_group``: torchrun, ``torch.distributed`` with gloo,
 a process per rank); the single-process side is ``ppo_update`` as the update task calls it. Tolerances:
@@ -75,11 +76,11 @@ def ranks(tmp_path_factory):
     assert not group.alive
 
 
-@pytest.mark.slow
-def test_two_ranks_give_the_weights_and_figures_of_one_process(tiny_policy_dir, ranks):
-    """Two updates in a row on one rank group (kept alive, the second continuing from the first's
-    weights and AdamW state): LOOP's fixed row divisor with a short last minibatch and pi_old recomputed,
-    then token-mean with a KL to the reference and the pi_old shortcut taken."""
+@pytest.fixture(scope="module")
+def one_process(tiny_policy_dir):
+    """Two updates in a row in this process (the reference both strategies are held to): LOOP's fixed row
+    divisor with a short last minibatch and pi_old recomputed, then token-mean with a KL to the reference
+    and the pi_old shortcut taken. Returns the jobs' inputs and the resulting model, optimizer, figures."""
     model, tokenizer = load_policy(tiny_policy_dir)
     vocab = model.get_output_embeddings().weight.shape[0]
     rows = hand_rows(vocab, 21, seed=5)  # 21 trajectories, minibatch 8: the last minibatch has 5
@@ -92,13 +93,24 @@ def test_two_ranks_give_the_weights_and_figures_of_one_process(tiny_policy_dir, 
     rows2 = [dataclasses.replace(r, sample_logp=o) for r, o in zip(rows2, old2)]
     s2 = settings(tokenizer.pad_token_id, loss_params=KL_REF, pi_old_tol=1e-3, grad_clip=0.5)
     model, optimizer, stats2 = single(tiny_policy_dir, rows2, s2, seed=12, model=model, optimizer=optimizer, ref=ref)
+    return rows, s1, stats1, rows2, s2, stats2, model, optimizer
 
-    common = dict(lr=LR, weight_decay=WD, model=ModelConfig(), iteration=1)
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_give_the_weights_and_figures_of_one_process(tiny_policy_dir, ranks, one_process, strategy):
+    """The two updates of ``one_process`` on one rank group (kept alive, the second continuing from the
+    first's weights and AdamW state, held whole under ddp and sharded under fsdp)."""
+    rows, s1, stats1, rows2, s2, stats2, model, optimizer = one_process
+    common = dict(lr=LR, weight_decay=WD, model=ModelConfig(), iteration=1, strategy=strategy)
     out1 = ranks.update(policy=str(tiny_policy_dir), rows=rows, settings=s1, seed=11, **common)
     ranks.advance(CheckpointRef("in-memory", 1))  # the ranks continue from their own state
     pids = ranks.rank_pids()
     out2 = ranks.update(policy="in-memory", rows=rows2, settings=s2, seed=12, reference=str(tiny_policy_dir), **common)
     assert ranks.rank_pids() == pids and len(pids) == 2, "the same two ranks served both updates"
+    n = sum(p.numel() for p in model.parameters())
+    held = out2["held_numel"]  # fsdp: each weight's dim 0 split in two (the first part the larger when odd)
+    assert held == [n, n] if strategy == "ddp" else (sum(held) == n and max(held) < 0.51 * n), held
 
     assert max_diff(out2["model"], model.state_dict()) <= 1e-5
     for got, want in ((out1["stats"], stats1), (out2["stats"], stats2)):
@@ -126,11 +138,13 @@ def _iteration(cfg, run_dir, it, policy, rows, s, ranks=None):
 
 
 @pytest.mark.slow
-def test_a_checkpoint_resumes_with_another_world_size(tiny_policy_dir, ranks, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_checkpoint_resumes_with_another_world_size(tiny_policy_dir, ranks, tmp_path, strategy):
     """Iterations 1-2 in one process (the reference), against 2 ranks then 1 process and 1 process then 2
     ranks: every checkpoint verifies against its manifest and the second one's weights are the reference's
-    (max |diff| <= 1e-5), so a checkpoint is whole whatever world size wrote it or reads it."""
-    cfg = TrainConfig.model_validate({"run_name": "ws", "iterations": 2, "update": {"lr": LR, "lr_final": LR / 2}})
+    (max |diff| <= 1e-5), so a checkpoint is whole whatever world size or strategy wrote it or reads it."""
+    update = {"lr": LR, "lr_final": LR / 2, "strategy": strategy}
+    cfg = TrainConfig.model_validate({"run_name": "ws", "iterations": 2, "update": update})
     model, tokenizer = load_policy(tiny_policy_dir)
     vocab = model.get_output_embeddings().weight.shape[0]
     rows = [hand_rows(vocab, 12, seed=20 + it) for it in (1, 2)]

@@ -220,9 +220,11 @@ class UpdateConfig(Strict):
     """Processes the update runs on (torchrun, this machine; gloo on CPU, nccl on CUDA, one GPU each), kept
     alive across iterations, each taking a token-balanced share of every minibatch; the gradient is the
     one-process gradient (docs/deploy.md). 1: the update runs in the flow's process."""
-    strategy: Literal["ddp"] = "ddp"
+    strategy: Literal["ddp", "fsdp"] = "ddp"
     """How ranks share the model when ``world_size`` > 1: ``ddp``, a full replica per rank with gradients
-    all-reduced (summed) every optimizer step."""
+    all-reduced (summed) every optimizer step; ``fsdp``, weights, gradients and AdamW state sharded over the
+    ranks (FSDP2 ``fully_shard``, a unit per decoder layer), the whole weights gathered for each step
+    (docs/deploy.md). Same update and checkpoints either way. Ignored with ``world_size`` 1."""
 
 
 class EvalConfig(Strict):

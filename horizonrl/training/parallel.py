@@ -11,16 +11,27 @@ The gradients are all-reduced in one flat bucket after the rank's micro-batches 
 does, done here explicitly): ranks run different numbers of micro-batches (and a rank may get no
 trajectory of a short minibatch), and the trainer calls the decoder and the output head, not a
 wrapper's ``forward``, so ``DistributedDataParallel``'s hooks would neither fire per step nor match up.
+
+``update.strategy: fsdp`` shards the parameters, their gradients and the AdamW state over the ranks with
+FSDP2 (``fully_shard``: a unit per decoder layer, the rest in the root unit). The same uneven micro-batch
+counts rule out FSDP's per-forward all-gathers (rank A's third forward would meet rank B's backward), so a
+step runs as FSDP's gradient accumulation without communication: every unit is all-gathered once at the
+step's start (``gather_weights``), the rank's micro-batches run with no collective, and one sync pass (a
+forward and backward of one token through the root, its loss times 0) reduce-scatters the accumulated
+gradients, summed (divide factor 1), and frees the whole weights. Clipping and AdamW then work on the
+shards; ``full_state`` gathers the whole weights and AdamW state for the checkpoint, so it is the same
+state as with one process. gloo has no ``PREMUL_SUM``: the reduction is forced to a plain sum.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 def balanced_shares(weights: list[int], n: int) -> list[list[int]]:
@@ -44,6 +55,8 @@ class Ranks:
     world_size: int
     comm_s: float = 0.0  # seconds in collectives since the update started
     steps: int = 0  # minibatch steps since the update started (taken or skipped)
+    root: torch.nn.Module | None = None  # update.strategy fsdp: the root unit around the policy (``shard``)
+    units: list = field(default_factory=list)  # fsdp: every FSDP unit, the root last
 
     @classmethod
     def current(cls) -> Ranks:
@@ -102,3 +115,111 @@ class Ranks:
         bad = any(not (v <= limit) for v in values)  # NaN counts as above
         finite = [v for v in values if not math.isnan(v)]
         return bad, (max(finite) if len(finite) == len(values) else float("nan"))
+
+    def reduce_grads(self, model: torch.nn.Module) -> None:
+        """Sum the step's gradients over ranks: ddp all-reduces them (``all_reduce_grads``), fsdp runs the
+        sync pass that reduce-scatters them into the shards."""
+        if self.root is None:
+            self.all_reduce_grads([p for p in model.parameters() if p.requires_grad])
+            return
+        t0 = time.perf_counter()
+        self.root.set_requires_gradient_sync(True)
+        self.root.set_reshard_after_backward(True)
+        ids = torch.zeros((1, 1), dtype=torch.long, device=next(self.root.parameters()).device)
+        (self.root(ids).float().sum() * 0.0).backward()  # adds exact zeros; the hooks reduce what is accumulated
+        self.root.set_requires_gradient_sync(False)
+        self.root.set_reshard_after_backward(False)
+        self.comm_s += time.perf_counter() - t0
+
+    def gather_weights(self) -> None:
+        """fsdp: all-gather every unit's whole weights, kept until the next sync pass (a no-op where they
+        are gathered already); ddp: nothing (every rank holds them)."""
+        if self.root is None:
+            return
+        t0 = time.perf_counter()
+        for unit in self.units:
+            unit.unshard()
+        self.comm_s += time.perf_counter() - t0
+
+    def discard_grads(self, model: torch.nn.Module) -> None:
+        """Drop a step's gradients without reducing them (a step abandoned on the trajectory KL): the
+        optimizer's zero_grad does not reach fsdp's gathered weights, the module's does."""
+        model.zero_grad(set_to_none=True)
+
+    def shard(self, model: torch.nn.Module) -> None:
+        """fsdp: shard ``model`` in place, ``fully_shard`` per decoder layer, then the root. Every rank
+        must hold the same whole weights; an optimizer is built over the shards afterwards."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(next(model.parameters()).device.type, (self.world_size,))
+        layers = getattr(model.get_decoder(), "layers", None)
+        if layers is None:
+            raise ValueError(f"update.strategy = 'fsdp' needs a decoder with .layers; {type(model).__name__} has none")
+        self.root = ShardedPolicy(model)
+        self.units = [*layers, self.root]
+        for unit in self.units:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+        self.root.set_requires_gradient_sync(False)
+        self.root.set_reshard_after_backward(False)
+        with torch.no_grad():  # a first forward through the root makes it FSDP's root (lazy init) before any layer
+            self.root(torch.zeros((1, 1), dtype=torch.long, device=mesh.device_type))
+        for unit in self.units:
+            unit.reshard()
+
+    @staticmethod
+    def shard_state(state: dict, model: torch.nn.Module) -> dict:
+        """A whole optimizer ``state_dict()`` (e.g. a checkpoint's) cut to this rank's shards of the sharded
+        ``model``'s parameters, to load into an optimizer over them; each rank slices its part, no collective."""
+        params = list(model.parameters())
+        return {
+            **state,
+            "state": {
+                i: {
+                    k: distribute_tensor(v, params[i].device_mesh, params[i].placements, src_data_rank=None)
+                    if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0
+                    else v
+                    for k, v in entry.items()
+                }
+                for i, entry in state["state"].items()
+            },
+        }
+
+    def full_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """(weights, optimizer state) whole and on the CPU, as one process's ``state_dict()`` s. Under fsdp
+        every rank must call it (the shards are all-gathered)."""
+        for unit in self.units:
+            unit.reshard()  # a step abandoned on the KL leaves the gathered weights registered
+        weights = {k: whole(v).detach().cpu() for k, v in model.state_dict().items()}
+        state = optimizer.state_dict()
+        state["state"] = {
+            i: {k: whole(v).cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            for i, s in state["state"].items()
+        }
+        return weights, state
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """``t`` whole: a sharded ``DTensor`` all-gathered (every rank must call), any other tensor as is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a ``DTensor``'s local shard, any other tensor whole."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class ShardedPolicy(torch.nn.Module):
+    """The root FSDP unit around a policy: it owns what the layer units do not (embeddings, final norm,
+    output head, tied or not). The trainer calls the policy's decoder and head directly; this ``forward``
+    (the logits at the last position) serves the root's first forward and the sync pass only."""
+
+    def __init__(self, policy: torch.nn.Module) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.policy.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state  # (b, L, H)
+        return self.policy.get_output_embeddings()(hidden[:, -1])  # (b, V)

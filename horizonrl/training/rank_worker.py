@@ -3,9 +3,11 @@ across iterations, it runs each update job it finds in the spool folder and rank
 
 A job (``job-<seq>.pt``, written whole by the flow's process) holds the iteration's rows, the update
 settings, the seed and learning rate, and whether to load the policy from its checkpoint (first job,
-a resume, after a failure) or to continue from the weights and AdamW state the ranks hold. Every rank
-keeps a full replica (data parallel), so rank 0's weights and optimizer state are the whole, rank-
-independent state: the flow's process loads them and writes the checkpoint as with one process.
+a resume, after a failure) or to continue from the weights and AdamW state the ranks hold. Under ddp
+every rank keeps a full replica, so rank 0's weights and optimizer state are the whole, rank-independent
+state; under fsdp each rank holds a shard and the ranks gather the whole state for rank 0
+(``Ranks.full_state``). Either way the flow's process loads it and writes the checkpoint as with one
+process, so a checkpoint reads the same whatever strategy or world size wrote it.
 
 A rank exits when the spool holds ``stop``, when the flow's process is gone, or on an error; torchrun
 then stops the other ranks and reports which rank failed and why (``@record`` writes the traceback).
@@ -27,7 +29,7 @@ from horizonrl import faults
 from horizonrl.config import ModelConfig
 from horizonrl.models.loading import load_policy, resolve_dtype
 from horizonrl.training.checkpoint import CheckpointRef, load_optimizer_state
-from horizonrl.training.parallel import Ranks
+from horizonrl.training.parallel import Ranks, local
 from horizonrl.training.sequences import TrainRow
 from horizonrl.training.trainer import UpdateSettings, ppo_update
 
@@ -49,6 +51,7 @@ class UpdateJob:
     iteration: int  # for fault injection (``HORIZONRL_FAULT=nan-grad:<n>``)
     model: ModelConfig
     reference: str | None = None  # checkpoint 0's folder, for losses with a KL to the initial policy
+    strategy: str = "ddp"  # update.strategy: ddp (a full replica per rank) or fsdp (sharded)
 
 
 def job_path(spool: Path, seq: int) -> Path:
@@ -73,16 +76,23 @@ class _Held:
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.reference: tuple[str, torch.nn.Module] | None = None
+        self.strategy = "ddp"  # how ``model`` is held
 
 
 def run_job(job: UpdateJob, held: _Held, device: torch.device, ranks: Ranks) -> dict | None:
     """Run ``job`` on this rank; rank 0 returns the result (weights, optimizer state, figures)."""
     dtype = resolve_dtype(job.model.dtype, device)
-    if job.load or held.model is None:
+    if job.load or held.model is None or held.strategy != job.strategy:
         model, _ = load_policy(job.policy, dtype, job.model.attn_implementation)
-        held.model = model.to(device)
+        held.model, held.strategy = model.to(device), job.strategy
         held.optimizer = torch.optim.AdamW(held.model.parameters(), lr=job.lr, weight_decay=job.weight_decay)
         load_optimizer_state(CheckpointRef(job.policy, -1), held.optimizer)
+        ranks.root, ranks.units = None, []
+        if job.strategy == "fsdp":
+            whole = held.optimizer.state_dict()
+            ranks.shard(held.model)
+            held.optimizer = torch.optim.AdamW(held.model.parameters(), lr=job.lr, weight_decay=job.weight_decay)
+            held.optimizer.load_state_dict(ranks.shard_state(whole, held.model))
     ref_model = None
     if job.reference is not None:
         if held.reference is None or held.reference[0] != job.reference:
@@ -94,13 +104,20 @@ def run_job(job: UpdateJob, held: _Held, device: torch.device, ranks: Ranks) -> 
     ranks.comm_s, ranks.steps = 0.0, 0
     with faults.nan_gradients(held.model, job.iteration):
         result = ppo_update(held.model, held.optimizer, job.rows, job.settings, job.seed, ref_model, ranks)
+    if ranks.root is not None:
+        weights, optimizer = ranks.full_state(held.model, held.optimizer)  # every rank takes part
+    held_numel = ranks.gather(sum(local(p).numel() for p in held.model.parameters()))
     if ranks.rank != 0:
         return None
+    if ranks.root is None:
+        weights = {k: v.detach().cpu() for k, v in held.model.state_dict().items()}
+        optimizer = held.optimizer.state_dict()
     return {
-        "model": {k: v.detach().cpu() for k, v in held.model.state_dict().items()},
-        "optimizer": held.optimizer.state_dict(),
+        "model": weights,
+        "optimizer": optimizer,
         "stats": result.stats,
         "nonfinite_steps": result.nonfinite_steps,
+        "held_numel": held_numel,  # parameter elements each rank holds between jobs (fsdp: its shard)
     }
 
 

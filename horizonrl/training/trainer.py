@@ -39,7 +39,7 @@ import torch
 import methods
 from horizonrl.config import TrainConfig
 from horizonrl.engines.base import allowed_log_softmax
-from horizonrl.training.parallel import Ranks
+from horizonrl.training.parallel import Ranks, whole
 from horizonrl.training.sequences import TrainRow
 from methods.losses import LOG_RATIO_CLAMP, trajectory_kl_estimate
 from methods.registry import LossParams
@@ -280,6 +280,7 @@ def shared_old_logprobs(
     the largest over ranks."""
     share = balanced_shares_of_rows(rows, ranks)
     mine = [rows[i] for i in share]
+    ranks.gather_weights()
     if s.pi_old_tol is None:
         values, stats = recompute_old_logprobs(model, mine, s, counts) if mine else [], {}
     else:
@@ -425,6 +426,8 @@ def _minibatch_step(
     n_terms = _loss_terms(s.loss_params, rows, mb)
     row_div = s.minibatch_size if s.fixed_row_divisor else len(mb)
     optimizer.zero_grad(set_to_none=True)
+    if ranks is not None:
+        ranks.gather_weights()
     out = {
         "loss": 0.0,
         "traj_kl": 0.0,
@@ -486,10 +489,12 @@ def _minibatch_step(
         out = _sum_over_ranks(out, kl_parts, ranks)
     if abs(out["traj_kl"]) > s.high_kl_threshold:
         optimizer.zero_grad(set_to_none=True)
+        if ranks is not None:
+            ranks.discard_grads(model)
         return {**out, "finite": True, "grad_norm": 0.0}
     if ranks is not None:
-        ranks.all_reduce_grads([p for p in model.parameters() if p.requires_grad])
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip))
+        ranks.reduce_grads(model)
+    grad_norm = float(whole(torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)))
     finite = math.isfinite(out["loss"]) and math.isfinite(grad_norm)
     if finite:
         optimizer.step()
