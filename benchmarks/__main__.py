@@ -35,7 +35,9 @@ SIZES = {  # full, quick
     "update_tasks": (16, 2),
     "update_group": (8, 2),
     "pipeline_iterations": (2, 1),
-    "async_iterations": (4, 2),
+    "async_iterations": (3, 2),
+    "async_tasks": (8, 2),
+    "async_group": (8, 2),
     "vllm_tasks": (8, 2),
     "vllm_group": (8, 2),
 }
@@ -89,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         elif section == "update":
             figures += update.run(cfg, n["update_tasks"], n["update_group"])
         elif section == "async":
-            figures += async_rollouts.run(cfg, n["async_iterations"], args.gen_latency_ms)
+            figures += async_rollouts.run(
+                cfg, n["async_iterations"], n["async_tasks"], n["async_group"], args.gen_latency_ms
+            )
         elif section == "vllm":
             figures += vllm_server.run(cfg, n["vllm_tasks"], n["vllm_group"], out / "vllm")
         else:

@@ -122,10 +122,12 @@ def lagged_run(cfg: TrainConfig, k: int, gen_latency_s: float = 0.0) -> dict[str
     return {"wall_s": wall, **busy}
 
 
-def run(cfg: TrainConfig, iterations: int, gen_latency_ms: float) -> list[Figure]:
-    """k=0 against k=1 on ``cfg`` for ``iterations`` iterations, on the CPU as is and with
-    ``gen_latency_ms`` of idle waiting per engine call standing in for a GPU generator."""
-    cfg = cfg.model_copy(update={"iterations": iterations})
+def run(cfg: TrainConfig, iterations: int, tasks: int, group: int, gen_latency_ms: float) -> list[Figure]:
+    """k=0 against k=1 on ``cfg`` with ``tasks`` x ``group`` rollouts per iteration for ``iterations``
+    iterations, on the CPU as is and with ``gen_latency_ms`` of idle waiting per engine call standing in
+    for a GPU generator."""
+    rollout = cfg.rollout.model_copy(update={"tasks_per_iteration": tasks, "group_size": group})
+    cfg = cfg.model_copy(update={"iterations": iterations, "rollout": rollout})
     cores = len(os.sched_getaffinity(0))
     figures = []
     for label, latency in (("cpu", 0.0), ("gen_latency", gen_latency_ms / 1000)):
@@ -133,7 +135,7 @@ def run(cfg: TrainConfig, iterations: int, gen_latency_ms: float) -> list[Figure
         lag = lagged_run(cfg, 1, latency)
         ratio = sync["wall_s"] / lag["wall_s"]
         ceiling = (sync["generate_s"] + sync["update_s"]) / max(sync["generate_s"], sync["update_s"])
-        where = f"{cores} cores, {iterations} iterations" + (
+        where = f"{cores} cores, {iterations} iterations of {tasks} x {group} rollouts" + (
             f", +{gen_latency_ms:g} ms per engine call" if latency else ""
         )
         figures += [
