@@ -11,6 +11,7 @@ differences of float32 log-probs of about -3, each resolved to ~2.4e-7).
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from horizonrl.training.checkpoint import (
 from horizonrl.training.iteration import update_policy
 from horizonrl.training.parallel import balanced_shares
 from horizonrl.training.rank_group import RankGroup
+from horizonrl.training.rank_worker import pid_alive
 from horizonrl.training.trainer import ppo_update
 
 KL_REF = methods.LOSSES.get("ppo_clip").params_cls(clip_mode="asymmetric", aggregation="token-mean", kl_coef=0.1)
@@ -88,12 +90,13 @@ def one_process(tiny_policy_dir):
     ref, _ = load_policy(tiny_policy_dir)
     ref.eval().requires_grad_(False)
     model, optimizer, stats1 = single(tiny_policy_dir, rows, s1, seed=11)
+    weights1 = {k: v.clone() for k, v in model.state_dict().items()}
     rows2 = hand_rows(vocab, 16, seed=6)
     old2 = recompute_old_logprobs(model, rows2, s1)  # the stored log-probs are pi_old: the shortcut applies
     rows2 = [dataclasses.replace(r, sample_logp=o) for r, o in zip(rows2, old2)]
     s2 = settings(tokenizer.pad_token_id, loss_params=KL_REF, pi_old_tol=1e-3, grad_clip=0.5)
     model, optimizer, stats2 = single(tiny_policy_dir, rows2, s2, seed=12, model=model, optimizer=optimizer, ref=ref)
-    return rows, s1, stats1, rows2, s2, stats2, model, optimizer
+    return rows, s1, stats1, rows2, s2, stats2, model, optimizer, weights1
 
 
 @pytest.mark.slow
@@ -101,7 +104,45 @@ def one_process(tiny_policy_dir):
 def test_two_ranks_give_the_weights_and_figures_of_one_process(tiny_policy_dir, ranks, one_process, strategy):
     """The two updates of ``one_process`` on one rank group (kept alive, the second continuing from the
     first's weights and AdamW state, held whole under ddp and sharded under fsdp)."""
-    rows, s1, stats1, rows2, s2, stats2, model, optimizer = one_process
+    check_two_updates(ranks, tiny_policy_dir, one_process, strategy)
+
+
+@pytest.mark.slow
+def test_a_ray_actor_group_gives_the_weights_and_figures_of_one_process(tiny_policy_dir, one_process):
+    """``update.launcher: ray``: the first update on 2 Ray actors of a local cluster (as the run starts
+    it, ``PolicyRuntime.ray_cluster``), sharded (fsdp): its weights and figures are one process's, and the
+    actors' processes are gone after ``stop``. (Continuing across jobs is the torchrun tests'; the rank
+    code is the same.)"""
+    from horizonrl.run.runtime import PolicyRuntime
+    from horizonrl.training.ray_ranks import RayRankGroup
+
+    runtime = PolicyRuntime()
+    runtime.ray_cluster(TrainConfig.model_validate({"run_name": "ray-ranks", "ray": {"num_cpus": 2}}))
+    try:
+        group = RayRankGroup(2, "gloo")
+        try:
+            rows, s1, stats1, _, _, _, model, _, weights1 = one_process
+            common = dict(lr=LR, weight_decay=WD, model=ModelConfig(), iteration=1, strategy="fsdp")
+            out = group.update(policy=str(tiny_policy_dir), rows=rows, settings=s1, seed=11, **common)
+            assert max_diff(out["model"], weights1) <= 1e-5
+            for k in FIGURES:
+                assert out["stats"][k] == pytest.approx(stats1[k], rel=1e-5, abs=1e-6), k
+            n, held = sum(p.numel() for p in model.parameters()), out["held_numel"]
+            assert sum(held) == n and max(held) < 0.51 * n and out["stats"]["world_size"] == 2.0, held
+        finally:
+            pids = group.rank_pids()
+            group.stop()
+        deadline = time.monotonic() + 30
+        while any(pid_alive(p) for p in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(pids) == 2 and not any(pid_alive(p) for p in pids.values()), pids
+    finally:
+        runtime.close_ray()
+
+
+def check_two_updates(ranks, tiny_policy_dir, one_process, strategy: str) -> None:
+    """``one_process``'s two updates on the rank group ``ranks`` against its figures, weights and AdamW state."""
+    rows, s1, stats1, rows2, s2, stats2, model, optimizer, _ = one_process
     common = dict(lr=LR, weight_decay=WD, model=ModelConfig(), iteration=1, strategy=strategy)
     out1 = ranks.update(policy=str(tiny_policy_dir), rows=rows, settings=s1, seed=11, **common)
     ranks.advance(CheckpointRef("in-memory", 1))  # the ranks continue from their own state

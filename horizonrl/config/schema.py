@@ -225,6 +225,10 @@ class UpdateConfig(Strict):
     all-reduced (summed) every optimizer step; ``fsdp``, weights, gradients and AdamW state sharded over the
     ranks (FSDP2 ``fully_shard``, a unit per decoder layer), the whole weights gathered for each step
     (docs/deploy.md). Same update and checkpoints either way. Ignored with ``world_size`` 1."""
+    launcher: Literal["torchrun", "ray"] = "torchrun"
+    """Where the ``world_size`` > 1 ranks run: ``torchrun``, processes of this machine; ``ray``, an actor group
+    on the run's Ray cluster (section ``ray``), placed by Ray on any node, one CPU (gloo) or one GPU (nccl)
+    per rank (docs/deploy.md)."""
 
 
 class EvalConfig(Strict):
@@ -310,7 +314,7 @@ class VLLMConfig(Strict):
 
 
 class RayConfig(Strict):
-    """The Ray cluster of ``rollout.runner: ray`` (``pip install -e ".[ray]"``)."""
+    """The Ray cluster of ``rollout.runner: ray`` and ``update.launcher: ray`` (``pip install -e ".[ray]"``)."""
 
     address: str | None = None
     """A running cluster (``ray://<head>:10001``, or ``<head>:6379`` on one of its nodes); None starts a

@@ -29,6 +29,7 @@ from horizonrl.seeding import derive_seed
 from horizonrl.tracking import mlflow_runs
 from horizonrl.training.checkpoint import CheckpointRef, checkpoint_dir, load_optimizer_state, read_state
 from horizonrl.training.rank_group import RankGroup
+from horizonrl.training.ray_ranks import RayRankGroup
 
 
 @dataclass
@@ -259,16 +260,24 @@ class PolicyRuntime:
         optimizer and environments."""
         return (PolicyRuntime, ())
 
-    def update_ranks(self, cfg: TrainConfig, run_dir: Path) -> RankGroup:
+    def update_ranks(self, cfg: TrainConfig, run_dir: Path) -> RankGroup | RayRankGroup:
         """The run's update ranks (``update.world_size`` > 1): started on first use, kept across iterations;
-        a group that died is replaced. gloo on the CPU, nccl when the policy's device is CUDA."""
+        a group that died is replaced. gloo on the CPU, nccl when the policy's device is CUDA; torchrun
+        processes of this machine, or Ray actors on the run's cluster (``update.launcher``)."""
         group = getattr(self, "_ranks", None)
-        if group is not None and (not group.alive or group.world_size != cfg.update.world_size):
+        kind = RayRankGroup if cfg.update.launcher == "ray" else RankGroup
+        if group is not None and (
+            not group.alive or group.world_size != cfg.update.world_size or not isinstance(group, kind)
+        ):
             self.close_update_ranks()
             group = None
         if group is None:
             backend = "nccl" if resolve_device(cfg.model.device).type == "cuda" else "gloo"
-            group = self._ranks = RankGroup(run_dir, cfg.update.world_size, backend)
+            if kind is RayRankGroup:
+                self.ray_cluster(cfg)
+                group = self._ranks = RayRankGroup(cfg.update.world_size, backend)
+            else:
+                group = self._ranks = RankGroup(run_dir, cfg.update.world_size, backend)
         return group
 
     def close_update_ranks(self) -> None:

@@ -69,7 +69,7 @@ def write_whole(path: Path, obj: object) -> None:
     os.replace(tmp, path)
 
 
-class _Held:
+class Held:
     """What a rank keeps between jobs: the policy, its optimizer, the reference policy."""
 
     def __init__(self) -> None:
@@ -79,7 +79,7 @@ class _Held:
         self.strategy = "ddp"  # how ``model`` is held
 
 
-def run_job(job: UpdateJob, held: _Held, device: torch.device, ranks: Ranks) -> dict | None:
+def run_job(job: UpdateJob, held: Held, device: torch.device, ranks: Ranks) -> dict | None:
     """Run ``job`` on this rank; rank 0 returns the result (weights, optimizer state, figures)."""
     dtype = resolve_dtype(job.model.dtype, device)
     if job.load or held.model is None or held.strategy != job.strategy:
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group(args.backend)
     ranks = Ranks.current()
     (args.spool / f"rank-{ranks.rank}.pid").write_text(str(os.getpid()))
-    held, seq = _Held(), 1
+    held, seq = Held(), 1
     try:
         while True:
             path = job_path(args.spool, seq)
