@@ -175,9 +175,10 @@ def test_branching_and_stateful_methods_run_asynchronously(prefect_harness, tmp_
 
 @pytest.mark.slow
 def test_a_killed_fixed_lag_run_resumes_to_the_uninterrupted_run(api_url, tmp_path):  # noqa: F811
-    """k = 1: a run killed during the update of iteration 2 (the generator playing iteration 3 beside it)
-    and then while storing iteration 3's rollouts, started again, ends with the tables, weights and optimizer
-    state of a run never killed."""
+    """k = 1: a run killed at the end of iteration 2's update, with the generator somewhere in iteration 3
+    beside it (not started, playing, writing or done: timing decides), then killed again after iteration
+    3's advantages, started a third time, ends with the tables, weights and optimizer state of a run never
+    killed. Kill points fixed in the learner's stages, so each process is sure to be killed."""
     lag = {"every": 10, "n_tasks": 2, "greedy": False}
 
     def cfg(name: str) -> dict:
@@ -186,7 +187,7 @@ def test_a_killed_fixed_lag_run_resumes_to_the_uninterrupted_run(api_url, tmp_pa
         return c
 
     straight = start_cli(cfg("straight"), api_url, tmp_path / "straight.log")
-    for n, fault in enumerate(("update:2", "collect:3")):
+    for n, fault in enumerate(("update:2", "advantage:3")):
         log = tmp_path / f"cli-{n}.log"
         rc = finish(start_cli(cfg("r"), api_url, log, fault))
         assert rc == -signal.SIGKILL, f"{fault}: not killed (rc {rc}):\n{log.read_text()[-3000:]}"
