@@ -34,19 +34,16 @@ from flowkit import free_port
 
 from horizonrl.config import load_config
 from horizonrl.engines.base import TokenTrie
-from horizonrl.engines.vllm import (
+from horizonrl.engines.vllm import VLLMEngine
+from horizonrl.engines.vllm_server import (
     ServerSpec,
-    VLLMClient,
-    VLLMEngine,
-    VLLMError,
     VLLMServer,
-    completion_body,
-    parse_completion,
     server_command,
     server_env,
     serving_copy,
     tied_embeddings,
 )
+from horizonrl.engines.vllm_wire import VLLMClient, VLLMError, completion_body, parse_completion
 
 END = 3
 TOL = 1e-4

@@ -1,14 +1,15 @@
 """VLLMEngine against a real vLLM server (vLLM 0.32.0 from ``.venv-vllm``, ``make vllm-venv``): the CPU build
 where no CUDA device is present, so these tests run on every machine and are never skipped.
 
-One server for the module (start-up 60-150 s on 2 shared CPU cores, mostly imports; the first request's lazy
+One server for the module (start-up 50-110 s on 2 shared CPU cores, mostly imports; the first request's lazy
 initialisation is paid in the fixture), serving the session's tiny policy (Qwen2, hidden 128 / 4 heads:
 head_dim 32, which the CPU attention kernel serves; word-level tokenizer, 123 ids) in float32, with the trie
-logits processor (one request per admissible action) and the development endpoints (in-place weight
-reloads). The live tests are marked slow (``make test``, not ``make test-fast``). Every check compares
-with ``TransformersEngine`` or the learner on the same weights; tolerance 1e-4 nats on log-probs and
+logits processor (one request per admissible action), the development endpoints (in-place weight reloads)
+and runtime LoRA loading. The live tests are marked slow (``make test``, not ``make test-fast``). Every check
+compares with ``TransformersEngine`` or the learner on the same weights; tolerance 1e-4 nats on log-probs and
 entropies (measured: 1e-6). Tests that change the served weights put the start-up weights back; the two
-that restart the server (a corrupted in-place reload, a killed server) run last.
+that restart the server run last (a corrupted in-place reload; a killed server, restarted on the Qwen3
+policy, which the Qwen3 tokenizer tests then use: two restarts in all, no server of their own).
 """
 
 from __future__ import annotations
@@ -22,26 +23,22 @@ import pytest
 import torch
 from flowkit import free_port
 
+from horizonrl.config import LoraConfig, ModelConfig
 from horizonrl.engines.base import TokenTrie, allowed_log_softmax
 from horizonrl.engines.hf import TransformersEngine
-from horizonrl.engines.vllm import (
-    ServerSpec,
-    VLLMClient,
-    VLLMEngine,
-    VLLMError,
-    VLLMServer,
-    max_positions,
-    probe_of,
-    serving_copy,
-)
-from horizonrl.models.loading import load_policy
+from horizonrl.engines.vllm import VLLMEngine, probe_of
+from horizonrl.engines.vllm_server import SERVED_NAME, ServerSpec, VLLMServer, max_positions, serving_copy
+from horizonrl.engines.vllm_wire import VLLMClient, VLLMError, completion_body
+from horizonrl.models.loading import initial_adapter_dir, load_policy, tiny_model_dir
 from horizonrl.rollout.loop import SamplingSettings, collect
+from horizonrl.rollout.prompting import ChatFormat
 
 pytestmark = pytest.mark.slow  # a server start (and a restart) costs minutes: CI's `make test`, not `make test-fast`
 TOL = 1e-4
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 REQUESTS = "vllm:request_success_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
+LORA_RANK = 8
 VLLM_CACHE = Path(__file__).resolve().parents[1] / "data" / "cache" / "vllm"  # kept across sessions, as the flow's
 
 
@@ -56,6 +53,7 @@ def live(tiny_policy, tiny_policy_dir, tmp_path_factory):
         port=free_port(),
         gpu_memory_utilization=0.2,
         max_logprobs=len(tokenizer),
+        max_lora_rank=LORA_RANK,  # runtime adapter loading on (start-up cost within the noise: measured)
         dtype="float32",
         device="cuda" if torch.cuda.is_available() else "cpu",
         cache_root=str(VLLM_CACHE),
@@ -81,6 +79,16 @@ def live(tiny_policy, tiny_policy_dir, tmp_path_factory):
         yield engine
     finally:
         engine.close()
+
+
+@pytest.fixture(scope="module")
+def qwen3_policy(session_dir, chat_tokenizer_cache):
+    """(directory, model, tokenizer, fmt, transformers engine) of a tiny Qwen3 around the genuine Qwen3 tokenizer
+    (151k ids; hidden 128 / 4 heads: head_dim 32, which the CPU kernel serves)."""
+    path = tiny_model_dir(session_dir, "household", ModelConfig(tokenizer="qwen3"), [], chat_tokenizer_cache)
+    model, tokenizer = load_policy(path)
+    fmt = ChatFormat.for_tokenizer(tokenizer)
+    return path, model.eval(), tokenizer, fmt, TransformersEngine(model, tokenizer.pad_token_id, list(fmt.stop_ids))
 
 
 def _prompts(fmt, suite, n: int = 3, history: int = 0) -> tuple[list[list[int]], list[list[str]]]:
@@ -275,6 +283,53 @@ def test_a_reload_that_leaves_the_head_stale_is_caught_by_the_probe(live, tiny_p
         live.sync(str(tiny_policy_dir), probe_of(model, len(tokenizer)))
 
 
+def _moved_adapter(tiny_policy_dir, root: Path, out: Path, seed: int) -> tuple[torch.nn.Module, Path]:
+    """A LoRA policy over the tiny policy with its adapters moved (peft starts B at 0: the base's function)."""
+    model, tokenizer = load_policy(initial_adapter_dir(root, tiny_policy_dir, LoraConfig(rank=LORA_RANK), 0))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return model.eval(), out
+
+
+def test_lora_adapters_hot_load_and_serve_the_learners_logprobs(
+    live, tiny_policy, tiny_policy_dir, household_suite, tmp_path
+):
+    """A LoRA policy's checkpoint reaches the running server through ``/v1/load_lora_adapter`` (no restart,
+    path ``adapter``), and the next update's checkpoint replaces it (the first adapter unloaded): after each
+    sync, greedy admissible actions equal the transformers engine's on base + adapter and the served
+    log-probs equal the learner's (peft) within 1e-4."""
+    _, tokenizer, fmt, hf = tiny_policy
+    prompts, commands = _prompts(fmt, household_suite)
+    tries = [TokenTrie([fmt.command(c) for c in cs], cs) for cs in commands]
+    pid, names = live.server.proc.pid, []
+    try:
+        for step in (1, 2):
+            learner, ckpt = _moved_adapter(tiny_policy_dir, tmp_path, tmp_path / f"iter={step}", seed=step)
+            live.sync(str(ckpt))
+            assert live.last_sync.path == "adapter" and live.last_sync.seconds < 1.0
+            names.append(live.model)
+            with torch.no_grad():
+                merged = load_policy(ckpt)[0].merge_and_unload().eval()
+            learner_hf = TransformersEngine(merged, tokenizer.pad_token_id, hf.end_ids)
+            gens = live.generate(prompts, tries, 6, 0.7, True, 0)
+            for p, v, h in zip(prompts, gens, learner_hf.generate(prompts, tries, 6, 0.7, True, 0)):
+                _same(v, h)
+                assert v.logprobs == pytest.approx(_learner_logprobs(learner, p, v, 0.7), abs=TOL)
+        assert names[0] != names[1]
+        with pytest.raises(VLLMError, match="HTTP 404"):  # the first adapter was unloaded
+            live.client.post("/v1/completions", completion_body(names[0], prompts[0], 1, 1.0, True, 0, 1, []))
+        assert live.server.proc.pid == pid
+    finally:
+        if live.model != SERVED_NAME:
+            live.client.post("/v1/unload_lora_adapter", {"lora_name": live.model})
+        live.model, live.policy_path = SERVED_NAME, None  # the base again: what the server started on
+
+
 def test_a_corrupted_in_place_reload_is_caught_and_the_owned_server_restarts_on_the_right_weights(
     live, tiny_policy, tiny_policy_dir, household_suite, tmp_path
 ):
@@ -303,14 +358,15 @@ def test_a_corrupted_in_place_reload_is_caught_and_the_owned_server_restarts_on_
 
 
 def test_a_dead_server_ends_its_episodes_as_errors_and_the_next_sync_restarts_it(
-    live, tiny_policy, tiny_policy_dir, household_suite, tmp_path
+    live, tiny_policy, qwen3_policy, household_suite
 ):
     """The server is killed (SIGKILL, its whole process group): a rollout batch still returns, every
     episode ending as an error that names the unreachable server. The next iteration's weight sync
     finds no server to reload into, restarts it on the new checkpoint, names why, and the restarted
-    server serves the new policy (probe within 1e-4, greedy actions equal the transformers engine's)."""
-    _, tokenizer, fmt, hf = tiny_policy
-    moved, ckpt = _perturbed(tiny_policy_dir, tmp_path / "iter=3", seed=3)
+    server serves the new policy (probe within 1e-4). The new checkpoint is the Qwen3-tokenizer policy, so
+    the Qwen3 tests after this one run on the restarted server instead of paying a start of their own."""
+    _, _, fmt, _ = tiny_policy
+    path, model, tokenizer, _, _ = qwen3_policy
     pid = live.server.proc.pid
     os.killpg(pid, signal.SIGKILL)
     live.server.proc.wait()
@@ -320,13 +376,40 @@ def test_a_dead_server_ends_its_episodes_as_errors_and_the_next_sync_restarts_it
     assert [e.status for e in episodes] == ["error"] * 4
     assert all(e.error.startswith("vLLM server unreachable") for e in episodes)
     t0 = time.perf_counter()
-    live.sync(str(ckpt), probe_of(moved, len(tokenizer)))
+    live.sync(str(path), probe_of(model, len(tokenizer)))
     s = live.last_sync
     assert s.path == "restart" and live.alive() and live.server.proc.pid != pid
     assert s.reason.startswith("in-place reload failed") and "cannot reach" in s.reason
     assert s.probe_max_diff <= TOL and s.seconds <= time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("admissible", [True, False])
+def test_qwen3_tokenizer_generations_equal_the_transformers_engine(live, qwen3_policy, household_suite, admissible):
+    """The genuine Qwen3 tokenizer (byte-level BPE ids in and out, its own end-of-turn id): greedy tokens,
+    masks, allowed sets and finished flags identical to the transformers engine's, log-probs within 1e-4
+    (admissible at T = 0.7 over each allowed set; free at T = 1, where the returned log-prob is the
+    sampled distribution's own), entropies equal (admissible) or the top-k lower bound (free). Served by
+    the server the previous test restarted on this policy (run alone: this sync restarts it)."""
+    path, model, tokenizer, fmt, hf = qwen3_policy
+    live.sync(str(path), probe_of(model, len(tokenizer)))
+    engine = VLLMEngine(live.client, list(fmt.stop_ids), live.top_logprobs, max_concurrency=8, one_request=True)
     prompts, commands = _prompts(fmt, household_suite)
-    tries = [TokenTrie([fmt.command(c) for c in cs], cs) for cs in commands]
-    moved_hf = TransformersEngine(moved, tokenizer.pad_token_id, hf.end_ids)
-    for v, h in zip(live.generate(prompts, tries, 6, 0.7, True, 0), moved_hf.generate(prompts, tries, 6, 0.7, True, 0)):
-        _same(v, h)
+    tries = [TokenTrie([fmt.command(c) for c in cs], cs) if admissible else None for cs in commands]
+    temperature = 0.7 if admissible else 1.0
+    try:
+        gens = engine.generate(prompts, tries, 8, temperature, True, 0)
+    finally:
+        engine.close()
+    for v, h in zip(gens, hf.generate(prompts, tries, 8, temperature, True, 0)):
+        assert (v.token_ids, v.policy_mask, v.allowed, v.finished) == (
+            h.token_ids,
+            h.policy_mask,
+            h.allowed,
+            h.finished,
+        )
+        assert v.logprobs == pytest.approx(h.logprobs, abs=TOL)
+        if admissible:
+            assert v.entropy == pytest.approx(h.entropy, abs=TOL)
+        else:
+            assert all(a <= b + TOL for a, b in zip(v.entropy, h.entropy))
+    assert any(t >= 123 for g in gens for t in g.token_ids)  # ids beyond the word tokenizer's: BPE ids served
