@@ -119,7 +119,6 @@ class AsyncCollect:
         self.futures: dict[int, PrefectFuture] = {}
         self.played: list[tuple[float, float]] = []  # wall-clock (start, end) of every collect played here
         self.windows: dict[int, tuple[float, float, float]] = {}  # iteration -> (start, end, learner wait s)
-        self.started: float | None = None
         if self.newest:
             mlflow_runs.set_tags(
                 ctx.mlflow(),
@@ -129,7 +128,7 @@ class AsyncCollect:
 
     def take(self, iteration: int, policy: CheckpointRef) -> RolloutRef:
         """Submit every collect the bound allows now (up to iteration + k), then wait for this iteration's."""
-        self.started = time.time()
+        started = time.time()
         last = min(policy.iteration + 1 + self.k, self.ctx.cfg.iterations)
         for j in range(iteration, last + 1):
             if j not in self.futures:
@@ -140,7 +139,7 @@ class AsyncCollect:
         rollouts = self.futures[iteration].result()
         if rollouts.played is not None:
             self.played.append(rollouts.played)
-        self.windows[iteration] = (self.started, 0.0, time.time() - self.started)
+        self.windows[iteration] = (started, 0.0, time.time() - started)
         return rollouts
 
     def done(self, iteration: int, rollouts: RolloutRef, policy: CheckpointRef) -> None:
