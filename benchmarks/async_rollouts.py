@@ -11,6 +11,10 @@ thread is pinned to the first and the learner to the second (``os.sched_setaffin
 thread). ``gen_latency_s`` adds idle waiting to every engine call (``benchmarks.env_pool._RemoteLatency``):
 a stand-in for generation on a GPU or a vLLM server, which frees this CPU while it waits.
 
+Thread or process: the k=1 CPU run is repeated with the generator in a worker process (its own
+interpreter, pinned to the generator's core; weights sent to it per version, records sent back), to
+measure which overlaps better (``async/throughput_ratio_cpu_process`` beside ``..._cpu``).
+
 The ceiling is (generate + update) / max(generate, update) of the synchronous run: 2x when the two take
 the same time, close to 1x when one dominates (the main config's update is a fraction of its collect).
 """
@@ -18,6 +22,7 @@ the same time, close to 1x when one dominates (the main config's update is a fra
 from __future__ import annotations
 
 import copy
+import multiprocessing as mp
 import os
 import threading
 import time
@@ -50,8 +55,31 @@ def _pin(core: int | None) -> None:
         os.sched_setaffinity(0, {core})
 
 
-def lagged_run(cfg: TrainConfig, k: int, gen_latency_s: float = 0.0) -> dict[str, float]:
-    """Wall seconds of ``cfg.iterations`` iterations at lag ``k``, and the seconds each side was busy."""
+def _serve(cfg_values: dict, core: int | None, latency_s: float, inbox: mp.Queue, outbox: mp.Queue) -> None:
+    """A generator process: its own model, engine and environments; plays (iteration, weights) requests."""
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    cfg = TrainConfig.model_validate(cfg_values)
+    rt = PolicyRuntime()
+    model, tokenizer = load_policy(rt.initial_model_dir(cfg))
+    fmt = ChatFormat.for_tokenizer(tokenizer)
+    engine = TransformersEngine(model, tokenizer.pad_token_id, list(fmt.stop_ids))
+    engine = _RemoteLatency(engine, latency_s) if latency_s else engine
+    suite, pool = rt.suite(cfg), rt.task_pool(cfg, "train", cfg.env.train_pool)
+    outbox.put("ready")
+    while (job := inbox.get()) is not None:
+        j, weights = job
+        model.load_state_dict(weights)
+        tasks = sample_tasks(pool, cfg.rollout.tasks_per_iteration, cfg.seed, j)
+        sampling = SamplingSettings.from_config(cfg, suite, derive_seed(cfg.seed, "collect", j))
+        outbox.put(collect(suite, tasks, cfg.rollout.group_size, engine, fmt, sampling))
+
+
+def lagged_run(cfg: TrainConfig, k: int, gen_latency_s: float = 0.0, process: bool = False) -> dict[str, float]:
+    """Wall seconds of ``cfg.iterations`` iterations at lag ``k``, and the seconds each side was busy.
+    ``process``: the generator is a worker process (started before the clock) instead of a thread; the
+    thread then only hands it each iteration's weights and takes its records back."""
     rt = PolicyRuntime()
     model, tokenizer = load_policy(rt.initial_model_dir(cfg))
     fmt = ChatFormat.for_tokenizer(tokenizer)
@@ -68,6 +96,13 @@ def lagged_run(cfg: TrainConfig, k: int, gen_latency_s: float = 0.0) -> dict[str
     versions = {0: copy.deepcopy(model.state_dict())}  # version -> weights, published by the learner
     published = threading.Condition()
     busy = {"generate_s": 0.0, "update_s": 0.0}
+    worker = None
+    if process:
+        spawn = mp.get_context("spawn")
+        inbox, outbox = spawn.Queue(), spawn.Queue()
+        worker = spawn.Process(target=_serve, args=(cfg.model_dump(), gen_core, gen_latency_s, inbox, outbox))
+        worker.start()
+        assert outbox.get(timeout=600) == "ready"
 
     def play(j: int) -> tuple:
         _pin(gen_core)
@@ -76,10 +111,14 @@ def lagged_run(cfg: TrainConfig, k: int, gen_latency_s: float = 0.0) -> dict[str
             published.wait_for(lambda: v in versions)
             weights = versions[v]
         t0 = time.perf_counter()
-        gen_model.load_state_dict(weights)
-        tasks = sample_tasks(pool, cfg.rollout.tasks_per_iteration, cfg.seed, j)
-        sampling = SamplingSettings.from_config(cfg, suite, derive_seed(cfg.seed, "collect", j))
-        records = collect(suite, tasks, cfg.rollout.group_size, engine, fmt, sampling)
+        if worker is not None:
+            inbox.put((j, weights))
+            records = outbox.get()
+        else:
+            gen_model.load_state_dict(weights)
+            tasks = sample_tasks(pool, cfg.rollout.tasks_per_iteration, cfg.seed, j)
+            sampling = SamplingSettings.from_config(cfg, suite, derive_seed(cfg.seed, "collect", j))
+            records = collect(suite, tasks, cfg.rollout.group_size, engine, fmt, sampling)
         busy["generate_s"] += time.perf_counter() - t0
         return records, v
 
@@ -119,6 +158,9 @@ def lagged_run(cfg: TrainConfig, k: int, gen_latency_s: float = 0.0) -> dict[str
     finally:
         torch.set_num_threads(threads)
         os.sched_setaffinity(0, cores)
+        if worker is not None:
+            inbox.put(None)
+            worker.join(timeout=60)
     return {"wall_s": wall, **busy}
 
 
@@ -129,10 +171,11 @@ def run(cfg: TrainConfig, iterations: int, tasks: int, group: int, gen_latency_m
     rollout = cfg.rollout.model_copy(update={"tasks_per_iteration": tasks, "group_size": group})
     cfg = cfg.model_copy(update={"iterations": iterations, "rollout": rollout})
     cores = len(os.sched_getaffinity(0))
-    figures = []
+    figures, walls = [], {}
     for label, latency in (("cpu", 0.0), ("gen_latency", gen_latency_ms / 1000)):
         sync = lagged_run(cfg, 0, latency)
         lag = lagged_run(cfg, 1, latency)
+        walls[label] = sync["wall_s"]
         ratio = sync["wall_s"] / lag["wall_s"]
         ceiling = (sync["generate_s"] + sync["update_s"]) / max(sync["generate_s"], sync["update_s"])
         where = f"{cores} cores, {iterations} iterations of {tasks} x {group} rollouts" + (
@@ -150,4 +193,7 @@ def run(cfg: TrainConfig, iterations: int, tasks: int, group: int, gen_latency_m
             Figure(f"async/generate_s_{label}", sync["generate_s"] / iterations, "s", "", None, "per iteration, k=0"),
             Figure(f"async/update_s_{label}", sync["update_s"] / iterations, "s", "", None, "per iteration, k=0"),
         ]
+    process = lagged_run(cfg, 1, 0.0, process=True)
+    note = "k=1 over k=0 as throughput_ratio_cpu, the generator a worker process instead of a thread"
+    figures.append(Figure("async/throughput_ratio_cpu_process", walls["cpu"] / process["wall_s"], "x", "", None, note))
     return figures
