@@ -106,46 +106,6 @@ def _versions(root, run_name: str, iterations: int) -> dict[int, list[int]]:
 
 
 @pytest.mark.slow
-def test_fixed_lag_rows_carry_their_version_and_the_update_weighs_their_behaviour_logprobs(prefect_harness, tmp_path):
-    """k = 1, fixed: iteration i is played by checkpoint max(i-2, 0) (so 0, 0, 1), never more than one
-    version behind the update's start; each stage logs at its own iteration. The stored log-probs of
-    iteration 3 are checkpoint 1's (recomputed within 1e-4, checkpoint 2's are not) and the update's
-    logged mean behaviour weight is mean exp(log pi_prox - log pi_behav) over its rows, pi_prox = checkpoint 2."""
-    from flows.train import train
-
-    cfg = config(tmp_path, "lag", iterations=3, eval={"every": 10, "n_tasks": 2, "greedy": False})
-    cfg["rollout"] = {**cfg["rollout"], "max_staleness": 1}
-    train(config=cfg)
-    assert _versions(tmp_path, "lag", 3) == {1: [0] * 4, 2: [0] * 4, 3: [1] * 4}
-    c = MlflowClient(cfg["tracking_uri"])
-    run = run_of(c, "lag")
-    rid = run.info.run_id
-    stale = {m.step: m.value for m in c.get_metric_history(rid, "async/staleness_max")}
-    assert stale == {1: 0.0, 2: 1.0, 3: 1.0}
-    for key in ("collect/success_rate", "update/steps", "async/learner_idle_fraction", "async/generator_idle_fraction"):
-        assert steps(c, rid, key) == [1, 2, 3], key
-    assert steps(c, rid, "update/behav_weight_mean") == [2, 3], "iteration 1 is played by the checkpoint it trains"
-    assert all(0.0 <= m.value <= 1.0 for m in c.get_metric_history(rid, "async/learner_idle_fraction"))
-
-    d = store.iteration_dir(tmp_path / "data", "test", "lag", 3)
-    rows = attach_advantages(
-        train_rows(store.read_table(d / "turns.parquet", "turns"), "window"),
-        store.read_table(d / "advantages-loop.parquet", "advantages"),
-    )
-    model1, tok = load_policy(checkpoint_dir(run_dir(tmp_path, "lag"), 1))
-    model2, _ = load_policy(checkpoint_dir(run_dir(tmp_path, "lag"), 2))
-    s = UpdateSettings.from_config(TrainConfig.model_validate(cfg), tok.pad_token_id, sampled_here=False)
-    behav = [v for r in rows for v in r.sample_logp]
-    by1 = [v for part in recompute_old_logprobs(model1, rows, s) for v in part]
-    by2 = [v for part in recompute_old_logprobs(model2, rows, s) for v in part]
-    assert max(abs(a - b) for a, b in zip(by1, behav)) < 1e-4, "stored log-probs are the playing version's"
-    assert max(abs(a - b) for a, b in zip(by2, behav)) > 1e-3, "checkpoint 2 moved: the test could tell"
-    want = sum(math.exp(p - b) for p, b in zip(by2, behav)) / len(behav)
-    got = {m.step: m.value for m in c.get_metric_history(rid, "update/behav_weight_mean")}[3]
-    assert got == pytest.approx(want, abs=1e-4) and abs(got - 1.0) > 1e-5
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("method, mode", [("appo", "bounded"), ("blpo", "fixed")])
 def test_branching_and_stateful_methods_run_asynchronously(prefect_harness, tmp_path, method, mode):
     """APPO's branches are played by their parent's version; BLPO's memory is carried in iteration (and so
@@ -174,27 +134,64 @@ def test_branching_and_stateful_methods_run_asynchronously(prefect_harness, tmp_
 
 
 @pytest.mark.slow
-def test_a_killed_fixed_lag_run_resumes_to_the_uninterrupted_run(api_url, tmp_path):  # noqa: F811
-    """k = 1: a run killed at the end of iteration 2's update, with the generator somewhere in iteration 3
-    beside it (not started, playing, writing or done: timing decides), then killed again after iteration
-    3's advantages, started a third time, ends with the tables, weights and optimizer state of a run never
-    killed. Kill points fixed in the learner's stages, so each process is sure to be killed."""
-    lag = {"every": 10, "n_tasks": 2, "greedy": False}
+def test_fixed_lag_rows_carry_their_version_weigh_their_behaviour_logprobs_and_resume_when_killed(
+    api_url,  # noqa: F811
+    tmp_path,
+):
+    """k = 1, fixed, 3 iterations, run straight in this process. Iteration i is played by checkpoint
+    max(i-2, 0) (so 0, 0, 1), never more than one version behind the update's start; each stage logs at
+    its own iteration. The stored log-probs of iteration 3 are checkpoint 1's (recomputed within 1e-4,
+    checkpoint 2's are not) and the update's logged mean behaviour weight is mean exp(log pi_prox -
+    log pi_behav) over its rows, pi_prox = checkpoint 2.
+
+    Beside it the same run as CLI processes: killed at the end of iteration 2's update, with the generator
+    somewhere in iteration 3 (not started, playing, writing or done: timing decides), then killed after
+    iteration 3's advantages, started a third time: it ends with the straight run's tables, weights and
+    optimizer state. Kill points lie in the learner's stages, so each process is sure to be killed. One test
+    for both, so the one straight run serves both checks."""
+    from flows.train import train
 
     def cfg(name: str) -> dict:
-        c = config(tmp_path, name, iterations=3, eval=lag)
+        c = config(tmp_path, name, iterations=3, eval={"every": 10, "n_tasks": 2, "greedy": False})
         c["rollout"] = {**c["rollout"], "max_staleness": 1}
         return c
 
-    straight = start_cli(cfg("straight"), api_url, tmp_path / "straight.log")
+    first = start_cli(cfg("r"), api_url, tmp_path / "cli-0.log", "update:2")
+    train(config=cfg("straight"))
     for n, fault in enumerate(("update:2", "advantage:3")):
         log = tmp_path / f"cli-{n}.log"
-        rc = finish(start_cli(cfg("r"), api_url, log, fault))
+        rc = finish(first if n == 0 else start_cli(cfg("r"), api_url, log, fault))
         assert rc == -signal.SIGKILL, f"{fault}: not killed (rc {rc}):\n{log.read_text()[-3000:]}"
         assert latest_checkpoint(run_dir(tmp_path)).iteration < 3
     log = tmp_path / "cli-final.log"
     assert finish(start_cli(cfg("r"), api_url, log)) == 0, log.read_text()[-3000:]
-    assert finish(straight) == 0, (tmp_path / "straight.log").read_text()[-3000:]
+
+    assert _versions(tmp_path, "straight", 3) == {1: [0] * 4, 2: [0] * 4, 3: [1] * 4}
+    c = MlflowClient(cfg("straight")["tracking_uri"])
+    rid = run_of(c, "straight").info.run_id
+    stale = {m.step: m.value for m in c.get_metric_history(rid, "async/staleness_max")}
+    assert stale == {1: 0.0, 2: 1.0, 3: 1.0}
+    for key in ("collect/success_rate", "update/steps", "async/learner_idle_fraction", "async/generator_idle_fraction"):
+        assert steps(c, rid, key) == [1, 2, 3], key
+    assert steps(c, rid, "update/behav_weight_mean") == [2, 3], "iteration 1 is played by the checkpoint it trains"
+    assert all(0.0 <= m.value <= 1.0 for m in c.get_metric_history(rid, "async/learner_idle_fraction"))
+    d = store.iteration_dir(tmp_path / "data", "test", "straight", 3)
+    rows = attach_advantages(
+        train_rows(store.read_table(d / "turns.parquet", "turns"), "window"),
+        store.read_table(d / "advantages-loop.parquet", "advantages"),
+    )
+    model1, tok = load_policy(checkpoint_dir(run_dir(tmp_path, "straight"), 1))
+    model2, _ = load_policy(checkpoint_dir(run_dir(tmp_path, "straight"), 2))
+    s = UpdateSettings.from_config(TrainConfig.model_validate(cfg("straight")), tok.pad_token_id, sampled_here=False)
+    behav = [v for r in rows for v in r.sample_logp]
+    by1 = [v for part in recompute_old_logprobs(model1, rows, s) for v in part]
+    by2 = [v for part in recompute_old_logprobs(model2, rows, s) for v in part]
+    assert max(abs(a - b) for a, b in zip(by1, behav)) < 1e-4, "stored log-probs are the playing version's"
+    assert max(abs(a - b) for a, b in zip(by2, behav)) > 1e-3, "checkpoint 2 moved: the test could tell"
+    want = sum(math.exp(p - b) for p, b in zip(by2, behav)) / len(behav)
+    got = {m.step: m.value for m in c.get_metric_history(rid, "update/behav_weight_mean")}[3]
+    assert got == pytest.approx(want, abs=1e-4) and abs(got - 1.0) > 1e-5
+
     a, b = run_dir(tmp_path, "straight"), run_dir(tmp_path)
     assert files(b) == files(a)
     for it in (1, 2, 3):
