@@ -70,8 +70,8 @@ FIGURES = ("loss", "approx_kl", "traj_kl", "clip_frac", "entropy", "ratio_mean",
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    """One group of 2 ranks for the module's library tests (a job that names another policy loads it), so
-    torchrun and the ranks' imports are paid once; stopped at the end, leaving no process."""
+    """One group of 2 ranks for the module's library tests (a job that names another policy or strategy
+    loads it), so torchrun and the ranks' imports are paid once; stopped at the end, leaving no process."""
     group = RankGroup(tmp_path_factory.mktemp("ranks"), 2, "gloo")
     yield group
     group.stop()
