@@ -280,6 +280,7 @@ def tracing_figures(config: str, cfg: TrainConfig, iteration_s: list[float], out
     train_s = cpu_s("train", chosen, advantages)
     eval_ids = sorted(episodes["rollout_id"].to_pylist())[: cfg.trace.eval_episodes]
     eval_s = cpu_s("eval", eval_ids, None)
+    fresh.set_terminated(target.run_id)  # the measuring run ends like any other
     main = load_config(config)
     evals_per_iteration = (main.iterations // main.eval.every + 1) / main.iterations
     per_iteration_s = train_s + eval_s * evals_per_iteration

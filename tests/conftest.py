@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sqlite3
 
 import pytest
 
@@ -121,6 +123,42 @@ def chat_policy(request, chat_model_dir):
     return request.param, model, tokenizer, fmt, TransformersEngine(model, tokenizer.pad_token_id, list(fmt.stop_ids))
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "leaves_run_running: kills a process on purpose and leaves its MLflow run RUNNING (exempt below)"
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_run_left_running(tmp_path_factory):
+    """After the session (on each xdist worker, over its own temporary folders): no MLflow run in any of
+    the tests' SQLite stores is still RUNNING, unless its test is marked ``leaves_run_running`` (it kills
+    a process on purpose and checks what the next command finds). A command that stops, fails or is
+    refused must end its run; one left RUNNING shows in the UI as a run that never ends."""
+    yield
+    left = []
+    for db in tmp_path_factory.getbasetemp().rglob("*.db"):
+        if any(part in _LEAVES_RUNNING for part in db.parts):
+            continue
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
+                rows = con.execute("SELECT name, run_uuid FROM runs WHERE status = 'RUNNING'").fetchall()
+        except sqlite3.DatabaseError:  # not an MLflow store (no runs table)
+            continue
+        left += [f"{db}: run {name!r} ({uuid})" for name, uuid in rows]
+    assert not left, "MLflow runs left RUNNING by tests that did not kill their process:\n" + "\n".join(left)
+
+
+_LEAVES_RUNNING: set[str] = set()  # temporary folder names of the tests marked leaves_run_running
+
+
+@pytest.fixture(autouse=True)
+def _note_leaves_running(request):
+    if request.node.get_closest_marker("leaves_run_running"):
+        _LEAVES_RUNNING.add(request.getfixturevalue("tmp_path").name)
+    yield
+
+
 END_TO_END = {"prefect_harness", "api_url"}  # fixtures of tests that run a flow
 SIMULATORS = ("textworld", "scienceworld")  # games made by tw-make, a JVM per ScienceWorld episode
 
@@ -146,7 +184,8 @@ def pytest_collection_modifyitems(config, items):
     local stack is built once), in this order: the longest files first, then the other files with slow
     tests, then the rest, so the two workers end together instead of one finishing a long file alone.
     (``--dist loadgroup`` would hand out single tests, but on pytest 9.2 it silently stops grouping:
-    pytest-dev/pytest-xdist#1386.)"""
+    pytest-dev/pytest-xdist#1386. xdist also reorders the files by their number of tests, which put the
+    long files last: ``--no-loadscope-reorder`` in the Makefile keeps the order given here.)"""
     for item in items:
         if END_TO_END & set(getattr(item, "fixturenames", ())) or any(s in item.nodeid for s in SIMULATORS):
             item.add_marker(pytest.mark.slow)

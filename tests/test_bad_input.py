@@ -210,3 +210,4 @@ def test_filter_values_are_quoted_and_artifacts_go_beside_the_store(tmp_path, mo
         mlflow_runs.find_run(c, "test", "a'b\"c")
     assert c.get_experiment_by_name("test").artifact_location == (store_dir / "artifacts").resolve().as_uri()
     assert list(work.iterdir()) == []
+    c.set_terminated(run_id)  # runs end (the suite checks none is left RUNNING)

@@ -126,3 +126,4 @@ def test_holder_builds_a_lora_policy_and_logs_each_checkpoints_adapter(tiny_poli
     logged = {Path(a.path).name for a in c.list_artifacts(run_id, "adapters/iter=00001")}
     assert logged == {ADAPTER_CONFIG, ADAPTER_WEIGHTS}
     assert mlflow_runs.tracking_uri(cfg.tracking_uri) == uri
+    c.set_terminated(run_id)  # runs end (the suite checks none is left RUNNING)

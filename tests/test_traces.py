@@ -72,6 +72,7 @@ def test_logging_an_iteration_again_in_the_same_process_logs_nothing(household_s
         assert t.info.state.value == "OK" and len(t.data.spans) == 1 + len(
             records[int(t.info.tags["rollout_id"])].turns
         )
+    c.set_terminated(target.run_id)  # runs end (the suite checks none is left RUNNING)
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ def test_a_new_store_is_mlflows_empty_store_made_here(tmp_path, monkeypatch):
     assert second.search_experiments(filter_string="name = 'e'") == []
     assert MlflowClient(f"sqlite:///{tmp_path}/a/mlflow.db").get_run(run.info.run_id).data.metrics == {"m": 1.0}
     assert not [p for d in ("a", "b") for p in (tmp_path / d).iterdir() if ".tmp-" in p.name], "a partial copy was left"
+    first.set_terminated(run.info.run_id)  # runs end (the suite checks none is left RUNNING)
 
 
 def test_an_existing_store_is_opened_not_replaced(tmp_path, monkeypatch):
@@ -39,6 +40,7 @@ def test_an_existing_store_is_opened_not_replaced(tmp_path, monkeypatch):
     made = MlflowClient(uri)  # made by MLflow itself, before horizonrl opens it
     run = made.create_run(made.create_experiment("mine"))
     assert mlflow_runs.client(uri).get_run(run.info.run_id).info.run_id == run.info.run_id
+    made.set_terminated(run.info.run_id)
 
 
 class _LateLookup(MlflowClient):
@@ -73,6 +75,7 @@ def test_each_commit_a_resumed_run_ran_at_is_recorded_once(tmp_path, monkeypatch
     for commit in ("b" * 40, "b" * 40, "c" * 40):
         mlflow_runs.record_commit(c, older, commit)
     assert c.get_run(older).data.tags[mlflow_runs.COMMITS_TAG] == " ".join(("a" * 40, "b" * 40, "c" * 40))
+    c.set_terminated(older)
 
 
 def test_changed_code_names_only_files_a_cell_runs(tmp_path, monkeypatch):
