@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -19,6 +20,13 @@ def write_json(obj: dict, path: str | Path) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
+        remove_temporary(tmp)
+
+
+def remove_temporary(tmp: Path) -> None:
+    """Remove a failed write's temporary file if it is there. Never raises: on a read-only disk the
+    removal fails too, and the write's own error (naming the file) is the one to see."""
+    with contextlib.suppress(OSError):
         tmp.unlink(missing_ok=True)
 
 

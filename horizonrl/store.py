@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from horizonrl.files import file_digest, write_json
+from horizonrl.files import file_digest, remove_temporary, write_json
 from horizonrl.rollout.records import EpisodeRecord
 
 SCHEMA_VERSION = "1"
@@ -252,7 +252,7 @@ def write_table(table: pa.Table, path: str | Path, kind: str) -> str:
         message = f"could not write {path}: {err.strerror or err}; the previous file, if any, is unchanged"
         raise (OSError(err.errno, message) if err.errno else OSError(message)) from err
     finally:
-        tmp.unlink(missing_ok=True)
+        remove_temporary(tmp)
     return file_digest(path)
 
 

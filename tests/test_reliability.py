@@ -351,12 +351,13 @@ def test_nonfinite_steps_are_skipped_and_counted_and_too_many_abort(prefect_harn
     assert run_of(c, RUN).info.status == "FINISHED" and steps(c, run_of(c, RUN).info.run_id, "update/steps") == [1, 2]
 
 
-@pytest.fixture(params=["tmpfs", "fsync"])
-def full_disk(request, tmp_path: Path, monkeypatch) -> Iterator[tuple[Path, Callable[[], None]]]:
-    """(folder, fill): after ``fill()`` every write into the folder fails with ENOSPC.
+@pytest.fixture(params=["tmpfs", "fsync", "read-only"])
+def full_disk(request, tmp_path: Path, monkeypatch) -> Iterator[tuple[Path, Callable[[], None], int]]:
+    """(folder, fill, errno): after ``fill()`` every write into the folder fails with ``errno``.
 
-    tmpfs: a real 4 MiB tmpfs filled up with a file (needs root to mount; skipped otherwise).
-    fsync: mocked, ``os.fsync`` raises ENOSPC, as it does where a filesystem allocates on flush."""
+    tmpfs: a real 4 MiB tmpfs filled up with a file (ENOSPC; needs root to mount, which the tests run as).
+    fsync: mocked, ``os.fsync`` raises ENOSPC, as it does where a filesystem allocates on flush.
+    read-only: the same tmpfs remounted read-only (EROFS: as root, a folder's permissions stop nothing)."""
     disk = tmp_path / "disk"
     disk.mkdir()
     if request.param == "fsync":
@@ -367,14 +368,9 @@ def full_disk(request, tmp_path: Path, monkeypatch) -> Iterator[tuple[Path, Call
 
             monkeypatch.setattr(os, "fsync", no_space)
 
-        yield disk, fill
+        yield disk, fill, errno.ENOSPC
         return
-    if (
-        os.geteuid() != 0
-        or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True).returncode
-        != 0
-    ):
-        pytest.skip("mounting a tmpfs needs root")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], check=True)
 
     def fill() -> None:
         with open(disk / "filler", "wb", buffering=0) as f:  # unbuffered: nothing left to flush on close
@@ -384,15 +380,22 @@ def full_disk(request, tmp_path: Path, monkeypatch) -> Iterator[tuple[Path, Call
             except OSError as err:
                 assert err.errno == errno.ENOSPC
 
+    def read_only() -> None:
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+
     try:
-        yield disk, fill
+        yield (
+            disk,
+            (read_only if request.param == "read-only" else fill),
+            (errno.EROFS if request.param == "read-only" else errno.ENOSPC),
+        )
     finally:
         gc.collect()  # a failed writer's frame, kept by the exception's traceback, holds a file open there
         subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_full_disk_while_writing_parquet_keeps_the_previous_file(full_disk):
-    disk, fill = full_disk
+    disk, fill, code = full_disk
     path = disk / "iter=00001" / "advantages-loop.parquet"
     n = 50_000
 
@@ -413,14 +416,14 @@ def test_full_disk_while_writing_parquet_keeps_the_previous_file(full_disk):
     fill()
     with pytest.raises(OSError) as err:
         store.write_table(table(n), path, "advantages")
-    assert err.value.errno == errno.ENOSPC and str(path) in str(err.value) and "is unchanged" in str(err.value)
+    assert err.value.errno == code and str(path) in str(err.value) and "is unchanged" in str(err.value)
     assert path.read_bytes() == before
     assert sorted(p.name for p in path.parent.iterdir()) == ["advantages-loop.parquet"]
     assert store.read_table(path, "advantages").num_rows == 3
 
 
 def test_full_disk_while_writing_a_checkpoint_keeps_the_previous_one(full_disk, tiny_policy):
-    disk, fill = full_disk
+    disk, fill, code = full_disk
     model, tokenizer, *_ = tiny_policy
     save_checkpoint(disk, 1, model, tokenizer, None, {})
     first = checkpoint_dir(disk, 1)
@@ -428,7 +431,7 @@ def test_full_disk_while_writing_a_checkpoint_keeps_the_previous_one(full_disk, 
     fill()
     with pytest.raises(CheckpointWriteError) as err:
         save_checkpoint(disk, 2, model, tokenizer, None, {})
-    assert str(checkpoint_dir(disk, 2)) in str(err.value) and "No space left on device" in str(err.value)
+    assert str(checkpoint_dir(disk, 2)) in str(err.value) and os.strerror(code) in str(err.value)
     assert {p.name: file_digest(p) for p in first.iterdir()} == before
     assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["iter=00001"]  # no partial folder
     assert latest_checkpoint(disk).iteration == 1
