@@ -40,6 +40,7 @@ class FutureKLParams:
     eps_low: float = 0.2  # ρ clipped to [1 − eps_low, 1 + eps_high]
     eps_high: float = 0.28
     aggregation: str = "token-mean"  # one of methods.aggregation.AGGREGATIONS
+    norm_length: int | None = None  # L of "seq-mean-token-sum-norm", as PPOLossParams.norm_length
     kl_coef: float = 0.0  # KL-loss coefficient to a reference policy (APPO scripts: 0.001)
     kl_kind: str = "low_var_kl"  # one of KL_KINDS
     chunk: int = 128  # block length of the blocked suffix scan
@@ -53,6 +54,8 @@ class FutureKLParams:
             raise ValueError(f"unknown kl_kind {self.kl_kind!r}; known: {', '.join(KL_KINDS)}")
         if self.decay_rate <= 0 or self.chunk < 1 or self.weight_b < 0 or self.kl_coef < 0:
             raise ValueError("decay_rate must be > 0, chunk >= 1, weight_b >= 0 and kl_coef >= 0")
+        if self.norm_length is not None and self.norm_length < 1:
+            raise ValueError(f"norm_length must be >= 1 (or None), got {self.norm_length}")
 
     @property
     def ratio_level(self) -> str:
@@ -210,13 +213,14 @@ def appo_future_kl_loss(
     loss_tok, clipped, dual_clipped = dual_clip_surrogate(adv * scale, ratio, params)  # with Ã = A (1 + b f)
     dual_clipped = dual_clipped & mask
     row_ok = dual_clipped.sum(dim=1) <= 1  # (B,): >1 dual-clipped token removes the row
-    loss = aggregate(loss_tok, mask & row_ok.unsqueeze(1), params.aggregation, n_rows_div, n_tokens_div)
+    divisors = (params.aggregation, n_rows_div, n_tokens_div, params.norm_length)
+    loss = aggregate(loss_tok, mask & row_ok.unsqueeze(1), *divisors)
     kl_value = 0.0
     if params.kl_coef > 0:
         if ref_logp is None:
             raise ValueError("appo_future_kl: kl_coef > 0 needs ref_logp")
         kl_tok = kl_penalty(logp, torch.where(mask, ref_logp, 0.0), params.kl_kind)
-        kl_loss = aggregate(kl_tok, mask, params.aggregation, n_rows_div, n_tokens_div)
+        kl_loss = aggregate(kl_tok, mask, *divisors)
         loss = loss + params.kl_coef * kl_loss
         kl_value = float(kl_loss.detach())
     with torch.no_grad():

@@ -34,6 +34,9 @@ class PPOLossParams:
     ratio_level: Literal["token", "turn", "trajectory"] = "token"  # one ratio per token, turn or row
     clip: bool = True  # False: REINFORCE-style ℓ = −A·log π_θ (no ratio)
     aggregation: str = "seq-mean-token-mean"  # one of methods.aggregation.AGGREGATIONS
+    # L of "seq-mean-token-sum-norm" (Dr.GRPO): a fixed token count; None: the width of the tensor given.
+    # A run fixes it to the most policy tokens a trajectory can hold (docs/algorithms.md §0.3).
+    norm_length: int | None = None
     kl_coef: float = 0.0  # weight of the KL-to-reference penalty (needs ``ref_logp``)
     kl_kind: Literal["low_var_kl", "k1", "mse"] = "low_var_kl"  # per-token KL estimator
 
@@ -45,6 +48,7 @@ class PPOLossParams:
             "kl_kind": self.kl_kind in ("low_var_kl", "k1", "mse"),
             "dual_clip_c": self.dual_clip_c is None or self.dual_clip_c > 1.0,
             "kl_coef": self.kl_coef >= 0.0,
+            "norm_length": self.norm_length is None or self.norm_length >= 1,
         }
         for name, ok in checks.items():
             if not ok:
@@ -184,7 +188,7 @@ def ppo_clip(
     terms, term_mask = _loss_terms(tok, mask, turn_id, params.ratio_level)
     out = _surrogate(terms, params)
     term_loss = out["loss"] + params.kl_coef * terms["kl"] if "kl" in terms else out["loss"]
-    divisors = (params.aggregation, n_rows_div, n_tokens_div)
+    divisors = (params.aggregation, n_rows_div, n_tokens_div, params.norm_length)
     loss = aggregate(torch.where(term_mask, term_loss, 0.0), term_mask, *divisors)
     kl_ref = float(aggregate(terms["kl"].detach(), term_mask, *divisors)) if "kl" in terms else 0.0
     return LossTerms(

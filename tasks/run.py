@@ -17,6 +17,7 @@ from horizonrl import store
 from horizonrl.config import CONFIG_FILE, TrainConfig, run_dir, train_config
 from horizonrl.models.loading import load_policy
 from horizonrl.models.tokenizers import describe_tokenizer
+from horizonrl.rollout.loop import turn_horizon
 from horizonrl.run import runlock
 from horizonrl.store import StoreError, remove_stale_temporaries
 from horizonrl.tracking import mlflow_runs
@@ -157,7 +158,7 @@ def run_params(cfg: TrainConfig, policy_dir: str | Path | None = None) -> dict[s
     for the tier), and with a model folder (``model.path``, or ``policy_dir``: the policy evaluated) the
     tokenizer that folder holds as ``model.tokenizer`` instead of the unused tiny-model setting."""
     params = cfg.flat()
-    params["env.horizon"] = str(cfg.env.max_turns or RUNTIME.suite(cfg).max_turns(cfg.env.tier))
+    params["env.horizon"] = str(turn_horizon(cfg, RUNTIME.suite(cfg)))
     if policy_dir is None and cfg.model.path is not None:
         policy_dir = RUNTIME.initial_model_dir(cfg)
     if policy_dir is not None:

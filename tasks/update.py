@@ -9,6 +9,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from horizonrl import store
+from horizonrl.rollout.loop import turn_horizon
 from horizonrl.seeding import derive_seed
 from horizonrl.training.checkpoint import CheckpointRef
 from horizonrl.training.iteration import TooManyNonFiniteSteps, update_policy
@@ -40,7 +41,13 @@ def update(
         # asynchronous rollouts an older checkpoint may have played them: the decoupled objective
         # (docs/algorithms.md §1.10)
         stale = bool(cfg.rollout.max_staleness) and rollouts.policy_version != policy.iteration
-        s = UpdateSettings.from_config(cfg, loaded.tokenizer.pad_token_id, sampled_here=not stale, decoupled=stale)
+        s = UpdateSettings.from_config(
+            cfg,
+            loaded.tokenizer.pad_token_id,
+            sampled_here=not stale,
+            decoupled=stale,
+            horizon=turn_horizon(cfg, RUNTIME.suite(cfg)),
+        )
         ranks = RUNTIME.update_ranks(cfg, ctx.path) if cfg.update.world_size > 1 and rows else None
         ref_model = RUNTIME.reference(cfg, ctx.path) if s.needs_reference and ranks is None else None
         ref, stats = update_policy(

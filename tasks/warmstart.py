@@ -13,6 +13,7 @@ from prefect.cache_policies import NONE
 from horizonrl import faults, store
 from horizonrl.config import TrainConfig
 from horizonrl.files import file_digest
+from horizonrl.rollout.loop import turn_horizon
 from horizonrl.seeding import derive_seed
 from horizonrl.training.checkpoint import CheckpointRef, read_state, save_checkpoint
 from horizonrl.training.cloning import clone_epoch
@@ -48,7 +49,7 @@ def record_demonstrations(ctx: RunContext, policy: CheckpointRef) -> Demonstrati
             action_mode=cfg.rollout.action_mode,
             context=cfg.rollout.context,
             history_turns=cfg.rollout.history_turns,
-            max_turns=cfg.env.max_turns or suite.max_turns(cfg.env.tier),
+            max_turns=turn_horizon(cfg, suite),
             perturbed_share=ws.perturbed_share,
             seed=cfg.seed,
             expert=ws.expert,

@@ -319,6 +319,20 @@ def test_presets_say_what_the_update_needs():
         estimator_of("ppo9")
 
 
+def test_dr_grpo_length_constant_is_fixed_by_the_run_not_the_batch():
+    """Dr.GRPO's L (docs/algorithms.md §0.3) is the most policy tokens a trajectory can hold, horizon x
+    rollout.max_action_tokens, the same for every micro-batch and rank; the loss params may set it."""
+    drgrpo = load_config(None, ["method=drgrpo", "rollout.max_action_tokens=12"])
+    s = UpdateSettings.from_config(drgrpo, 0, sampled_here=True, horizon=8)
+    assert (s.loss_params.aggregation, s.loss_params.norm_length) == ("seq-mean-token-sum-norm", 96)
+    with pytest.raises(ValueError, match="fixed length L"):
+        UpdateSettings.from_config(drgrpo, 0, sampled_here=True)
+    given = load_config(None, ["method=drgrpo", "loss_params.norm_length=500"])
+    assert UpdateSettings.from_config(given, 0, sampled_here=True, horizon=8).loss_params.norm_length == 500
+    loop = UpdateSettings.from_config(load_config(None, ["method=loop"]), 0, sampled_here=True, horizon=8)
+    assert loop.loss_params.norm_length is None  # the other aggregations have no length constant
+
+
 def _sweep(tmp_path: Path, grid: dict) -> list:
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump({"name": "t", "base": str(CONFIG_DIR / "loop_household_easy.yaml"), "grid": grid}))

@@ -129,6 +129,24 @@ def test_per_trajectory_ratio(aggregation):
     assert out.loss.item() == pytest.approx(-0.2871822, abs=TOL)
 
 
+def test_dr_grpo_sum_norm_divides_by_a_fixed_length_not_the_padded_width():
+    """seq-mean-token-sum-norm (Dr.GRPO, docs/algorithms.md §0.3): sum of the token terms / (B · L) with
+    the given L, however wide the padded tensor is; without L the width stands in (a direct call)."""
+    logp, old_logp, adv, mask, turn_id = _two_rows()
+    tokens = ppo_clip(logp, old_logp, adv, mask, turn_id, PPOLossParams(aggregation="seq-mean-token-sum"))
+    fixed = PPOLossParams(aggregation="seq-mean-token-sum-norm", norm_length=10)
+    out = ppo_clip(logp, old_logp, adv, mask, turn_id, fixed)
+    assert out.loss.item() == pytest.approx(tokens.loss.item() / 10, abs=TOL)  # (sum / B) / L
+    pad = torch.zeros(logp.shape[0], 5)
+    wider = [torch.cat([x, pad.to(x.dtype)], dim=1) for x in (logp, old_logp, adv)]
+    wide_mask, wide_turn = torch.cat([mask, pad.bool()], dim=1), torch.cat([turn_id, pad.long() - 1], dim=1)
+    assert ppo_clip(*wider, wide_mask, wide_turn, fixed).loss.item() == pytest.approx(out.loss.item(), abs=1e-12)
+    width = ppo_clip(logp, old_logp, adv, mask, turn_id, PPOLossParams(aggregation="seq-mean-token-sum-norm"))
+    assert width.loss.item() == pytest.approx(tokens.loss.item() / logp.shape[1], abs=TOL)
+    with pytest.raises(ValueError, match="norm_length"):
+        PPOLossParams(aggregation="seq-mean-token-sum-norm", norm_length=0)
+
+
 def test_turn_level_with_one_turn_per_row_equals_trajectory_level():
     logp, old_logp, adv, mask, _ = _two_rows()
     one_turn = torch.where(mask, 0, -1)

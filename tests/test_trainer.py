@@ -39,6 +39,9 @@ from horizonrl.training.trainer import (
 
 LOOP = methods.LOSSES.get("ppo_clip").params_cls(clip_mode="loop", eps=0.1, aggregation="seq-mean-token-mean")
 TOKEN_MEAN = methods.LOSSES.get("ppo_clip").params_cls(clip_mode="asymmetric", aggregation="token-mean")
+SUM_NORM = methods.LOSSES.get("ppo_clip").params_cls(
+    clip_mode="asymmetric", aggregation="seq-mean-token-sum-norm", norm_length=96
+)
 
 
 def settings(pad_id: int, **overrides) -> UpdateSettings:
@@ -123,7 +126,9 @@ def assert_same(a: list[torch.Tensor], b: list[torch.Tensor], scale: float = 1.0
         torch.testing.assert_close(x * scale, y, rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.parametrize("loss_params", [LOOP, TOKEN_MEAN], ids=["seq-mean-token-mean", "token-mean"])
+@pytest.mark.parametrize(
+    "loss_params", [LOOP, TOKEN_MEAN, SUM_NORM], ids=["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
+)
 def test_micro_batches_give_the_gradient_of_one_batch(setup, loss_params):
     model, rows, old, s = setup
     mb = trajectory_units(rows)[:8]

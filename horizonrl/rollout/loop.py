@@ -32,6 +32,11 @@ from horizonrl.rollout.records import EpisodeRecord, TurnRecord
 from horizonrl.seeding import derive_seed
 
 
+def turn_horizon(cfg: TrainConfig, suite: EnvSuite) -> int:
+    """The turn horizon episodes are cut at: ``env.max_turns``, else the suite's for the tier."""
+    return cfg.env.max_turns or suite.max_turns(cfg.env.tier)
+
+
 @dataclass
 class LiveEpisode:
     """Per-episode rollout state that is not stored (the record is)."""
@@ -65,12 +70,11 @@ class SamplingSettings:
     def from_config(cls, cfg: TrainConfig, suite: EnvSuite, seed: int, greedy: bool = False) -> SamplingSettings:
         """The run's settings; the horizon is ``env.max_turns`` or the tier's."""
         r = cfg.rollout
-        max_turns = cfg.env.max_turns or suite.max_turns(cfg.env.tier)
         return cls(
             r.action_mode,
             r.context,
             r.history_turns,
-            max_turns,
+            turn_horizon(cfg, suite),
             r.max_action_tokens,
             r.temperature,
             seed,

@@ -62,7 +62,9 @@ class UpdateSettings:
     decoupled: bool = False  # rows played by an older policy: weight by pi_prox / pi_behav (docs/algorithms.md §1.10)
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig, pad_id: int, sampled_here: bool, decoupled: bool = False) -> UpdateSettings:
+    def from_config(
+        cls, cfg: TrainConfig, pad_id: int, sampled_here: bool, decoupled: bool = False, horizon: int | None = None
+    ) -> UpdateSettings:
         """The run's update settings: the method's loss and epochs, ``update.*``, the sampling temperature.
 
         ``sampled_here``: the rows were sampled by the weights about to be trained (the iteration's
@@ -71,8 +73,17 @@ class UpdateSettings:
         pi_old (module docstring); a sample of rows is still recomputed and compared every update.
         ``decoupled``: the rows were played by an older checkpoint than the one trained (asynchronous
         rollouts, ``rollout.max_staleness``); pi_old is then recomputed and the stored log-probs weight the
-        loss (docs/algorithms.md §1.10)."""
+        loss (docs/algorithms.md §1.10). ``horizon``: the run's turn horizon, which fixes L of the
+        ``seq-mean-token-sum-norm`` aggregation (Dr.GRPO) to the most policy tokens a trajectory can hold,
+        horizon x ``rollout.max_action_tokens``, unless the loss params set it (docs/algorithms.md §0.3)."""
         loss_name, loss_params = cfg.loss_spec()
+        if loss_params.aggregation == "seq-mean-token-sum-norm" and loss_params.norm_length is None:
+            if horizon is None:
+                raise ValueError(
+                    "the seq-mean-token-sum-norm aggregation needs a fixed length L: pass the run's horizon "
+                    "or set loss_params.norm_length"
+                )
+            loss_params = replace(loss_params, norm_length=horizon * cfg.rollout.max_action_tokens)
         u = cfg.update
         learner_sampled = (
             sampled_here
