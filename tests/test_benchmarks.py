@@ -57,8 +57,10 @@ def run_quick(tmp_path, capsys, sections: list[str]) -> None:
     assert (tmp_path / "figures.csv").is_file()
 
 
+@pytest.mark.slow
 def test_quick_suite_in_process_sections(tmp_path, capsys):
-    """Everything but the pipeline section (which starts a Prefect server: see the slow test)."""
+    """Everything but the pipeline section (which starts a Prefect server: see the next test). Slow: the
+    update section starts torchrun ranks (ddp and fsdp), about 40 s; ``make test-fast`` leaves it out."""
     run_quick(tmp_path, capsys, ["advantages", "store", "rollout", "update"])
 
 
