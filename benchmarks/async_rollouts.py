@@ -28,14 +28,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-import pyarrow as pa
 import torch
 
-import methods
 from benchmarks.env_pool import _RemoteLatency
+from benchmarks.pipeline import learn
 from benchmarks.report import Figure
-from horizonrl import store
 from horizonrl.config import TrainConfig
 from horizonrl.engines.hf import TransformersEngine
 from horizonrl.models.loading import load_policy
@@ -43,8 +40,7 @@ from horizonrl.rollout.loop import SamplingSettings, collect
 from horizonrl.rollout.prompting import ChatFormat
 from horizonrl.run.runtime import PolicyRuntime, sample_tasks
 from horizonrl.seeding import derive_seed
-from horizonrl.training.sequences import attach_advantages, step_batch, train_rows
-from horizonrl.training.trainer import UpdateSettings, ppo_update
+from horizonrl.training.trainer import UpdateSettings
 
 TARGET = 1.5  # k=1 over k=0 where the two stages take similar time (issue 29)
 
@@ -133,23 +129,7 @@ def lagged_run(cfg: TrainConfig, k: int, gen_latency_s: float = 0.0, process: bo
             for it in range(1, cfg.iterations + 1):
                 records, v = futures[it].result()
                 t0 = time.perf_counter()
-                turns, episodes = store.turns_table(records), store.episodes_table(records, cfg.run_name, it, v)
-                batch = step_batch(episodes, turns, it - 1)
-                result = methods.ADVANTAGES.get(name).fn(batch, params, state)
-                state = result.state
-                adv = pa.table(
-                    {
-                        "rollout_id": batch.traj_id,
-                        "turn": batch.turn.astype(np.int32),
-                        "adv": result.adv,
-                        "keep": result.keep,
-                        "adv_tokens": pa.nulls(len(batch), pa.list_(pa.float64())),
-                    },
-                    schema=store.ADVANTAGES,
-                )
-                rows = attach_advantages(train_rows(turns, cfg.rollout.context), adv)
-                if rows:
-                    ppo_update(model, optimizer, rows, s, derive_seed(cfg.seed, "update", it))
+                state = learn(records, cfg, it, v, (name, params, state), model, optimizer, s)
                 with published:
                     versions[it] = copy.deepcopy(model.state_dict())
                     published.notify_all()

@@ -33,7 +33,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import numpy as np
 import psutil
 import pyarrow as pa
 import torch
@@ -44,8 +43,9 @@ from horizonrl import store
 from horizonrl.config import TrainConfig, load_config
 from horizonrl.engines.hf import TransformersEngine
 from horizonrl.models.loading import load_policy
-from horizonrl.rollout.loop import SamplingSettings, collect
+from horizonrl.rollout.loop import SamplingSettings, collect, turn_horizon
 from horizonrl.rollout.prompting import ChatFormat
+from horizonrl.rollout.records import EpisodeRecord
 from horizonrl.run.runtime import PolicyRuntime, sample_tasks
 from horizonrl.seeding import derive_seed
 from horizonrl.tracking import mlflow_runs, traces
@@ -199,8 +199,8 @@ def plain_iterations(cfg: TrainConfig) -> list[float]:
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay)
     name, params = cfg.advantage_spec()
-    s = UpdateSettings.from_config(cfg, tokenizer.pad_token_id, sampled_here=True)
     suite = rt.suite(cfg)
+    s = UpdateSettings.from_config(cfg, tokenizer.pad_token_id, sampled_here=True, horizon=turn_horizon(cfg, suite))
     collect(
         suite, rt.task_pool(cfg, "test", 1), 1, engine, fmt, SamplingSettings.from_config(cfg, suite, 0)
     )  # warm-up, as the flow's first evaluation is
@@ -217,25 +217,32 @@ def plain_iterations(cfg: TrainConfig) -> list[float]:
             fmt,
             SamplingSettings.from_config(cfg, suite, derive_seed(cfg.seed, "collect", it)),
         )
-        turns, episodes = store.turns_table(records), store.episodes_table(records, cfg.run_name, it, it - 1)
-        batch = step_batch(episodes, turns, it - 1)
-        result = methods.ADVANTAGES.get(name).fn(batch, params, state)
-        state = result.state
-        adv = pa.table(
-            {
-                "rollout_id": batch.traj_id,
-                "turn": batch.turn.astype(np.int32),
-                "adv": result.adv,
-                "keep": result.keep,
-                "adv_tokens": pa.nulls(len(batch), pa.list_(pa.float64())),
-            },
-            schema=store.ADVANTAGES,
-        )
-        rows = attach_advantages(train_rows(turns, cfg.rollout.context), adv)
-        if rows:
-            ppo_update(model, optimizer, rows, s, derive_seed(cfg.seed, "update", it))
+        state = learn(records, cfg, it, it - 1, (name, params, state), model, optimizer, s)
         times.append(time.perf_counter() - t0)
     return times
+
+
+def learn(
+    records: list[EpisodeRecord],
+    cfg: TrainConfig,
+    iteration: int,
+    version: int,
+    estimator: tuple[str, object, object],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    s: UpdateSettings,
+) -> object:
+    """The flow's advantage and update stages over played ``records`` as plain calls (no Prefect, MLflow or
+    Parquet): ``estimator`` is (name, params, state); returns the estimator's next state."""
+    name, params, state = estimator
+    turns, episodes = store.turns_table(records), store.episodes_table(records, cfg.run_name, iteration, version)
+    batch = step_batch(episodes, turns, iteration - 1)
+    result = methods.ADVANTAGES.get(name).fn(batch, params, state)
+    adv = store.advantages_table(batch.traj_id, batch.turn, result.adv, result.keep, result.adv_tokens, batch.n_tokens)
+    rows = attach_advantages(train_rows(turns, cfg.rollout.context), adv)
+    if rows:
+        ppo_update(model, optimizer, rows, s, derive_seed(cfg.seed, "update", iteration))
+    return result.state
 
 
 def tracing_figures(config: str, cfg: TrainConfig, iteration_s: list[float], out_dir: Path) -> list[Figure]:
