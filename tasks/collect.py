@@ -29,7 +29,7 @@ from horizonrl.files import file_digest
 from horizonrl.rollout.loop import Shard
 from horizonrl.rollout.metrics import branch_metrics, episode_metrics
 from horizonrl.rollout.records import EpisodeRecord
-from horizonrl.run.runtime import PolicyRuntime
+from horizonrl.run.runtime import PolicyRuntime, Serving
 from horizonrl.tracking import mlflow_runs
 from horizonrl.training.checkpoint import CheckpointRef, checkpoints
 from tasks.context import GENERATOR, RUNTIME, RunContext
@@ -117,17 +117,22 @@ def _check_recorded(ctx: RunContext, iteration: int, ref: RolloutRef, digests: d
 
 
 @task(name="collect-shard", task_run_name="collect-shard-{shard.index}", cache_policy=NONE)
-def play_shard(ctx: RunContext, policy: CheckpointRef, shard: Shard) -> list[EpisodeRecord]:
+def play_shard(
+    ctx: RunContext, policy: CheckpointRef, shard: Shard, serving: Serving | None = None
+) -> list[EpisodeRecord]:
     """K rollouts of the shard's tasks with this process's policy and environments (a Ray worker keeps
-    them between iterations and loads each new checkpoint from its path)."""
-    return _shard_records(ctx, policy, shard)
+    them between iterations and loads each new checkpoint from its path), or on the run's vLLM server
+    (``serving``: synced by the run's process, shared by every shard)."""
+    return _shard_records(ctx, policy, shard, serving)
 
 
-def _shard_records(ctx: RunContext, policy: CheckpointRef, shard: Shard) -> list[EpisodeRecord]:
+def _shard_records(
+    ctx: RunContext, policy: CheckpointRef, shard: Shard, serving: Serving | None = None
+) -> list[EpisodeRecord]:
     """The shard task's body, apart so that Ray ships it by reference: cloudpickle sends a task's own
     function by value (its module attribute is the Task, not the function) together with the globals it
     uses, which would copy this process's RUNTIME (model, optimizer, environments) into every shard."""
-    return generator(ctx.cfg).play_shard(ctx.cfg, policy, shard)
+    return generator(ctx.cfg).play_shard(ctx.cfg, policy, shard, serving)
 
 
 def generator(cfg: TrainConfig) -> PolicyRuntime:
@@ -161,6 +166,11 @@ def _play_shards(ctx: RunContext, policy: CheckpointRef, shards: list[Shard]) ->
     from prefect_ray import RayTaskRunner  # the optional "ray" extra
 
     RUNTIME.ray_cluster(ctx.cfg)
+    # vLLM: this process's server, synced to the policy here, serves every shard (they never sync it)
+    serving = RUNTIME.serving(ctx.cfg, policy) if ctx.cfg.engine.name == "vllm" else None
     with RayTaskRunner() as runner:  # Ray is already initialised: the runner neither starts nor stops it
-        futures = [runner.submit(play_shard, {"ctx": ctx, "policy": policy, "shard": shard}) for shard in shards]
+        futures = [
+            runner.submit(play_shard, {"ctx": ctx, "policy": policy, "shard": shard, "serving": serving})
+            for shard in shards
+        ]
         return [f.result() for f in futures]

@@ -330,6 +330,55 @@ def test_lora_adapters_hot_load_and_serve_the_learners_logprobs(
         live.model, live.policy_path = SERVED_NAME, None  # the base again: what the server started on
 
 
+def test_a_shard_plays_on_the_server_another_process_synced(live, tiny_policy_dir, tmp_path):
+    """Ray shards of a vLLM run (``rollout.runner: ray``): the run's process syncs the server to the
+    checkpoint (``PolicyRuntime.serving``: reload in place, probe verified) and a shard's process plays on
+    it with the tokenizer alone, never syncing (no weights loaded there): its records are the ones the
+    run's process plays for the same shard. Two runtimes in this process stand for the two processes
+    (Ray's shipping of the task is ``tests/test_ray_collect.py``'s)."""
+    from horizonrl.config import load_config
+    from horizonrl.run.runtime import PolicyRuntime
+    from horizonrl.training.checkpoint import CheckpointRef
+
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_policy_dir}",
+            "engine.name=vllm",
+            f"engine.vllm.url={live.client.base_url}",
+            f"data_dir={tmp_path}",
+            "env.max_turns=3",
+            "rollout.tasks_per_iteration=2",
+            "rollout.group_size=2",
+            "rollout.shards=2",
+        ],
+    )
+    policy = CheckpointRef(str(tiny_policy_dir), 0)
+    owner, shard_process = PolicyRuntime(), PolicyRuntime()
+    try:
+        serving = owner.serving(cfg, policy)
+        assert owner.weight_sync.path == "in_place" and serving.url == live.client.base_url
+        shard = owner.iteration_shards(cfg, 1)[1]
+        played = shard_process.play_shard(cfg, policy, shard, serving)
+        assert shard_process.current is None and shard_process.weight_sync is None  # no weights, no sync there
+        assert len(played) == 2 and all(r.turns for r in played)
+        mine = owner.play_shard(cfg, policy, shard)
+
+        def key(records):
+            return [
+                (r.rollout_id, r.group_id, [(t.action, t.gen.token_ids, t.gen.logprobs) for t in r.turns])
+                for r in records
+            ]
+
+        assert key(played) == key(mine)
+        with pytest.raises(ValueError, match="not the checkpoint to play"):
+            shard_process.play_shard(cfg, CheckpointRef(str(tmp_path / "iter=1"), 1), shard, serving)
+    finally:
+        owner.close_episodes()
+        shard_process.close_episodes()
+        live.policy_path = None  # the live engine's next sync reloads whatever it is asked to serve
+
+
 def test_a_corrupted_in_place_reload_is_caught_and_the_owned_server_restarts_on_the_right_weights(
     live, tiny_policy, tiny_policy_dir, household_suite, tmp_path
 ):

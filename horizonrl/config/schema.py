@@ -448,10 +448,10 @@ class TrainConfig(Strict):
                 "rollout.enable_thinking needs rollout.action_mode = 'free': the admissible trie has no room for a "
                 "thinking block"
             )
-        if r.runner == "ray" and self.engine.name != "transformers":
+        if r.runner == "ray" and self.engine.name == "vllm" and self.ray.address and not self.engine.vllm.url:
             raise ValueError(
-                "rollout.runner = 'ray' needs engine.name = 'transformers': each Ray worker would start its own vLLM "
-                "server"
+                "rollout.runner = 'ray' with engine.name = 'vllm' on a Ray cluster (ray.address) needs "
+                "engine.vllm.url: the run's own vLLM server listens on 127.0.0.1, which the cluster cannot reach"
             )
         if r.max_staleness and self.engine.name != "transformers":
             raise ValueError(

@@ -139,9 +139,7 @@ def load_policy(
 
     A LoRA policy directory (``horizonrl.models.lora``) loads as its base model with the adapter attached."""
 
-    tokenizer = load_tokenizer(path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = policy_tokenizer(path)
     if lora.is_adapter_dir(path):
         base, _ = load_policy(lora.base_model_path(path), dtype, attn_implementation)
         return lora.load_adapter_policy(path, base), tokenizer
@@ -149,6 +147,15 @@ def load_policy(
         str(path), dtype=dtype, use_safetensors=True, attn_implementation=attn_implementation
     )
     return model, tokenizer
+
+
+def policy_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a policy directory (a LoRA directory holds its own), padding with eos if it has no
+    pad token; without the weights, for a process that only plays on a server others keep in sync."""
+    tokenizer = load_tokenizer(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def resolve_device(name: str) -> torch.device:

@@ -20,7 +20,14 @@ from horizonrl.envs import EnvSuite, make_suite, suite_corpus, suite_ref
 from horizonrl.envs.batch import EpisodeBatch, InProcess
 from horizonrl.envs.pool import EnvPool
 from horizonrl.models import lora
-from horizonrl.models.loading import initial_adapter_dir, load_policy, resolve_device, resolve_dtype, tiny_model_dir
+from horizonrl.models.loading import (
+    initial_adapter_dir,
+    load_policy,
+    policy_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    tiny_model_dir,
+)
 from horizonrl.rollout.branching import collect_branches, plan_branches
 from horizonrl.rollout.loop import SamplingSettings, Shard, collect, split_shards
 from horizonrl.rollout.prompting import ChatFormat
@@ -43,6 +50,16 @@ class Loaded:
     cfg: TrainConfig | None = None  # the run's config (where to publish a new checkpoint: engine, MLflow)
 
 
+@dataclass(frozen=True)
+class Serving:
+    """A vLLM server another process keeps in sync: where shards of a vLLM run on Ray send their requests,
+    under which served name (the base, or the loaded LoRA adapter), for which checkpoint."""
+
+    url: str
+    model: str
+    policy: str
+
+
 class PolicyRuntime:
     """Holds at most one loaded policy (and its optimizer) per process."""
 
@@ -54,6 +71,7 @@ class PolicyRuntime:
         self._vllm = None  # VLLMEngine: one server per process, kept across checkpoints (reloaded, not restarted)
         self._episodes: tuple[tuple, EpisodeBatch] | None = None
         self._ray: RayConfig | None = None  # the Ray cluster this process joined (rollout.runner: ray)
+        self._following: tuple[Serving, ChatFormat, Engine] | None = None  # a shard playing on a shared server
 
     def suite(self, cfg: TrainConfig) -> EnvSuite:
         key = (cfg.env.name, cfg.env.suite_seed, cfg.env.games)
@@ -130,19 +148,55 @@ class PolicyRuntime:
         )
         return split_shards(tasks, cfg.rollout.shards, cfg.rollout.group_size, _collect_seed(cfg, iteration))
 
-    def play_shard(self, cfg: TrainConfig, policy: CheckpointRef, shard: Shard) -> list[EpisodeRecord]:
-        """K rollouts of the shard's tasks with this process's policy and environments."""
-        loaded, envs = self.get(cfg, policy), self.episodes(cfg)
+    def play_shard(
+        self, cfg: TrainConfig, policy: CheckpointRef, shard: Shard, serving: Serving | None = None
+    ) -> list[EpisodeRecord]:
+        """K rollouts of the shard's tasks with this process's environments, and this process's policy or,
+        given ``serving``, the vLLM server the run's process synced to ``policy`` (Ray shards share it)."""
+        fmt, engine = self._follow(cfg, policy, serving) if serving is not None else self._playing(cfg, policy)
         settings = SamplingSettings.from_config(cfg, self.suite(cfg), shard.seed)
         return collect(
-            envs,
+            self.episodes(cfg),
             shard.tasks,
             cfg.rollout.group_size,
-            loaded.engine,
-            loaded.fmt,
+            engine,
+            fmt,
             settings,
             first_rollout_id=shard.first_rollout_id,
             first_group_id=shard.first_group_id,
+        )
+
+    def _playing(self, cfg: TrainConfig, policy: CheckpointRef) -> tuple[ChatFormat, Engine]:
+        loaded = self.get(cfg, policy)
+        return loaded.fmt, loaded.engine
+
+    def serving(self, cfg: TrainConfig, policy: CheckpointRef) -> Serving:
+        """This process's vLLM server synced to ``policy`` (started on first use, verified by the probe),
+        and where other processes find it."""
+        engine = self.get(cfg, policy).engine
+        return Serving(engine.client.base_url, engine.model, policy.path)
+
+    def _follow(self, cfg: TrainConfig, policy: CheckpointRef, serving: Serving) -> tuple[ChatFormat, Engine]:
+        """The format and an engine that plays on ``serving`` and never syncs it (its owner does): the
+        checkpoint's tokenizer only, no weights loaded here."""
+        from horizonrl.engines.vllm import engine_from_config
+
+        if serving.policy != policy.path:
+            raise ValueError(f"the shared server serves {serving.policy}, not the checkpoint to play, {policy.path}")
+        if self._following is None or self._following[0].url != serving.url:
+            fmt = self._chat_format(cfg, policy_tokenizer(policy.path))
+            v = cfg.engine.vllm.model_copy(update={"url": serving.url})
+            reached = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"vllm": v})})
+            self._following = (serving, fmt, engine_from_config(reached, policy.path, list(fmt.stop_ids)))
+        _, fmt, engine = self._following
+        engine.model, engine.policy_path = serving.model, serving.policy  # what the owner serves now
+        self._following = (serving, fmt, engine)
+        return fmt, engine
+
+    def _chat_format(self, cfg: TrainConfig, tokenizer: object) -> ChatFormat:
+        r = cfg.rollout
+        return ChatFormat.for_tokenizer(
+            tokenizer, enable_thinking=r.enable_thinking, free_format=r.free_format, format_penalty=r.format_penalty
         )
 
     def play_branches(
@@ -179,10 +233,7 @@ class PolicyRuntime:
         device = resolve_device(cfg.model.device)
         model, tokenizer = load_policy(ref.path, resolve_dtype(cfg.model.dtype, device), cfg.model.attn_implementation)
         model.to(device)
-        r = cfg.rollout
-        fmt = ChatFormat.for_tokenizer(
-            tokenizer, enable_thinking=r.enable_thinking, free_format=r.free_format, format_penalty=r.format_penalty
-        )
+        fmt = self._chat_format(cfg, tokenizer)
         end_ids = list(fmt.stop_ids)
         engine = (
             TransformersEngine(model, tokenizer.pad_token_id, end_ids, str(device))
