@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 
 
 def _env_defaults() -> None:
@@ -149,11 +151,20 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.join()
         try:
-            one_line = (RunInUse, CheckpointDamaged, StoreError, ArtifactStoreUnwritable)
-            with _OneLineErrors(one_line):  # reported below in one line
+            refused = (RunInUse, CheckpointDamaged, StoreError, ArtifactStoreUnwritable)
+            with _OneLineErrors(lambda err: isinstance(err, refused) or _disk_error(err)):  # reported below
                 summary = train(config=cfg.model_dump())
-        except one_line as err:
+        except refused as err:
             print(f"horizonrl: run {cfg.run_name!r} not started: {err}", file=sys.stderr)
+            return 1
+        except OSError as err:
+            if not _disk_error(err):
+                raise
+            print(
+                f"horizonrl: run {cfg.run_name!r} failed: {err} (its MLflow run is marked FAILED; "
+                "the same command resumes it once there is room)",
+                file=sys.stderr,
+            )
             return 1
         uri = tracking_uri(cfg.tracking_uri)
         print("\n== horizonrl: run finished ==")
@@ -305,14 +316,19 @@ def _evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _disk_error(err: BaseException) -> bool:
+    """A write the disk refused (full, read-only, over quota): the machine's state, not a bug to debug."""
+    return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
+
+
 class _OneLineErrors(logging.Filter):
     """Prefect logs a failed flow or task with its traceback; on the terminal of a command that reports the
     failure in one line itself, the exception's own line is kept and the traceback dropped (for the
-    exception types ``only`` where given: the others keep theirs, to be debugged)."""
+    exceptions ``only`` accepts where given: the others keep theirs, to be debugged)."""
 
     LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 
-    def __init__(self, only: tuple[type[BaseException], ...] = (BaseException,)) -> None:
+    def __init__(self, only: Callable[[BaseException], bool] = lambda err: True) -> None:
         super().__init__()
         self.only = only
 
@@ -327,7 +343,7 @@ class _OneLineErrors(logging.Filter):
             logging.getLogger(name).removeFilter(self)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], self.only):
+        if record.exc_info and record.exc_info[1] is not None and self.only(record.exc_info[1]):
             err = record.exc_info[1]
             record.msg = f"{record.getMessage()} {type(err).__name__}: {err}".replace("\n", " ")
             record.args, record.exc_info, record.exc_text = None, None, None

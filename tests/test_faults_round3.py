@@ -9,7 +9,6 @@ that are not killed.
 
 from __future__ import annotations
 
-import errno
 import gc
 import os
 import signal
@@ -276,33 +275,44 @@ def test_a_sweep_killed_with_a_cell_half_done_is_run_again_to_the_same_cells(pre
 
 
 @pytest.mark.slow
-def test_a_read_only_then_full_disk_under_the_mlflow_artifacts(prefect_harness, tmp_path):
+def test_a_read_only_then_full_disk_under_the_mlflow_artifacts(prefect_harness, tmp_path, capsys):
     """The MLflow artifact folder on a real tmpfs (the tests run as root, so a read-only folder has to be a
-    read-only mount). Read-only: the run is refused before it is created, naming the folder. Writable but
-    with room for the config and the evaluation tables and not for the policy model logged at the end
-    (~55 KB of weights): the run fails at its end, marked FAILED with the cause, its tables and checkpoint
-    intact. With room again, running it again only finishes it: nothing trained or logged twice."""
-    from flows.train import train
-    from horizonrl.tracking.mlflow_runs import ArtifactStoreUnwritable
+    read-only mount), through ``horizonrl train``. Read-only: the run is refused before it is created, in
+    one line naming the folder. Writable but with room for the config and the evaluation tables and not
+    for the policy model logged at the end (~55 KB of weights): the run fails at its end (exit 1, one line,
+    no traceback), marked FAILED with the cause, its tables and checkpoint intact. With room again, the
+    same command only finishes it: nothing trained or logged twice."""
+    from flows.cli import main
 
     cfg = _config(tmp_path, "disk", iterations=1)
     cfg["eval"] = {"every": 1, "n_tasks": 2, "greedy": False}
+
+    def train_cli() -> tuple[int, str]:
+        capsys.readouterr()
+        rc = main(_train_args(cfg))
+        return rc, capsys.readouterr().err
+
     artifacts = tmp_path / "artifacts"  # beside mlflow.db: where the project's SQLite stores keep artifacts
     artifacts.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32k,ro", "tmpfs", str(artifacts)], check=True)
     try:
-        with pytest.raises(
-            ArtifactStoreUnwritable, match=rf"MLflow artifact folder {artifacts}.*Read-only file system"
-        ):
-            train(config=cfg)
+        rc, err = train_cli()
+        assert rc == 1 and "Traceback" not in err, err[-3000:]
+        assert err.strip().splitlines()[-1] == (
+            f"horizonrl: run 'disk' not started: [Errno 30] the MLflow artifact folder {artifacts} of experiment "
+            "'test' cannot take a file (Read-only file system): make it writable or free space there, then run again"
+        ), err[-3000:]
         c = MlflowClient(cfg["tracking_uri"])
         assert c.search_runs([c.get_experiment_by_name("test").experiment_id]) == [], "refused before it exists"
         assert not (tmp_path / "data" / "test" / "disk" / "checkpoints").exists()
 
         subprocess.run(["mount", "-o", "remount,rw", str(artifacts)], check=True)
-        with pytest.raises(OSError) as err:
-            train(config=cfg)
-        assert err.value.errno == errno.ENOSPC
+        rc, err = train_cli()
+        assert rc == 1 and "Traceback" not in err, err[-3000:]
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("horizonrl: run 'disk' failed: [Errno 28] No space left on device") and (
+            str(artifacts) in last
+        ), last
         run = run_of(c, "disk")
         assert run.info.status == "FAILED" and "No space left on device" in run.data.tags["horizonrl.failure"]
         d = tmp_path / "data" / "test" / "disk"
@@ -312,7 +322,7 @@ def test_a_read_only_then_full_disk_under_the_mlflow_artifacts(prefect_harness, 
         evals = steps(c, run.info.run_id, "eval/success_rate")
 
         subprocess.run(["mount", "-o", "remount,size=4m", str(artifacts)], check=True)
-        train(config=cfg)
+        assert train_cli()[0] == 0
         run = run_of(c, "disk")
         assert run.info.status == "FINISHED" and "horizonrl.failure" not in run.data.tags
         assert steps(c, run.info.run_id, "eval/success_rate") == evals == [0, 1]
