@@ -41,6 +41,47 @@ KL_REF = methods.LOSSES.get("ppo_clip").params_cls(clip_mode="asymmetric", aggre
 LR, WD = 1e-3, 0.01
 
 
+TORCHRUN_REPORT = """
+============================================================
+horizonrl.training.rank_worker FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-04_13:29:36
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 24361)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 24361
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-04_13:29:35
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 24360)
+  error_file: /tmp/torchelastic/error.json
+  traceback : Traceback (most recent call last):
+    RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:18142: Connection reset by peer.
+============================================================
+"""
+
+
+def test_a_killed_rank_is_named_though_torchrun_observed_its_peer_first(tmp_path):
+    """When rank 1 is killed, rank 0 fails on the closed connection, and under load torchrun may report
+    rank 0 as the "first observed failure" (seen in a suite run): the error names the killed rank, and not
+    rank 0's connection error as the cause."""
+    group = RankGroup.__new__(RankGroup)  # only the report parsing: no torchrun started
+    group.log, group.world_size = tmp_path / "torchrun.log", 2
+    group.log.write_text(TORCHRUN_REPORT)
+    said = group._failure().split(";")[0]
+    assert said == "update rank 1 of 2 failed: -9 (pid: 24361)", said
+    group.log.write_text(
+        TORCHRUN_REPORT.replace("Signal 9 (SIGKILL) received by PID 24361", "Traceback: ValueError: x")
+    )
+    assert group._failure().startswith("update rank 0 of 2 failed: 1 (pid: 24360)")  # no kill: the root cause
+
+
 def test_balanced_shares_are_disjoint_complete_and_balanced():
     weights = [50, 10, 40, 30, 30, 20, 5, 5]
     shares = balanced_shares(weights, 2)

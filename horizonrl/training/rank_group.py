@@ -137,14 +137,19 @@ class RankGroup:
         shutil.rmtree(self.spool, ignore_errors=True)
 
     def _failure(self) -> str:
-        """What torchrun reported: the first failed rank, its exit code or error, and the log's tail."""
+        """What torchrun reported: the failed rank, its exit code or error, and the log's tail. A rank killed
+        by a signal is named before torchrun's "first observed failure": when one rank dies, the others
+        fail on its closed connection, and which of them torchrun observes first depends on timing."""
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        root = text.split("Root Cause (first observed failure):", 1)[-1] if "Root Cause" in text else ""
+        start = text.find("Failures:") if "Failures:" in text else text.find("Root Cause (first observed failure):")
+        blocks = re.split(r"^\s*\[\d+\]:\s*$", text[start:] if start >= 0 else "", flags=re.M)[1:]
+        killed = [b for b in blocks if re.search(r"traceback\s*:\s*Signal \d+", b)]  # one per failed rank
+        root = killed[0] if killed else (blocks[-1] if blocks else "")  # torchrun's root cause comes last
         rank = re.search(r"rank\s*:\s*(\d+)", root)
         cause = re.search(r"(?:traceback|exitcode)\s*:\s*(.+)", root)
         who = f"rank {rank.group(1)} of {self.world_size}" if rank else f"a rank of {self.world_size}"
         what = cause.group(1).strip() if cause else f"torchrun exited with {self.proc.returncode}"
         errors = re.findall(r"^(?:\[rank\d+\]:)?\s*([\w.]+(?:Error|Exception|Interrupt)\b.*)$", text, re.M)
-        if errors:
+        if errors and not killed:  # a killed rank raised nothing: the errors are the others' closed connections
             what += f" ({errors[-1].strip()})"
         return f"update {who} failed: {what}; torchrun log {self.log}:\n{text[-LOG_TAIL:]}"
