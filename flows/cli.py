@@ -317,8 +317,13 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _disk_error(err: BaseException) -> bool:
-    """A write the disk refused (full, read-only, over quota): the machine's state, not a bug to debug."""
-    return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
+    """A write the disk refused (full, read-only, over quota; or a checkpoint that could not be written,
+    whose writers raise their own error types): the machine's state, not a bug to debug."""
+    from horizonrl.training.checkpoint import CheckpointWriteError
+
+    return isinstance(err, CheckpointWriteError) or (
+        isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
+    )
 
 
 class _OneLineErrors(logging.Filter):

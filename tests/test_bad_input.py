@@ -211,3 +211,17 @@ def test_filter_values_are_quoted_and_artifacts_go_beside_the_store(tmp_path, mo
     assert c.get_experiment_by_name("test").artifact_location == (store_dir / "artifacts").resolve().as_uri()
     assert list(work.iterdir()) == []
     c.set_terminated(run_id)  # runs end (the suite checks none is left RUNNING)
+
+
+def test_disk_refusals_are_reported_in_one_line_and_other_errors_keep_their_traceback():
+    """``horizonrl train`` reports a write the disk refused (full, read-only, over quota, a checkpoint that
+    could not be written) in one line; any other error keeps its traceback, to be debugged."""
+    import errno
+
+    from flows.cli import _disk_error
+    from horizonrl.training.checkpoint import CheckpointWriteError
+
+    for code in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
+        assert _disk_error(OSError(code, "refused"))
+    assert _disk_error(CheckpointWriteError("could not write checkpoint x: disk full"))
+    assert not _disk_error(OSError(errno.ENOENT, "missing")) and not _disk_error(ValueError("bug"))
