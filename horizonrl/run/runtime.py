@@ -71,7 +71,7 @@ class PolicyRuntime:
         self._vllm = None  # VLLMEngine: one server per process, kept across checkpoints (reloaded, not restarted)
         self._episodes: tuple[tuple, EpisodeBatch] | None = None
         self._ray: RayConfig | None = None  # the Ray cluster this process joined (rollout.runner: ray)
-        self._following: tuple[Serving, ChatFormat, Engine] | None = None  # a shard playing on a shared server
+        self._following: tuple[str, ChatFormat, Engine] | None = None  # (url, ...): playing on a shared server
 
     def suite(self, cfg: TrainConfig) -> EnvSuite:
         key = (cfg.env.name, cfg.env.suite_seed, cfg.env.games)
@@ -183,14 +183,13 @@ class PolicyRuntime:
 
         if serving.policy != policy.path:
             raise ValueError(f"the shared server serves {serving.policy}, not the checkpoint to play, {policy.path}")
-        if self._following is None or self._following[0].url != serving.url:
+        if self._following is None or self._following[0] != serving.url:
             fmt = self._chat_format(cfg, policy_tokenizer(policy.path))
             v = cfg.engine.vllm.model_copy(update={"url": serving.url})
             reached = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"vllm": v})})
-            self._following = (serving, fmt, engine_from_config(reached, policy.path, list(fmt.stop_ids)))
+            self._following = (serving.url, fmt, engine_from_config(reached, policy.path, list(fmt.stop_ids)))
         _, fmt, engine = self._following
         engine.model, engine.policy_path = serving.model, serving.policy  # what the owner serves now
-        self._following = (serving, fmt, engine)
         return fmt, engine
 
     def _chat_format(self, cfg: TrainConfig, tokenizer: object) -> ChatFormat:

@@ -24,6 +24,7 @@ from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModel, Logged
 from mlflow.exceptions import MlflowException
 
 import mlflow
+from horizonrl.files import remove_temporary
 from horizonrl.models import lora
 from mlflow import MlflowClient
 
@@ -145,8 +146,7 @@ def check_artifact_store(c: MlflowClient, experiment: str) -> None:
             f"({os.strerror(err.errno or 0)}): make it writable or free space there, then run again",
         ) from err
     finally:
-        with contextlib.suppress(OSError):
-            probe.unlink(missing_ok=True)
+        remove_temporary(probe)
 
 
 def find_run(c: MlflowClient, experiment: str, run_name: str) -> Run | None:
