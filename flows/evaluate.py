@@ -26,8 +26,8 @@ from horizonrl.config import CONFIG_FILE, TrainConfig, apply_overrides, load_con
 from horizonrl.envs import make_suite
 from horizonrl.tracking import mlflow_runs
 from mlflow import MlflowClient
-from tasks.context import RUNTIME, RunContext
-from tasks.evaluate import evaluate
+from tasks.context import RunContext
+from tasks.evaluate import evaluate, evaluator
 from tasks.run import run_params
 
 SOURCE_TAG = "horizonrl.source_run_id"
@@ -177,7 +177,7 @@ def evaluate_policy(
         c.set_terminated(run_id, "FAILED")
         raise
     finally:
-        RUNTIME.close_episodes()
+        evaluator(cfg).close_episodes()
     c.set_terminated(run_id, "FINISHED")
     print(
         f"{model_uri} on {split} ({cfg.eval.tasks_at(end=True)} tasks): success {metrics['success_rate']:.3f}; MLflow "

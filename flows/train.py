@@ -81,6 +81,8 @@ def train(
                 ahead.done(it, rollouts, policy)
             progress.advance(it, rollouts.episodes)
             if _eval_due(cfg, it, elapsed, steps) and not logged(ctx, "eval/success_rate", it):
+                if ahead is not None:
+                    ahead.settle()
                 evaluate(ctx, policy, it, _at_end(cfg, it, elapsed, steps), steps)  # 4. held-out evaluation
         progress.close()
         if ahead is not None:
@@ -111,7 +113,8 @@ class AsyncCollect:
     §1.10): collect tasks submitted ahead of the update, one after another (each waits for the one before:
     the generator holds one model), iteration j played by checkpoint max(j-1-k, 0), so the schedule is
     fixed by k alone and a resumed run plays what an uninterrupted one does (``bounded``: that checkpoint or
-    a newer one, whichever is newest when the task starts)."""
+    a newer one, whichever is newest when the task starts). With vLLM the generator is the run's server,
+    synced at the start of each collect, before its first episode: no episode straddles two versions."""
 
     def __init__(self, ctx: RunContext) -> None:
         self.ctx, self.k = ctx, ctx.cfg.rollout.max_staleness
@@ -167,6 +170,14 @@ class AsyncCollect:
         start, end, _ = self.windows.pop(iteration)
         busy = sum(max(0.0, min(b, end) - max(a, start)) for a, b in self.played)
         log_stage(self.ctx, "async", {"generator_idle_fraction": 1.0 - busy / max(end - start, 1e-9)}, iteration)
+
+    def settle(self) -> None:
+        """Before an evaluation of a vLLM run: let the collects in flight end, so that the run's one server
+        plays one version at a time (the evaluation syncs it to the evaluated checkpoint, the next collect
+        back to its own). The transformers generator has its own weights: nothing to wait for."""
+        if self.ctx.cfg.engine.name == "vllm":
+            for f in self.futures.values():
+                f.wait()
 
     def close(self) -> None:
         """Wait for collects still playing (a budget stopped the run early), log the last iteration's

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 from horizonrl.files import file_digest, remove_temporary, write_json
 from horizonrl.rollout.records import EpisodeRecord
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"  # 2: turns carry policy_version
 _META_VERSION = b"horizonrl.schema_version"
 _META_TABLE = b"horizonrl.table"
 
@@ -57,6 +57,7 @@ EPISODES = pa.schema(
 
 TURNS = pa.schema(
     [
+        ("policy_version", pa.int32()),
         ("rollout_id", pa.int64()),
         ("group_id", pa.int64()),
         ("turn", pa.int32()),
@@ -144,12 +145,15 @@ def select_rollouts(table: pa.Table, rollout_ids: list[int]) -> pa.Table:
     return table.filter(pc.is_in(table["rollout_id"], value_set=pa.array(rollout_ids, pa.int64())))
 
 
-def turns_table(records: list[EpisodeRecord]) -> pa.Table:
+def turns_table(records: list[EpisodeRecord], policy_version: int = -1) -> pa.Table:
+    """One row per turn. ``policy_version``: the checkpoint that played them, as in the episodes table (its
+    sampling log-probs are ``logprobs``); -1 for tables built outside a run (tests, benchmarks)."""
     rows = {name: [] for name in TURNS.names}
     for r in records:
         for t in r.turns:
             g = t.gen
             values = dict(
+                policy_version=policy_version,
                 rollout_id=r.rollout_id,
                 group_id=r.group_id,
                 turn=t.turn,

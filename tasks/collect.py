@@ -25,6 +25,7 @@ from prefect.cache_policies import NONE
 
 from horizonrl import faults, store
 from horizonrl.config import TrainConfig
+from horizonrl.engines.vllm import WeightSync
 from horizonrl.files import file_digest
 from horizonrl.rollout.loop import Shard
 from horizonrl.rollout.metrics import branch_metrics, episode_metrics
@@ -65,9 +66,11 @@ def collect_rollouts(ctx: RunContext, iteration: int, policy: CheckpointRef, new
     else:
         if newest:
             policy = max([policy, *checkpoints(ctx.path)], key=lambda c: c.iteration)
-        start = time.time()
+        start, synced = time.time(), generator(cfg).weight_sync
         records = _play(ctx, iteration, policy)
-        digests = {"turns": store.write_table(store.turns_table(records), paths[1], "turns")}
+        if cfg.rollout.max_staleness and generator(cfg).weight_sync is not synced:  # the generator's server moved
+            _log_sync(ctx, iteration, generator(cfg).weight_sync)
+        digests = {"turns": store.write_table(store.turns_table(records, policy.iteration), paths[1], "turns")}
         faults.kill_point("collect", iteration)
         digests["episodes"] = store.write_table(
             store.episodes_table(records, cfg.run_name, iteration, policy.iteration), paths[0], "episodes"
@@ -100,6 +103,20 @@ def collect_rollouts(ctx: RunContext, iteration: int, policy: CheckpointRef, new
         metrics["mixed_group_fraction"],
     )
     return ref
+
+
+def _log_sync(ctx: RunContext, iteration: int, sync: WeightSync) -> None:
+    """How an asynchronous vLLM run's server reached the checkpoint this collect plays (synced here, before
+    its first episode: a version boundary), logged at the collect's iteration."""
+    log_stage(ctx, "time", {"weight_sync_s": sync.seconds}, iteration)
+    figures = {"weight_sync_in_place": float(sync.path in ("in_place", "adapter"))}
+    if sync.probe_max_diff is not None:
+        figures["weight_sync_probe_diff"] = sync.probe_max_diff
+    log_stage(ctx, "collect", figures, iteration)
+    if sync.reason is not None:
+        get_run_logger().warning(
+            "iteration %d: vLLM weights by %s (%.1f s): %s", iteration, sync.path, sync.seconds, sync.reason
+        )
 
 
 def _check_recorded(ctx: RunContext, iteration: int, ref: RolloutRef, digests: dict[str, str]) -> None:

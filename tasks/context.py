@@ -12,8 +12,9 @@ from horizonrl.tracking.mlflow_runs import client
 # The one heavy-object holder of this process (model, optimizer, engine); tasks ask it for a checkpoint.
 RUNTIME = PolicyRuntime()
 # With asynchronous rollouts (``rollout.max_staleness`` >= 1) the generator's own holder: the collect task plays
-# with it beside the update, which trains RUNTIME's model (docs/algorithms.md §1.10).
-GENERATOR = PolicyRuntime()
+# with it beside the update, which trains RUNTIME's model; with vLLM it owns the run's server
+# (docs/algorithms.md §1.10).
+GENERATOR = PolicyRuntime(generator=True)
 
 
 @dataclass(frozen=True)

@@ -7,25 +7,34 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from horizonrl import faults
+from horizonrl.config import TrainConfig
 from horizonrl.rollout.loop import SamplingSettings, collect
 from horizonrl.rollout.metrics import episode_metrics, sample_episodes
 from horizonrl.rollout.records import EpisodeRecord
+from horizonrl.run.runtime import PolicyRuntime
 from horizonrl.seeding import derive_seed
 from horizonrl.store import episodes_table, iteration_dir, turns_table, write_table
 from horizonrl.tracking.mlflow_runs import log_table
 from horizonrl.training.checkpoint import CheckpointRef
-from tasks.context import RUNTIME, RunContext
+from tasks.context import GENERATOR, RUNTIME, RunContext
 from tasks.tracking import log_stage, log_success_by_env_steps, logged, trace_evaluation
+
+
+def evaluator(cfg: TrainConfig) -> PolicyRuntime:
+    """Who plays the evaluation: the learner's holder, or in an asynchronous vLLM run the generator's, which
+    owns the run's one server (the train flow lets the collects in flight end first, docs/algorithms.md §1.10)."""
+    return RUNTIME if RUNTIME.serves(cfg) or cfg.engine.name != "vllm" else GENERATOR
 
 
 def play(
     ctx: RunContext, policy: CheckpointRef, n_tasks: int, samples: int, greedy: bool, seed: int
 ) -> list[EpisodeRecord]:
     cfg = ctx.cfg
-    loaded = RUNTIME.get(cfg, policy)
-    tasks = RUNTIME.task_pool(cfg, cfg.eval.split, n_tasks)
-    settings = SamplingSettings.from_config(cfg, RUNTIME.suite(cfg), seed, greedy)
-    return collect(RUNTIME.episodes(cfg), tasks, samples, loaded.engine, loaded.fmt, settings)
+    holder = evaluator(cfg)
+    loaded = holder.get(cfg, policy)
+    tasks = holder.task_pool(cfg, cfg.eval.split, n_tasks)
+    settings = SamplingSettings.from_config(cfg, holder.suite(cfg), seed, greedy)
+    return collect(holder.episodes(cfg), tasks, samples, loaded.engine, loaded.fmt, settings)
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=1, cache_policy=NONE)
@@ -80,6 +89,6 @@ def store_evaluation(
         table.schema.get_field_index("kind"), "kind", pa.array([kind] * table.num_rows, pa.string())
     )
     d = iteration_dir(cfg.data_dir, cfg.experiment, cfg.run_name, iteration)
-    write_table(turns_table(records), d / f"{kind}-turns.parquet", "turns")
+    write_table(turns_table(records, policy.iteration), d / f"{kind}-turns.parquet", "turns")
     write_table(stored, d / f"{kind}-episodes.parquet", "episodes")
     return table  # the rows as played (kind initial), which the figures are computed over

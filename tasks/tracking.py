@@ -68,7 +68,7 @@ def trace_evaluation(ctx: RunContext, iteration: int, records: list[EpisodeRecor
     if not chosen:
         return
     episodes = store.episodes_table(chosen, ctx.cfg.run_name, iteration, policy_version)
-    stats = traces.log_episodes(_target(ctx), "eval", iteration, episodes, store.turns_table(chosen))
+    stats = traces.log_episodes(_target(ctx), "eval", iteration, episodes, store.turns_table(chosen, policy_version))
     log_stage(ctx, "trace/eval", stats, iteration)
 
 

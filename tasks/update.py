@@ -76,7 +76,8 @@ def update(
         RUNTIME.close_update_ranks()
         raise
     RUNTIME.advance(ref)
-    sync = RUNTIME.weight_sync  # how the new checkpoint reached the vLLM server (None: transformers engine)
+    # how the new checkpoint reached the vLLM server (None: transformers engine; asynchronous: the collect syncs)
+    sync = RUNTIME.weight_sync if RUNTIME.serves(cfg) else None
     if sync is not None:
         log_stage(ctx, "time", {"weight_sync_s": sync.seconds}, iteration)
         stats["weight_sync_in_place"] = float(sync.path in ("in_place", "adapter"))

@@ -54,7 +54,7 @@ def record_demonstrations(ctx: RunContext, policy: CheckpointRef) -> Demonstrati
             seed=cfg.seed,
             expert=ws.expert,
         )
-        store.write_table(store.turns_table(records), ref.turns, "turns")
+        store.write_table(store.turns_table(records, 0), ref.turns, "turns")
         store.write_table(store.episodes_table(records, cfg.run_name, 0, 0), ref.episodes, "episodes")
     episodes = store.read_table(ref.episodes, "episodes", columns=["won", "n_turns", "gen_tokens"])
     stats = {

@@ -148,7 +148,7 @@ def test_file_carries_schema_version_and_kind(tmp_path):
     path = tmp_path / "turns.parquet"
     write_table(store.turns_table(_records()), path, "turns")
     meta = pq.read_schema(path).metadata
-    assert meta[b"horizonrl.schema_version"] == store.SCHEMA_VERSION.encode() == b"1"
+    assert meta[b"horizonrl.schema_version"] == store.SCHEMA_VERSION.encode() == b"2"
     assert meta[b"horizonrl.table"] == b"turns"
 
 
@@ -183,7 +183,7 @@ def test_wrong_table_kind_raises_naming_the_path(tmp_path):
     write_table(_advantages(), path, "advantages")
     with pytest.raises(
         StoreError,
-        match=re.escape(f"{path}: schema version '1' of table 'advantages'; this code reads version '1' of 'turns'"),
+        match=re.escape(f"{path}: schema version '2' of table 'advantages'; this code reads version '2' of 'turns'"),
     ):
         read_table(path, "turns")
 
@@ -248,7 +248,7 @@ def test_iteration_dir_layout(tmp_path):
 def test_reading_columns_of_a_file_of_another_kind_names_the_kind_not_corruption(tmp_path):
     path = tmp_path / "advantages.parquet"
     write_table(_advantages(), path, "advantages")
-    with pytest.raises(StoreError, match=re.escape(f"{path}: schema version '1' of table 'advantages'")):
+    with pytest.raises(StoreError, match=re.escape(f"{path}: schema version '2' of table 'advantages'")):
         read_table(path, "episodes", columns=["won"])
 
 

@@ -379,6 +379,69 @@ def test_a_shard_plays_on_the_server_another_process_synced(live, tiny_policy_di
         live.policy_path = None  # the live engine's next sync reloads whatever it is asked to serve
 
 
+def test_a_fixed_lag_run_plays_each_iteration_on_the_server_synced_to_its_version(
+    live, prefect_harness, tiny_policy_dir, tmp_path
+):
+    """``rollout.max_staleness: 1`` on vLLM (docs/algorithms.md §1.10): a 3-iteration run on this server
+    (reached at its URL) plays iteration i with checkpoint max(i-2, 0), beside the update of i-1. The
+    generator syncs the server in place at the start of each collect (iteration 3 only: 1 and 2 play
+    checkpoint 0, which the evaluation before training served); the learner's updates never touch it. Every
+    episode and turn row carries its version, within the bound, and its stored log-probs are that
+    checkpoint's (the learner's recompute within 1e-4; the next checkpoint's are off by > 1e-3): iteration 2
+    was played while update 1 wrote checkpoint 1, and no episode of it was sampled by checkpoint 1."""
+    from flowkit import run_of, tiny_config
+
+    from flows.train import train
+    from horizonrl import store
+    from horizonrl.config import TrainConfig
+    from horizonrl.training.checkpoint import checkpoint_dir
+    from horizonrl.training.sequences import attach_advantages, train_rows
+    from horizonrl.training.trainer import UpdateSettings, recompute_old_logprobs
+    from mlflow import MlflowClient
+
+    cfg = tiny_config(tmp_path, f"sqlite:///{tmp_path}/mlflow.db", "vllm-k1", iterations=3)
+    cfg.update(
+        model={"path": str(tiny_policy_dir)},
+        advantage_params={"kl_lambda": 0.5},  # a constant advantage: every update moves the weights
+        engine={"name": "vllm", "vllm": {"url": live.client.base_url}},
+        eval={"every": 10, "n_tasks": 2, "greedy": False},  # before training and after iteration 3
+    )
+    cfg["rollout"] = {**cfg["rollout"], "max_staleness": 1}
+    try:
+        train(config=cfg)
+    finally:
+        live.policy_path = None  # the server now serves this run's last checkpoint
+    run = tmp_path / "data" / "test" / "vllm-k1"
+    c = MlflowClient(cfg["tracking_uri"])
+    rid = run_of(c, "vllm-k1").info.run_id
+    assert run_of(c, "vllm-k1").info.status == "FINISHED"
+    versions = {}
+    for it in (1, 2, 3):
+        d = store.iteration_dir(tmp_path / "data", "test", "vllm-k1", it)
+        for kind in ("episodes", "turns"):
+            versions[it, kind] = set(store.read_table(d / f"{kind}.parquet", kind)["policy_version"].to_pylist())
+    assert versions == {(it, kind): {max(it - 2, 0)} for it in (1, 2, 3) for kind in ("episodes", "turns")}
+    assert {m.step: m.value for m in c.get_metric_history(rid, "async/staleness_max")} == {1: 0.0, 2: 1.0, 3: 1.0}
+    assert {m.step: m.value for m in c.get_metric_history(rid, "collect/weight_sync_in_place")} == {3: 1.0}
+    assert not c.get_metric_history(rid, "update/weight_sync_in_place"), "the learner synced the server"
+    validated = TrainConfig.model_validate(cfg)
+    s = UpdateSettings.from_config(validated, load_policy(checkpoint_dir(run, 0))[1].pad_token_id, False)
+    for it, version in ((2, 0), (3, 1)):
+        d = store.iteration_dir(tmp_path / "data", "test", "vllm-k1", it)
+        rows = attach_advantages(
+            train_rows(store.read_table(d / "turns.parquet", "turns"), validated.rollout.context),
+            store.read_table(d / "advantages-loop.parquet", "advantages"),
+        )
+        behav = [v for r in rows for v in r.sample_logp]
+        diffs = []
+        for ckpt in (version, version + 1):
+            by = [
+                v for part in recompute_old_logprobs(load_policy(checkpoint_dir(run, ckpt))[0], rows, s) for v in part
+            ]
+            diffs.append(max(abs(a - b) for a, b in zip(by, behav)))
+        assert diffs[0] < TOL and diffs[1] > 1e-3, (it, diffs)
+
+
 def test_a_corrupted_in_place_reload_is_caught_and_the_owned_server_restarts_on_the_right_weights(
     live, tiny_policy, tiny_policy_dir, household_suite, tmp_path
 ):

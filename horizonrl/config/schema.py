@@ -453,11 +453,6 @@ class TrainConfig(Strict):
                 "rollout.runner = 'ray' with engine.name = 'vllm' on a Ray cluster (ray.address) needs "
                 "engine.vllm.url: the run's own vLLM server listens on 127.0.0.1, which the cluster cannot reach"
             )
-        if r.max_staleness and self.engine.name != "transformers":
-            raise ValueError(
-                f"rollout.max_staleness = {r.max_staleness} needs engine.name = 'transformers': the vLLM server as "
-                "an asynchronous generator (playing one version while the learner updates) is not built yet"
-            )
         if r.max_staleness and r.runner != "local":
             raise ValueError(
                 f"rollout.max_staleness = {r.max_staleness} needs rollout.runner = 'local': the generator is a "

@@ -35,6 +35,7 @@ from horizonrl.rollout.records import EpisodeRecord
 from horizonrl.seeding import derive_seed
 from horizonrl.tracking import mlflow_runs
 from horizonrl.training.checkpoint import CheckpointRef, checkpoint_dir, load_optimizer_state, read_state
+from horizonrl.training.parallel import update_backend
 from horizonrl.training.rank_group import RankGroup
 from horizonrl.training.ray_ranks import RayRankGroup
 
@@ -63,7 +64,10 @@ class Serving:
 class PolicyRuntime:
     """Holds at most one loaded policy (and its optimizer) per process."""
 
-    def __init__(self) -> None:
+    def __init__(self, generator: bool = False) -> None:
+        """``generator``: the holder that plays asynchronous rollouts (``rollout.max_staleness`` >= 1); in such
+        a run it alone owns the vLLM server (``serves``)."""
+        self.generator = generator
         self.current: Loaded | None = None
         self._suites: dict[tuple[str, int, str | None], EnvSuite] = {}
         self._pools: dict[tuple, list] = {}
@@ -235,14 +239,20 @@ class PolicyRuntime:
         fmt = self._chat_format(cfg, tokenizer)
         end_ids = list(fmt.stop_ids)
         engine = (
-            TransformersEngine(model, tokenizer.pad_token_id, end_ids, str(device))
-            if cfg.engine.name == "transformers"
-            else self._vllm_engine(cfg, ref, end_ids, model)
+            self._vllm_engine(cfg, ref, end_ids, model)
+            if self.serves(cfg)
+            else TransformersEngine(model, tokenizer.pad_token_id, end_ids, str(device))
         )
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay)
         load_optimizer_state(ref, optimizer)
         self.current = Loaded(ref, model, tokenizer, fmt, engine, optimizer, cfg)
         return self.current
+
+    def serves(self, cfg: TrainConfig) -> bool:
+        """This holder plays on the run's vLLM server and syncs it. In an asynchronous run only the generator
+        does, at version boundaries (before a collect plays, docs/algorithms.md §1.10), so an update never
+        moves the served weights under an episode being played; the learner's holder only trains."""
+        return cfg.engine.name == "vllm" and (self.generator or not cfg.rollout.max_staleness)
 
     def _vllm_engine(self, cfg: TrainConfig, ref: CheckpointRef, end_ids: list[int], model: torch.nn.Module):
         """The process's vLLM engine (server started on first use), serving checkpoint ``ref`` (``model``'s
@@ -293,9 +303,9 @@ class PolicyRuntime:
     def _publish(self, ref: CheckpointRef) -> None:
         """A new checkpoint exists: a vLLM engine loads it (adapter hot-load or weight reload) and a LoRA
         run logs the adapter to MLflow. The transformers engine shares the updated model: nothing to do."""
-        if self._vllm is not None:
-            self._sync_vllm(ref, self.current.model)
         cfg = self.current.cfg
+        if self._vllm is not None and cfg is not None and self.serves(cfg):
+            self._sync_vllm(ref, self.current.model)
         if cfg is not None and lora.is_adapter_dir(ref.path):
             mlflow_runs.log_adapter(
                 mlflow_runs.client(mlflow_runs.tracking_uri(cfg.tracking_uri)),
@@ -322,7 +332,7 @@ class PolicyRuntime:
             self.close_update_ranks()
             group = None
         if group is None:
-            backend = "nccl" if resolve_device(cfg.model.device).type == "cuda" else "gloo"
+            backend = update_backend(cfg.model.device)
             if kind is RayRankGroup:
                 self.ray_cluster(cfg)
                 group = self._ranks = RayRankGroup(cfg.update.world_size, backend)
