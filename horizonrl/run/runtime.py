@@ -35,6 +35,7 @@ from horizonrl.rollout.records import EpisodeRecord
 from horizonrl.seeding import derive_seed
 from horizonrl.tracking import mlflow_runs
 from horizonrl.training.checkpoint import CheckpointRef, checkpoint_dir, load_optimizer_state, read_state
+from horizonrl.training.parallel import update_backend
 from horizonrl.training.rank_group import RankGroup
 from horizonrl.training.ray_ranks import RayRankGroup
 
@@ -331,7 +332,7 @@ class PolicyRuntime:
             self.close_update_ranks()
             group = None
         if group is None:
-            backend = "nccl" if resolve_device(cfg.model.device).type == "cuda" else "gloo"
+            backend = update_backend(cfg.model.device)
             if kind is RayRankGroup:
                 self.ray_cluster(cfg)
                 group = self._ranks = RayRankGroup(cfg.update.world_size, backend)

@@ -33,6 +33,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from horizonrl.models.loading import resolve_device
+
+
+def update_backend(model_device: str) -> str:
+    """The process group's backend for ranks whose policy is on ``model_device`` (``model.device``): nccl on
+    CUDA (collectives between GPUs, one GPU per rank), gloo on the CPU (nccl has no CPU tensors)."""
+    return "nccl" if resolve_device(model_device).type == "cuda" else "gloo"
+
+
+def rank_device(backend: str, local_rank: int) -> torch.device:
+    """Where a rank holds its model: under nccl the GPU of its local rank (torchrun's ``LOCAL_RANK``; a Ray
+    actor sees its one GPU as 0), under gloo the CPU."""
+    return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+
 
 def balanced_shares(weights: list[int], n: int) -> list[list[int]]:
     """Indices of ``weights`` split into ``n`` disjoint shares of about equal total weight: heaviest first,

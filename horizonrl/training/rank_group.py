@@ -139,11 +139,18 @@ class RankGroup:
     def _failure(self) -> str:
         """What torchrun reported: the failed rank, its exit code or error, and the log's tail. A rank killed
         by a signal is named before torchrun's "first observed failure": when one rank dies, the others
-        fail on its closed connection, and which of them torchrun observes first depends on timing."""
+        fail on its closed connection, and which of them torchrun observes first depends on timing. A rank
+        torchrun itself signalled to stop the group ("Sending process <pid> closing signal") is not the one."""
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
         start = text.find("Failures:") if "Failures:" in text else text.find("Root Cause (first observed failure):")
         blocks = re.split(r"^\s*\[\d+\]:\s*$", text[start:] if start >= 0 else "", flags=re.M)[1:]
-        killed = [b for b in blocks if re.search(r"traceback\s*:\s*Signal \d+", b)]  # one per failed rank
+        stopped = set(re.findall(r"Sending process (\d+) closing signal", text))
+        killed = [  # one block per failed rank
+            b
+            for b in blocks
+            if re.search(r"traceback\s*:\s*Signal \d+", b)
+            and not {m.group(1) for m in re.finditer(r"\(pid: (\d+)\)", b)} & stopped
+        ]
         root = killed[0] if killed else (blocks[-1] if blocks else "")  # torchrun's root cause comes last
         rank = re.search(r"rank\s*:\s*(\d+)", root)
         cause = re.search(r"(?:traceback|exitcode)\s*:\s*(.+)", root)

@@ -29,7 +29,7 @@ from horizonrl import faults
 from horizonrl.config import ModelConfig
 from horizonrl.models.loading import load_policy, resolve_dtype
 from horizonrl.training.checkpoint import CheckpointRef, load_optimizer_state
-from horizonrl.training.parallel import Ranks, local
+from horizonrl.training.parallel import Ranks, local, rank_device
 from horizonrl.training.sequences import TrainRow
 from horizonrl.training.trainer import UpdateSettings, ppo_update
 
@@ -139,12 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--parent", type=int, required=True, help="the flow's process: the ranks exit when it is gone")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     args = p.parse_args(argv)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if args.backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+    device = rank_device(args.backend, int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(args.backend)
     ranks = Ranks.current()
     (args.spool / f"rank-{ranks.rank}.pid").write_text(str(os.getpid()))

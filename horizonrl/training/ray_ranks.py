@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from horizonrl import faults
 from horizonrl.training.checkpoint import CheckpointRef
-from horizonrl.training.parallel import Ranks
+from horizonrl.training.parallel import Ranks, rank_device
 from horizonrl.training.rank_group import RankFailed
 from horizonrl.training.rank_worker import Held, UpdateJob, run_job
 
@@ -42,12 +42,11 @@ class RankActor:
     def join(self, rank: int, world_size: int, address: str, port: int, backend: str) -> int:
         """Join the process group as ``rank``; returns this actor's pid."""
         os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-        if backend == "nccl":  # Ray shows the actor its one GPU as device 0
-            torch.cuda.set_device(0)
-            self.device = torch.device("cuda", 0)
+        self.device = rank_device(backend, 0)  # Ray shows the actor its one GPU as device 0
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         else:
             torch.set_num_threads(1)  # one CPU per actor, as torchrun gives each rank one thread
-            self.device = torch.device("cpu")
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         self.ranks, self.held = Ranks.current(), Held()
         return os.getpid()
