@@ -11,14 +11,16 @@ differences of float32 log-probs of about -3, each resolved to ~2.4e-7).
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import pytest
 import torch
-from test_reliability import RUN, config, finish, metric_steps, run_dir, start_cli
+from test_reliability import RUN, config, metric_steps, run_dir
 from test_trainer import hand_rows, recompute_old_logprobs, settings
 
 import methods
+from horizonrl import faults
 from horizonrl.config import ModelConfig, TrainConfig
 from horizonrl.models.loading import load_policy
 from horizonrl.training.checkpoint import (
@@ -29,8 +31,8 @@ from horizonrl.training.checkpoint import (
     verify,
 )
 from horizonrl.training.iteration import update_policy
-from horizonrl.training.parallel import balanced_shares
-from horizonrl.training.rank_group import RankGroup
+from horizonrl.training.parallel import balanced_shares, rank_device, update_backend
+from horizonrl.training.rank_group import RankFailed, RankGroup
 from horizonrl.training.rank_worker import pid_alive
 from horizonrl.training.trainer import ppo_update
 
@@ -67,6 +69,33 @@ Root Cause (first observed failure):
 """
 
 
+# Seen in a run: torchrun stopped rank 0 with SIGTERM after rank 1's SIGKILL, and lists rank 0 first.
+TORCHRUN_STOPPED_PEER = """
+W1204 14:40:27.250000 11579 api.py:1028] Sending process 11632 closing signal SIGTERM
+E1204 14:40:27.469000 11579 api.py:1002] failed (exitcode: -9) local_rank: 1 (pid: 11633) of binary: python
+horizonrl.training.rank_worker FAILED
+-------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-04_14:40:27
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 11632)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 11632
+-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-04_14:40:27
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 11633)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 11633
+=======================================================
+"""
+
+
 def test_a_killed_rank_is_named_though_torchrun_observed_its_peer_first(tmp_path):
     """When rank 1 is killed, rank 0 fails on the closed connection, and under load torchrun may report
     rank 0 as the "first observed failure" (seen in a suite run): the error names the killed rank, and not
@@ -80,6 +109,8 @@ def test_a_killed_rank_is_named_though_torchrun_observed_its_peer_first(tmp_path
         TORCHRUN_REPORT.replace("Signal 9 (SIGKILL) received by PID 24361", "Traceback: ValueError: x")
     )
     assert group._failure().startswith("update rank 0 of 2 failed: 1 (pid: 24360)")  # no kill: the root cause
+    group.log.write_text(TORCHRUN_STOPPED_PEER)  # the peer torchrun stopped itself is not the killed rank
+    assert group._failure().split(";")[0] == "update rank 1 of 2 failed: -9 (pid: 11633)  (SIGKILL)"
 
 
 def test_balanced_shares_are_disjoint_complete_and_balanced():
@@ -90,6 +121,17 @@ def test_balanced_shares_are_disjoint_complete_and_balanced():
     assert abs(loads[0] - loads[1]) <= 10, loads
     assert balanced_shares(weights, 2) == shares, "every rank must compute the same split"
     assert balanced_shares([7], 3) == [[0], [], []], "a share may be empty"
+
+
+def test_the_backend_is_nccl_on_cuda_and_a_rank_holds_the_gpu_of_its_local_rank():
+    """The run's choice (``PolicyRuntime.update_ranks``: ``update_backend(model.device)``) and where a rank
+    puts its model (``rank_device``, torchrun's and Ray's ranks alike). No GPU here: the nccl ranks
+    themselves run in ``test_nccl_ranks_on_cuda_give_the_weights_and_figures_of_one_process`` (make gpu-check)."""
+    assert update_backend("cuda") == update_backend("cuda:1") == "nccl"
+    assert update_backend("cpu") == "gloo"
+    assert update_backend("auto") == ("nccl" if torch.cuda.is_available() else "gloo")
+    assert rank_device("nccl", 1) == torch.device("cuda", 1) and rank_device("nccl", 0) == torch.device("cuda", 0)
+    assert rank_device("gloo", 1) == torch.device("cpu")
 
 
 def single(policy_dir, rows, s, seed, model=None, optimizer=None, ref=None):
@@ -181,6 +223,44 @@ def test_a_ray_actor_group_gives_the_weights_and_figures_of_one_process(tiny_pol
         runtime.close_ray()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make gpu-check runs it)")
+def test_nccl_ranks_on_cuda_give_the_weights_and_figures_of_one_process(tiny_policy_dir, one_process, tmp_path):
+    """``model.device: cuda``: ranks on the backend a run picks there (nccl), each on the GPU of its local
+    rank, give the first update of ``one_process`` done in this process on cuda:0, float32, for ddp and
+    fsdp. Two ranks need two GPUs (nccl refuses two ranks on one device); on one GPU it is one rank, which
+    still runs the nccl group, the model on its GPU, the all-reduce or FSDP2's reduce-scatter and the
+    gather of the whole state."""
+    rows, s1, *_ = one_process
+    model, _ = load_policy(tiny_policy_dir)
+    model.to("cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    _, _, stats = single(tiny_policy_dir, rows, s1, seed=11, model=model, optimizer=optimizer)
+    want = {k: v.cpu() for k, v in model.state_dict().items()}
+    n = min(2, torch.cuda.device_count())
+    group = RankGroup(tmp_path, n, update_backend("cuda"))
+    try:
+        for strategy in ("ddp", "fsdp"):
+            out = group.update(
+                policy=str(tiny_policy_dir),
+                rows=rows,
+                settings=s1,
+                seed=11,
+                lr=LR,
+                weight_decay=WD,
+                model=ModelConfig(device="cuda", dtype="float32"),
+                iteration=1,
+                strategy=strategy,
+            )
+            assert max_diff(out["model"], want) <= 1e-5, strategy
+            for k in FIGURES:
+                assert out["stats"][k] == pytest.approx(stats[k], rel=1e-5, abs=1e-6), (strategy, k)
+            assert out["stats"]["world_size"] == float(n)
+    finally:
+        group.stop()
+    assert not group.alive
+
+
 def check_two_updates(ranks, tiny_policy_dir, one_process, strategy: str) -> None:
     """``one_process``'s two updates on the rank group ``ranks`` against its figures, weights and AdamW state."""
     rows, s1, stats1, rows2, s2, stats2, model, optimizer, _ = one_process
@@ -252,8 +332,10 @@ def test_a_checkpoint_resumes_with_another_world_size(tiny_policy_dir, ranks, tm
 
 
 @pytest.mark.slow
-def test_lora_adapters_train_on_two_ranks_as_in_one_process(tiny_policy_dir, ranks, tmp_path):
-    """A LoRA policy (peft): only the adapters have gradients, so only they are all-reduced; the two ranks'
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_lora_adapters_train_on_two_ranks_as_in_one_process(tiny_policy_dir, ranks, tmp_path, strategy):
+    """A LoRA policy (peft): only the adapters have gradients, so only they are all-reduced (ddp) or
+    reduce-scattered into their shards (fsdp, the frozen base weights sharded beside them); the two ranks'
     adapters equal one process's (max |diff| <= 1e-5) and the base weights do not move."""
     from horizonrl.config import LoraConfig
     from horizonrl.models.loading import initial_adapter_dir
@@ -265,7 +347,15 @@ def test_lora_adapters_train_on_two_ranks_as_in_one_process(tiny_policy_dir, ran
     s = settings(tokenizer.pad_token_id, epochs=2, minibatch_size=4, fixed_row_divisor=True)
     model, _, stats = single(adir, rows, s, seed=3)
     out = ranks.update(
-        policy=str(adir), rows=rows, settings=s, seed=3, lr=LR, weight_decay=WD, model=ModelConfig(), iteration=1
+        policy=str(adir),
+        rows=rows,
+        settings=s,
+        seed=3,
+        lr=LR,
+        weight_decay=WD,
+        model=ModelConfig(),
+        iteration=1,
+        strategy=strategy,
     )
     got, want = out["model"], model.state_dict()
     lora_keys = [k for k in want if "lora_" in k]
@@ -273,30 +363,45 @@ def test_lora_adapters_train_on_two_ranks_as_in_one_process(tiny_policy_dir, ran
     assert max(float((got[k] - before[k]).abs().max()) for k in lora_keys) > 1e-4, "the adapters trained"
     assert max_diff(got, want) <= 1e-5
     assert all(torch.equal(got[k], before[k]) for k in want if "lora_" not in k), "base weights unchanged"
+    n, held = sum(p.numel() for p in model.parameters()), out["held_numel"]
+    assert held == [n, n] if strategy == "ddp" else (sum(held) == n and max(held) < 0.51 * n), held
 
 
-@pytest.fixture(scope="module")
-def api_url(prefect_harness) -> str:
-    """The session's Prefect test server, passed to CLI processes so none starts its own."""
-    from prefect.settings import PREFECT_API_URL
+def rank_processes(root) -> list[int]:
+    """Pids of live update ranks (and their torchrun) of runs under ``root``: their command line names the
+    run's spool folder. Orphans count: a rank whose torchrun died is no child of this process."""
+    import psutil
 
-    return PREFECT_API_URL.value()
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if any(str(root) in a for a in p.info["cmdline"] or []) and p.pid != os.getpid():
+            found.append(p.pid)
+    return found
 
 
 @pytest.mark.slow
-def test_a_killed_rank_fails_the_run_naming_it_and_the_rerun_resumes(api_url, tmp_path):
-    """``horizonrl train`` with ``update.world_size: 2``: iteration 1's update runs on the ranks, then the
-    last rank is killed on receiving iteration 2's job (``HORIZONRL_FAULT=update-rank:2``). The run fails
-    with the rank named and checkpoint 1 kept; the same command again starts new ranks from checkpoint 1,
-    finishes, and leaves no rank behind (the spool folder is removed when the ranks stop)."""
+def test_a_killed_rank_fails_the_run_naming_it_and_the_rerun_resumes(prefect_harness, tmp_path, monkeypatch):
+    """The train flow (in this process, on the session's Prefect harness) with ``update.world_size: 2``:
+    iteration 1's update runs on the ranks, then the last rank SIGKILLs itself on receiving iteration 2's
+    job (``HORIZONRL_FAULT=update-rank:2``; torchrun's own processes, inheriting the variable). The run
+    fails with the rank named, no rank left and checkpoint 1 kept; the same run again starts new ranks from
+    checkpoint 1, finishes, and leaves no rank behind (the spool folder is removed when the ranks stop)."""
+    from flows.train import train
+
     cfg = config(tmp_path, iterations=2, update={"minibatch_size": 2, "world_size": 2})
-    rc = finish(start_cli(cfg, api_url, tmp_path / "first.log", fault="update-rank:2"))
-    first = (tmp_path / "first.log").read_text()
-    assert rc != 0 and "update rank 1 of 2 failed" in first, first[-3000:]
+    cfg["eval"]["every"] = 10  # before the first iteration and after the last only
+    monkeypatch.setenv(faults.ENV, "update-rank:2")
+    with pytest.raises(RankFailed, match=r"^update rank 1 of 2 failed: -9 "):
+        train(config=cfg)
     assert latest_checkpoint(run_dir(tmp_path)).iteration == 1
-    rc = finish(start_cli(cfg, api_url, tmp_path / "second.log"))
-    assert rc == 0, (tmp_path / "second.log").read_text()[-3000:]
+    deadline = time.monotonic() + 30
+    while rank_processes(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not rank_processes(tmp_path), "a rank outlived the failed update"
+    monkeypatch.delenv(faults.ENV)
+    train(config=cfg)
     assert latest_checkpoint(run_dir(tmp_path)).iteration == 2
     steps = metric_steps(f"sqlite:///{tmp_path}/mlflow.db", RUN)
     assert steps["update/comm_share"] == [1, 2] and steps["update/world_size"] == [1, 2]
     assert not list((run_dir(tmp_path) / ".update-ranks").glob("*/")), "the ranks' spool is left"
+    assert not rank_processes(tmp_path), "a rank outlived the run"
