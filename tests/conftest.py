@@ -47,6 +47,22 @@ def household_suite():
 
 
 @pytest.fixture(scope="session")
+def tw_root(tmp_path_factory):
+    """Generated TextWorld games of the first coin and cooking train tasks, made once per suite run and
+    shared by the test workers (one folder beside theirs: the suite's generation is race-safe, see
+    tests/test_textworld.py), so no game is made twice by ``tw-make``."""
+    from horizonrl.envs.textworld_env import TextWorldSuite
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "textworld-games"
+    root.mkdir(exist_ok=True)
+    for name in ("textworld-coin", "textworld-cooking"):
+        suite = TextWorldSuite(name, root=root)
+        suite.prepare(suite.tasks("train", "easy", 1))
+    return root
+
+
+@pytest.fixture(scope="session")
 def tiny_policy_dir(session_dir, household_suite):
     """The default tiny Qwen2 + word tokenizer for household, built once per session (~1 s)."""
     from horizonrl.config import ModelConfig

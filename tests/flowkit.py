@@ -3,6 +3,9 @@ ports, CLI and leftover processes."""
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing
+import os
 import socket
 import subprocess
 import sys
@@ -32,6 +35,95 @@ def tiny_config(tmp_path: Path, tracking_uri: str, run_name: str = "e2e", iterat
         "data_dir": str(tmp_path / "data"),
         "tracking_uri": tracking_uri,
     }
+
+
+# What every `horizonrl` command imports before its own work: ~5 CPU-s per process on these machines, paid
+# once per test worker by the fork server below instead of once per CLI process. Prefect is left out: it
+# reads its settings (PREFECT_API_URL, PREFECT_HOME) when imported, and each test gives its own.
+_PRELOAD = [
+    "torch",
+    "transformers.models.qwen2.modeling_qwen2",
+    "mlflow",
+    "pyarrow.parquet",
+    "horizonrl.run.runtime",
+    "horizonrl.store",
+    "horizonrl.tracking.mlflow_runs",
+    "methods",
+]
+_forks: multiprocessing.context.ForkServerContext | None = None
+
+
+class CLIProcess:
+    """``horizonrl <args>`` as a process of its own, forked from a server that has imported torch,
+    transformers and MLflow already (``multiprocessing``'s fork server). The process is real: its own
+    pid, environment, working folder, session and output files; a SIGKILL kills it and nothing else; it
+    imports Prefect and runs ``flows.cli.main`` as ``python -m flows.cli`` would, atexit hooks included.
+    What it saves is only the imports, the largest share of a short CLI run's CPU in the suite. The
+    entry point itself (``python -m flows.cli``, the console script) is run as a fresh interpreter by the
+    stack and benchmark tests."""
+
+    def __init__(
+        self, args: list[str], env: dict[str, str], log: Path, *, stderr: Path | None = None, new_session: bool = False
+    ):
+        global _forks
+        if _forks is None:
+            _forks = multiprocessing.get_context("forkserver")
+            _forks.set_forkserver_preload(_PRELOAD)
+        self.args, self.log, self.stderr = args, log, stderr
+        self._proc = _forks.Process(
+            target=_cli_main, args=(args, env, str(log), str(stderr or log), new_session), daemon=False
+        )
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit status as subprocess reports it: negative for a signal."""
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(["horizonrl", *self.args], timeout or 0)
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    returncode = property(poll)
+
+
+def _cli_main(args: list[str], env: dict[str, str], stdout: str, stderr: str, new_session: bool) -> None:
+    if new_session:
+        os.setsid()
+    os.chdir(REPO)
+    sys.path.insert(0, str(REPO))
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, stdout), (2, stderr)):
+        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(out, fd)
+        os.close(out)
+    sys.argv = ["horizonrl", *args]
+    code = 1
+    try:
+        from flows.cli import main
+
+        code = main(args)
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    finally:
+        atexit._run_exitfuncs()  # a multiprocessing child ends with os._exit: run what `python` runs at exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code or 0)
+
+
+def cli_run(args: list[str], env: dict[str, str], log_dir: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``CLIProcess`` run to its end, its output read back like ``subprocess.run(..., capture_output=True)``."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    n = len(list(log_dir.glob("cli-*.out")))
+    out, err = log_dir / f"cli-{n}.out", log_dir / f"cli-{n}.err"
+    out.write_text("")
+    err.write_text("")
+    rc = CLIProcess(args, env, out, stderr=err).wait(timeout)
+    return subprocess.CompletedProcess(["horizonrl", *args], rc, out.read_text(), err.read_text())
 
 
 def run_of(c: MlflowClient, name: str):

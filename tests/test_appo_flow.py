@@ -158,12 +158,10 @@ def _replay_on(suite, tmp_path, n_tasks: int, tier: str, max_turns: int) -> None
 
 
 @pytest.mark.slow
-def test_branch_replay_on_textworld(tmp_path):
-    pytest.importorskip("textworld")
+def test_branch_replay_on_textworld(tmp_path, tw_root):
     from horizonrl.envs.textworld_env import TextWorldSuite
 
-    suite = TextWorldSuite("textworld-coin", root=tmp_path / "games")
-    suite.prepare(suite.tasks("train", "easy", 1))
+    suite = TextWorldSuite("textworld-coin", root=tw_root)
     _replay_on(suite, tmp_path, 1, "easy", 6)
 
 

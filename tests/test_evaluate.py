@@ -12,13 +12,12 @@ import logging
 import os
 import socket
 import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("textworld")
 
-from flowkit import REPO, run_of, tiny_config  # noqa: E402
+from flowkit import cli_run, run_of, tiny_config  # noqa: E402
 
 from flows.cli import main  # noqa: E402
 from horizonrl import faults, store  # noqa: E402
@@ -181,7 +180,7 @@ def test_a_failure_after_the_run_exists_marks_it_failed_with_the_cause(world, tm
 
 
 @pytest.mark.slow
-def test_a_killed_evaluation_is_marked_by_the_next_one(world, monkeypatch, caplog):
+def test_a_killed_evaluation_is_marked_by_the_next_one(world, monkeypatch, caplog, tmp_path):
     """SIGKILL in the evaluate stage (``HORIZONRL_FAULT=evaluate:1``: episodes played and stored, nothing
     logged): the run stays RUNNING, as a killed process cannot mark it. The same command run again
     finishes and marks the killed run KILLED, naming its process; no run is left RUNNING."""
@@ -192,9 +191,7 @@ def test_a_killed_evaluation_is_marked_by_the_next_one(world, monkeypatch, caplo
     before = {r.info.run_id for r in _evaluations(c)}
     command = ["evaluate", "--source", world["source"].info.run_id, "--set=eval.n_tasks=1"]
     env = {**os.environ, faults.ENV: "evaluate:1", "PREFECT_API_URL": PREFECT_API_URL.value()}
-    done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", *command], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
+    done = cli_run(command, env, tmp_path / "cli-logs")
     assert done.returncode == -9, done.stderr[-3000:]
     [killed] = [r for r in _evaluations(c) if r.info.run_id not in before]
     assert killed.info.status == "RUNNING"

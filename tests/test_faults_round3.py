@@ -13,13 +13,12 @@ import gc
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import torch
-from flowkit import REPO, flat, run_of, steps, tiny_config
+from flowkit import CLIProcess, cli_run, flat, run_of, steps, tiny_config
 from safetensors.torch import load_file
 
 from horizonrl import faults, store
@@ -37,7 +36,7 @@ def _config(root: Path, run_name: str, method: str = "loop", iterations: int = 2
     return cfg
 
 
-def _cli(args: list[str], fault: str | None = None) -> subprocess.CompletedProcess:
+def _cli(args: list[str], log_dir: Path, fault: str | None = None) -> subprocess.CompletedProcess:
     """``horizonrl <args>`` in a process of its own, on the session's Prefect API, optionally faulted."""
     from prefect.settings import PREFECT_API_URL
 
@@ -45,9 +44,7 @@ def _cli(args: list[str], fault: str | None = None) -> subprocess.CompletedProce
     env["PREFECT_API_URL"] = PREFECT_API_URL.value()
     if fault:
         env[faults.ENV] = fault
-    return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
+    return cli_run(args, env, log_dir / "cli-logs")
 
 
 def _train_args(cfg: dict) -> list[str]:
@@ -76,7 +73,7 @@ def test_resume_is_exact_for_stateful_and_branching_methods(prefect_harness, tmp
     if method == "appo":
         cfg["rollout"]["group_size"] = 2
     straight = {**cfg, "run_name": "straight"}
-    killed = _cli(_train_args(cfg), fault)
+    killed = _cli(_train_args(cfg), tmp_path, fault)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert latest_checkpoint(tmp_path / "data" / "test" / "killed").iteration == 1
     train(config=cfg)
@@ -147,7 +144,7 @@ def test_a_warmstart_killed_after_an_epoch_resumes_to_the_same_policy(prefect_ha
         cfg["eval"] = {"every": 2, "n_tasks": 2, "greedy": False}
         return cfg
 
-    killed = _cli(["warmstart", *(f"--set={k}={v}" for k, v in flat(ws("killed")).items())], "clone:1")
+    killed = _cli(["warmstart", *(f"--set={k}={v}" for k, v in flat(ws("killed")).items())], tmp_path, "clone:1")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     a, b = tmp_path / "data" / "test" / "straight", tmp_path / "data" / "test" / "killed"
     assert latest_checkpoint(b).iteration == 1
@@ -179,9 +176,9 @@ def test_a_recompute_killed_half_way_is_run_again_to_the_same_tables(prefect_har
     d = tmp_path / "data" / "test" / "src"
     trained = {it: (d / f"iter={it:05d}" / "advantages-blpo.parquet").read_bytes() for it in (1, 2)}
     args = ["recompute", "--run-dir", str(d), "--method", "blpo"]
-    killed = _cli(args, "recompute:1")
+    killed = _cli(args, tmp_path, "recompute:1")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert _cli(args).returncode == 0
+    assert _cli(args, tmp_path).returncode == 0
     for it in (1, 2):
         again = pq.read_table(d / f"iter={it:05d}" / "advantages-blpo.parquet")
         assert again.equals(pq.read_table(pa_buffer(trained[it]))), it
@@ -215,20 +212,11 @@ def test_evaluate_beside_two_trainings_on_one_sqlite_store(prefect_harness, tmp_
         "b": _train_args(_config(tmp_path, "b")),
         "eval": ["evaluate", "--source", source, "--set=eval.n_tasks=2"],
     }
-    procs = {
-        name: subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", *args],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for name, args in commands.items()
-    }
+    logs = {name: tmp_path / f"{name}.log" for name in commands}
+    procs = {name: CLIProcess(args, env, logs[name]) for name, args in commands.items()}
     for name, proc in procs.items():
-        out, _ = proc.communicate(timeout=900)
-        assert proc.returncode == 0, (name, out[-3000:])
+        rc, out = proc.wait(timeout=900), logs[name].read_text()
+        assert rc == 0, (name, out[-3000:])
         assert "locked" not in out and "Traceback" not in out, out[-3000:]
     runs = c.search_runs([e.experiment_id for e in c.search_experiments()])
     assert sorted(r.info.status for r in runs) == ["FINISHED"] * 4
@@ -251,7 +239,7 @@ def test_a_sweep_killed_with_a_cell_half_done_is_run_again_to_the_same_cells(pre
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
     path = tmp_path / "pair.yaml"
     path.write_text(yaml.safe_dump({"name": "pair", "base": "base.yaml", "grid": {"seed": [3, 4]}}))
-    killed = _cli(["sweep", str(path), "--here"], "update:2")
+    killed = _cli(["sweep", str(path), "--here"], tmp_path, "update:2")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     cell = tmp_path / "data" / "test" / "pair--seed=3"
     assert latest_checkpoint(cell).iteration == 1

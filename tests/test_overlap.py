@@ -172,8 +172,8 @@ def test_overlap_branches_replay_and_match_between_backends(tiny_policy, househo
 
 
 @pytest.fixture(scope="module")
-def textworld_policy(tmp_path_factory):
-    """Two easy TextWorld coin-collector games and a tiny model over their corpus."""
+def textworld_policy(tmp_path_factory, tw_root):
+    """Two easy TextWorld coin-collector games (the suite's shared folder) and a tiny model over their corpus."""
     pytest.importorskip("textworld")
     from horizonrl.config import ModelConfig, TinyModelConfig
     from horizonrl.engines.hf import TransformersEngine
@@ -182,7 +182,7 @@ def textworld_policy(tmp_path_factory):
     from horizonrl.rollout.prompting import ChatFormat
 
     root = tmp_path_factory.mktemp("overlap-textworld")
-    suite = TextWorldSuite("textworld-coin", root=root / "games")
+    suite = TextWorldSuite("textworld-coin", root=tw_root)
     tasks = suite.tasks("train", "easy", 2)
     suite.prepare(tasks)
     tiny = TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)

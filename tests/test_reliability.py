@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
-from flowkit import flat, leftovers, run_of, steps, tiny_config
+from flowkit import CLIProcess, flat, leftovers, run_of, steps, tiny_config
 from safetensors.torch import load_file
 
 from horizonrl import faults, store
@@ -41,7 +40,6 @@ from horizonrl.training.checkpoint import (
 )
 from mlflow import MlflowClient
 
-REPO = Path(__file__).resolve().parents[1]
 RUN = "r"
 
 
@@ -68,9 +66,9 @@ def api_url(prefect_harness) -> str:
 
 def start_cli(
     cfg: dict, api_url: str | None, log: Path, fault: str | None = None, command: list[str] | None = None
-) -> subprocess.Popen:
-    """``horizonrl train`` with ``cfg`` as --set overrides (or ``horizonrl <command>``), in its own session;
-    ``api_url`` None: with no API, so that it starts Prefect's temporary server as a user's run does."""
+) -> CLIProcess:
+    """``horizonrl train`` with ``cfg`` as --set overrides (or ``horizonrl <command>``), a process in its own
+    session; ``api_url`` None: with no API, so that it starts Prefect's temporary server as a user's run does."""
     env = {k: v for k, v in os.environ.items() if k not in (faults.ENV, "PREFECT_API_URL")}
     env.update(PREFECT_HOME=str(log.parent / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
     if api_url:
@@ -78,18 +76,11 @@ def start_cli(
     if fault:
         env[faults.ENV] = fault
     args = command or ["train", *(f"--set={k}={v}" for k, v in flat(cfg).items())]
-    with open(log, "w") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", *args],
-            cwd=REPO,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    log.write_text("")
+    return CLIProcess(args, env, log, new_session=True)
 
 
-def finish(proc: subprocess.Popen, timeout: float = 300) -> int:
+def finish(proc: CLIProcess, timeout: float = 300) -> int:
     """Wait for the CLI, then kill whatever it left in its session (a killed process cleans up nothing)."""
     rc = proc.wait(timeout=timeout)
     try:

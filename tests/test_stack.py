@@ -25,7 +25,19 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from flowkit import REPO, Browser, deployed_sweep, flat, free_port, leftovers, prefect_cli, run_of, steps, tiny_config
+from flowkit import (
+    REPO,
+    Browser,
+    CLIProcess,
+    deployed_sweep,
+    flat,
+    free_port,
+    leftovers,
+    prefect_cli,
+    run_of,
+    steps,
+    tiny_config,
+)
 
 import horizonrl_stack as stack
 from horizonrl import store
@@ -107,14 +119,8 @@ def swept(tmp_path_factory):
             }
         for name in SOLO:
             cfg = {**tiny_config(root, s.mlflow_uri, iterations=1), "run_name": name, "method": "loop", "seed": 5}
-            with open(logs[name], "w") as out:
-                procs[name] = subprocess.Popen(
-                    [sys.executable, "-m", "flows.cli", "train", *(f"--set={k}={v}" for k, v in flat(cfg).items())],
-                    cwd=REPO,
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                )
+            logs[name].write_text("")
+            procs[name] = CLIProcess(["train", *(f"--set={k}={v}" for k, v in flat(cfg).items())], env, logs[name])
         for name, proc in procs.items():
             assert proc.wait(timeout=660) == 0, f"{name} failed:\n{logs[name].read_text()[-3000:]}"
         timings["sweep_run_s"] = time.perf_counter() - t0

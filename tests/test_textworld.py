@@ -1,7 +1,7 @@
 """TextWorld suites: tw-make caching, disjoint splits, walkthroughs, replay, agent-side keys and labels;
 the user's own games (``env.games``): splits, walkthroughs, broken games named, a short train run.
 
-Three small challenge games are generated once per session (3-8 s each) under a temporary folder, and
+The first coin and cooking challenge games are generated once per suite run (``tw_root`` in conftest.py), and
 three ``tw-make custom`` games once per module.
 """
 
@@ -34,16 +34,6 @@ from horizonrl.envs.textworld_env import (  # noqa: E402
 from horizonrl.seeding import derive_seed  # noqa: E402
 
 INFO_KEYS = {"won", "lost", "admissible_commands", "valid", "score", "progress_key", "family", "goal"}
-
-
-@pytest.fixture(scope="session")
-def tw_root(tmp_path_factory):
-    """Games of the first coin and cooking train tasks, generated once and shared by the tests."""
-    root = tmp_path_factory.mktemp("textworld")
-    for name in ("textworld-coin", "textworld-cooking"):
-        suite = TextWorldSuite(name, root=root)
-        suite.prepare(suite.tasks("train", "easy", 1))
-    return root
 
 
 def _random_trace(env: TextWorldEnv, task, seed: int, turns: int = 12) -> list:
