@@ -47,6 +47,7 @@ QUICK_RUN = [
     "rollout.group_size=2",
     "update.minibatch_size=2",
     "eval.n_tasks=2",
+    "eval.n_tasks_ends=2",  # the main config evaluates 1000 tasks at the run's two ends
 ]
 
 

@@ -60,7 +60,8 @@ STARTUP_RUN = [
     "rollout.tasks_per_iteration=1",
     "rollout.group_size=2",
     "eval.n_tasks=1",
-]  # only its start is read
+    "eval.n_tasks_ends=1",  # not the main config's 1000 tasks at each end: only the run's start is read
+]
 # The run is started from this small launcher, whose RUSAGE_CHILDREN then covers the run alone: a child
 # forked straight from the suite would count the suite's own pages (shared until exec) in its peak.
 _MAXRSS = (
