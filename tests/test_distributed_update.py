@@ -134,6 +134,17 @@ def test_the_backend_is_nccl_on_cuda_and_a_rank_holds_the_gpu_of_its_local_rank(
     assert rank_device("gloo", 1) == torch.device("cpu")
 
 
+def test_more_nccl_ranks_than_gpus_is_refused_naming_the_field():
+    """torchrun's nccl ranks take a GPU each: with model.device cuda, a world size above the machine's GPUs
+    is a config error naming update.world_size; the CPU (gloo) and Ray's cluster GPUs are not limited."""
+    base = {"run_name": "gpus", "model": {"device": "cuda"}}
+    too_many = max(2, torch.cuda.device_count() + 1)
+    with pytest.raises(ValueError, match=rf"update\.world_size = {too_many} with model\.device = 'cuda': .*nccl"):
+        TrainConfig.model_validate({**base, "update": {"world_size": too_many}})
+    TrainConfig.model_validate({**base, "update": {"world_size": too_many, "launcher": "ray"}})
+    TrainConfig.model_validate({**base, "model": {"device": "cpu"}, "update": {"world_size": 4}})
+
+
 def single(policy_dir, rows, s, seed, model=None, optimizer=None, ref=None):
     """``ppo_update`` in this process: (model, optimizer, figures)."""
     if model is None:

@@ -461,6 +461,26 @@ class TrainConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_update_gpus(self) -> TrainConfig:
+        """torchrun's ranks on CUDA (nccl) take one GPU of this machine each: refuse more ranks than GPUs before
+        any work, rather than a rank failing on a missing device at the first update."""
+        u = self.update
+        if u.world_size == 1 or u.launcher != "torchrun" or self.model.device == "cpu":
+            return self
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if self.model.device == "auto" and gpus == 0:
+            return self  # the CPU: gloo, any number of ranks
+        if u.world_size > gpus:
+            raise ValueError(
+                f"update.world_size = {u.world_size} with model.device = {self.model.device!r}: torchrun's ranks use "
+                f"nccl, one GPU of this machine each, and torch sees {gpus}; lower update.world_size, or set "
+                "update.launcher = 'ray' (GPUs of a Ray cluster)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_vllm_cpu(self) -> TrainConfig:
         """vLLM's CPU build serves only some head sizes (``CPU_HEAD_DIMS``): refuse another before any work."""
         if self.engine.name != "vllm" or self.engine.vllm.url is not None or self.vllm_device() != "cpu":
