@@ -8,12 +8,17 @@ is their stored sampling log-probs after the check on a sample of rows (horizonr
 check recomputes every row, and counts in the time); its tokens are epochs x the real tokens of the rows. The bare side
 runs the same real tokens, cut into equal-length rows with no padding, through
 ``model(...)`` with a next-token cross-entropy, backward, clipping and one AdamW step per minibatch.
+
+The decoder layouts (``update.packing``: padded buckets, packed rows, the prefix-shared tree) are compared
+side by side on the same rows, and on an APPO batch: half as many tasks, each group's rollouts and as many
+branches (which share their parent's tokens up to the branch point).
 """
 
 from __future__ import annotations
 
 import copy
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +31,7 @@ from horizonrl import store
 from horizonrl.config import TrainConfig
 from horizonrl.engines.hf import TransformersEngine
 from horizonrl.models.loading import load_policy
+from horizonrl.rollout.branching import collect_branches, plan_branches
 from horizonrl.rollout.loop import SamplingSettings, collect
 from horizonrl.rollout.prompting import ChatFormat
 from horizonrl.run.runtime import PolicyRuntime
@@ -35,18 +41,19 @@ from horizonrl.training.sequences import TrainRow, attach_advantages, train_rows
 from horizonrl.training.trainer import PI_OLD_CHECK_ROWS, UpdateSettings, ppo_update
 
 
-def _rows(cfg: TrainConfig, model: torch.nn.Module, tokenizer, tasks_n: int, group: int) -> list[TrainRow]:
+def _rows(
+    cfg: TrainConfig, model: torch.nn.Module, tokenizer, tasks_n: int, group: int, branches: bool = False
+) -> list[TrainRow]:
+    """``tasks_n`` x ``group`` rollouts of the initial policy (with ``branches``, also ``group`` APPO
+    branches per task, planned as APPO plans them) as training rows with random advantages."""
     rt = PolicyRuntime()
     fmt = ChatFormat.for_tokenizer(tokenizer)
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
-    records = collect(
-        rt.suite(cfg),
-        rt.task_pool(cfg, "train", tasks_n),
-        group,
-        engine,
-        fmt,
-        SamplingSettings.from_config(cfg, rt.suite(cfg), 0),
-    )
+    sampling = SamplingSettings.from_config(cfg, rt.suite(cfg), 0)
+    records = collect(rt.suite(cfg), rt.task_pool(cfg, "train", tasks_n), group, engine, fmt, sampling)
+    if branches:
+        starts, _, _ = plan_branches(records, group, cfg.branching(), tokenizer)
+        records += collect_branches(rt.suite(cfg), starts, engine, fmt, sampling, first_rollout_id=len(records))
     turns = store.turns_table(records)
     n = turns.num_rows
     adv = pa.table(
@@ -108,6 +115,11 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, rounds: int = 2) -> list[Fig
     policy_dir = PolicyRuntime().initial_model_dir(cfg)
     parallel = data_parallel(cfg, policy_dir, rows, s, 2, ("ddp", "fsdp"))
     pad = result.stats["pad_fraction"]
+    appo_cfg = cfg.model_copy(update={"method": "appo"})
+    loop_l = layouts(initial, rows, s, cfg.update.lr)
+    appo_l = layouts(
+        initial, _rows(appo_cfg, initial, tokenizer, max(tasks_n // 2, 1), group, branches=True), s, cfg.update.lr
+    )
     pi_old = "stored sampling log-probs" if result.stats["pi_old_shortcut"] else "recomputed (check failed)"
     return [
         Figure(
@@ -117,7 +129,7 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, rounds: int = 2) -> list[Fig
             "",
             None,
             f"{len(rows)} rows, {real:,} tokens x {s.epochs} epochs x {rounds} rounds, {ppo_s:.1f} s (pi_old: "
-            f"{pi_old})",
+            f"{pi_old}; update.packing {s.packing})",
         ),
         Figure(
             "update/vs_bare_loop",
@@ -142,6 +154,7 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, rounds: int = 2) -> list[Fig
             for dp_tps, one_tps, dp in [parallel[strategy]]
         ),
         Figure("update/padding", pad, "frac", "<= 0.10", pad <= 0.10, "padded share of computed decoder positions"),
+        *layout_figures(loop_l, appo_l, bare_tps),
         Figure(
             "update/pi_old_max_diff",
             result.stats["pi_old_max_diff"],
@@ -196,3 +209,61 @@ def data_parallel(
     finally:
         group.stop()
     return out
+
+
+LAYOUTS = ("off", "packed", "tree")  # update.packing
+
+
+def layouts(
+    initial: torch.nn.Module, rows: list[TrainRow], s: UpdateSettings, lr: float
+) -> dict[str, tuple[float, dict[str, float], list[torch.Tensor]]]:
+    """``ppo_update`` on ``rows`` with each decoder layout (``update.packing``), in the order A B C C B A
+    from the initial weights: {layout: (real tokens/s, the last update's figures, its final weights)}."""
+    tokens = s.epochs * sum(r.positions[-1] + 1 for r in rows)
+    seconds = dict.fromkeys(LAYOUTS, 0.0)
+    out = {}
+    for name in (*LAYOUTS, *reversed(LAYOUTS)):
+        model = copy.deepcopy(initial)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        t0 = time.perf_counter()
+        stats = ppo_update(model, optimizer, rows, replace(s, packing=name), seed=0).stats
+        seconds[name] += time.perf_counter() - t0
+        out[name] = (0.0, stats, [p.detach().clone() for p in model.parameters()])
+    return {k: (2 * tokens / seconds[k], *v[1:]) for k, v in out.items()}
+
+
+def layout_figures(loop: dict, appo: dict, bare_tps: float) -> list[Figure]:
+    """Packed and tree against padded on the LOOP and the APPO batch, each layout against the bare loop,
+    the tree's computed positions per unique token, and the weights' largest difference from padded."""
+    figures = []
+    for batch, res in (("loop", loop), ("appo", appo)):
+        padded = res["off"]
+        drift = max(float((a - b).abs().max()) for k in ("packed", "tree") for a, b in zip(res[k][2], padded[2]))
+        figures.append(
+            Figure(
+                f"update/{batch}_tokens_computed_per_unique",
+                padded[1]["tokens_computed_per_unique"],
+                "x",
+                "",
+                None,
+                f"padded layout, decoder positions per unique token (shared prefixes once; per decoder call); packed "
+                f"{res['packed'][1]['tokens_computed_per_unique']:.3f}, tree "
+                f"{res['tree'][1]['tokens_computed_per_unique']:.3f}",
+            )
+        )
+        for name, target in (("packed", 1.0), ("tree", 1.1 if batch == "loop" else 1.2)):
+            ratio = res[name][0] / padded[0]
+            figures.append(
+                Figure(
+                    f"update/{batch}_{name}_vs_padded",
+                    ratio,
+                    "x",
+                    f">= {target:g}",
+                    ratio >= target,
+                    f"update.packing {name}: {res[name][0]:,.0f} tok/s against padded {padded[0]:,.0f}"
+                    + (f" ({res[name][0] / bare_tps:.3f}x the bare loop)" if batch == "loop" else "")
+                    + "; "
+                    + f"weights after the update within {drift:.1e} of padded's",
+                )
+            )
+    return figures

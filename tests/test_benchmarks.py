@@ -30,6 +30,11 @@ FIGURES = {
         "update/fsdp2_tokens_s",
         "update/padding",
         "update/pi_old_max_diff",
+        *(
+            f"update/{batch}_{name}"
+            for batch in ("loop", "appo")
+            for name in ("tokens_computed_per_unique", "packed_vs_padded", "tree_vs_padded")
+        ),
     ],
     "pipeline": [
         "tracing/share_of_iteration",

@@ -212,6 +212,11 @@ class UpdateConfig(Strict):
     """Abort the run after more non-finite steps than this."""
     micro_batch_tokens: int = Field(16_384, ge=64)
     """Padded tokens per forward pass; bounds memory."""
+    packing: Literal["off", "packed", "tree"] = "off"
+    """How a micro-batch's rows reach the decoder (docs/algorithms.md §1.6): ``off``, length buckets padded by
+    at most 8%; ``packed``, concatenated into one sequence with per-row positions and attention (no padded
+    position); ``tree``, packed with every prefix rows share (a group's prompt, APPO's parent before a branch)
+    computed once. The same losses and gradients up to float summation order (within 1e-5)."""
     pi_old_tol: float | None = Field(1e-3, gt=0)
     """With the transformers engine sampling in the flow's process (no LoRA), pi_old is the stored sampling
     log-probs when a sample of rows recomputed differs from them by at most this (max absolute log-prob,

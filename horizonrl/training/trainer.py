@@ -22,7 +22,9 @@ distance (APPO's future KL) counts the observation tokens between two turns.
 Rows are run through the decoder in length buckets (sorted by length, each bucket padded by at most
 ``MAX_PAD`` of its positions): full-context trajectories of one iteration differ in length up to 2.5x,
 and one padded batch per micro-batch spent 12-14% of its positions on padding in the main run (7% with
-buckets). Each row's values are the same as in one batch up to float summation order.
+buckets). Each row's values are the same as in one batch up to float summation order. ``update.packing``
+``packed`` or ``tree`` runs a micro-batch as one packed sequence instead, with no padding and, for ``tree``,
+every shared prefix once (``horizonrl.training.packing``, docs/algorithms.md §1.6).
 """
 
 from __future__ import annotations
@@ -34,11 +36,13 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 import methods
 from horizonrl.config import TrainConfig
 from horizonrl.engines.base import allowed_log_softmax
+from horizonrl.training.packing import decoder_hidden, pack, unique_tokens
 from horizonrl.training.parallel import Ranks, whole
 from horizonrl.training.sequences import TrainRow
 from methods.losses import LOG_RATIO_CLAMP, trajectory_kl_estimate
@@ -60,6 +64,7 @@ class UpdateSettings:
     pi_old_tol: float | None = None  # stored sampling log-probs as pi_old within this max |diff| (None: recompute)
     measure_sampler: bool = False  # recomputing every row: also report max |stored - recomputed| (a vLLM sampler)
     decoupled: bool = False  # rows played by an older policy: weight by pi_prox / pi_behav (docs/algorithms.md §1.10)
+    packing: str = "off"  # decoder batches: off (padded buckets), packed, tree (update.packing)
 
     @classmethod
     def from_config(
@@ -105,6 +110,7 @@ class UpdateSettings:
             u.pi_old_tol if learner_sampled and not decoupled else None,
             sampled_here and cfg.engine.name == "vllm",
             decoupled,
+            u.packing,
         )
 
     @property
@@ -148,13 +154,39 @@ def length_buckets(lengths: list[int], max_pad: float = MAX_PAD) -> list[list[in
 
 
 def policy_logprobs(
-    model: torch.nn.Module, rows: list[TrainRow], temperature: float, pad_id: int, counts: Counter | None = None
+    model: torch.nn.Module,
+    rows: list[TrainRow],
+    temperature: float,
+    pad_id: int,
+    counts: Counter | None = None,
+    packing: str = "off",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(a_t | s_t) and the entropy of pi(. | s_t) at every policy token of ``rows``, flat (n,)
-    in row order. Each row is cut after its last policy token. ``counts`` (if given) adds the real
-    and the computed (padded) decoder positions."""
-    device = next(model.parameters()).device  # index tensors are built on the CPU and moved once
+    in row order. Each row is cut after its last policy token. ``packing`` (``update.packing``): ``off``,
+    padded length buckets; ``packed``, the rows concatenated; ``tree``, concatenated with shared prefixes
+    once (``horizonrl.training.packing``). ``counts`` (if given) adds the real, the computed and the unique
+    (shared prefixes once) decoder positions."""
     lengths = [r.positions[-1] + 1 if r.positions else len(r.input_ids) for r in rows]
+    if counts is not None:
+        counts.update(unique_tokens=unique_tokens([np.asarray(r.input_ids[:n]) for r, n in zip(rows, lengths)]))
+    if packing == "off":
+        states = _padded_states(model, rows, lengths, pad_id, counts)
+    else:
+        states = _packed_states(model, rows, lengths, packing == "tree", counts)
+    device = states.device
+    targets = torch.tensor([r.input_ids[p] for r in rows for p in r.positions], dtype=torch.long, device=device)
+    logits = model.get_output_embeddings()(states).float() / temperature  # (n, V), row order
+    logp_all = allowed_log_softmax(logits, [a for r in rows for a in r.allowed])  # (n, V)
+    logp = logp_all.gather(1, targets[:, None]).squeeze(1)  # (n,)
+    entropy = -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)  # (n,)
+    return logp, entropy.detach()
+
+
+def _padded_states(
+    model: torch.nn.Module, rows: list[TrainRow], lengths: list[int], pad_id: int, counts: Counter | None
+) -> torch.Tensor:
+    """The decoder's states before every policy token, (n, H) in row order, from padded length buckets."""
+    device = next(model.parameters()).device  # index tensors are built on the CPU and moved once
     picked, start = [], [0] * len(rows)  # per bucket (n_b, H) states before each policy token; row offsets
     n = 0
     for bucket in length_buckets(lengths):
@@ -176,12 +208,20 @@ def policy_logprobs(
     order = torch.tensor(
         [start[i] + j for i, r in enumerate(rows) for j in range(len(r.positions))], dtype=torch.long, device=device
     )
-    targets = torch.tensor([r.input_ids[p] for r in rows for p in r.positions], dtype=torch.long, device=device)
-    logits = model.get_output_embeddings()(torch.cat(picked)[order]).float() / temperature  # (n, V), row order
-    logp_all = allowed_log_softmax(logits, [a for r in rows for a in r.allowed])  # (n, V)
-    logp = logp_all.gather(1, targets[:, None]).squeeze(1)  # (n,)
-    entropy = -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)  # (n,)
-    return logp, entropy.detach()
+    return torch.cat(picked)[order]
+
+
+def _packed_states(
+    model: torch.nn.Module, rows: list[TrainRow], lengths: list[int], share_prefixes: bool, counts: Counter | None
+) -> torch.Tensor:
+    """The decoder's states before every policy token, (n, H) in row order, from one packed sequence."""
+    device = next(model.parameters()).device
+    p = pack([np.asarray(r.input_ids[:n], dtype=np.int64) for r, n in zip(rows, lengths)], share_prefixes, device)
+    hidden = decoder_hidden(model.get_decoder(), p)  # (N, H)
+    where = np.concatenate([p.index[i][np.asarray(r.positions, dtype=np.int64) - 1] for i, r in enumerate(rows)])
+    if counts is not None:
+        counts.update(real_tokens=p.ids.shape[1], computed_tokens=p.ids.shape[1])
+    return hidden[torch.from_numpy(where).to(device)]
 
 
 def trajectory_units(rows: list[TrainRow]) -> list[list[int]]:
@@ -202,10 +242,15 @@ def response_positions(row: TrainRow) -> list[int]:
     return row.positions if row.turn < 0 else row.flat_index
 
 
-def _chunks(units: list[list[int]], rows: list[TrainRow], max_tokens: int) -> list[list[list[int]]]:
-    """Split a minibatch's units into micro-batches of about ``max_tokens`` tokens (units stay whole)."""
+def _chunks(
+    units: list[list[int]], rows: list[TrainRow], max_tokens: int, by_content: bool = False
+) -> list[list[list[int]]]:
+    """Split a minibatch's units into micro-batches of about ``max_tokens`` tokens (units stay whole), in
+    order of size, or with ``by_content`` of their first row's ids (rows sharing a prefix side by side, for
+    the tree layout to place it once)."""
     out, cur, size = [], [], 0
-    for u in sorted(units, key=lambda u: sum(len(rows[i].input_ids) for i in u)):
+    key = (lambda u: rows[u[0]].input_ids) if by_content else (lambda u: sum(len(rows[i].input_ids) for i in u))
+    for u in sorted(units, key=key):
         n = sum(len(rows[i].input_ids) for i in u)
         if cur and size + n > max_tokens:
             out.append(cur)
@@ -249,7 +294,7 @@ def recompute_old_logprobs(
     old: list[list[float]] = []
     for start in range(0, len(rows), 256):
         batch = rows[start : start + 256]
-        logp, _ = policy_logprobs(model, batch, s.temperature, s.pad_id, counts)
+        logp, _ = policy_logprobs(model, batch, s.temperature, s.pad_id, counts, s.packing)
         for part in torch.split(logp, [len(r.positions) for r in batch]):
             old.append(part.tolist())
     model.train()
@@ -396,6 +441,7 @@ def ppo_update(
         tokens_per_s=tokens / max(elapsed, 1e-9),
         seconds=elapsed,
         pad_fraction=1.0 - counts["real_tokens"] / max(counts["computed_tokens"], 1),
+        tokens_computed_per_unique=counts["computed_tokens"] / max(counts["unique_tokens"], 1),
         **pi_old_stats,
     )
     if ranks is not None:
@@ -407,9 +453,12 @@ def _rank_figures(ranks: Ranks, counts: Counter, elapsed: float) -> dict[str, fl
     """The whole group's padding share, each rank's mean seconds per minibatch step (``step_s_rank<r>``:
     its update time over its steps) and the share of the update spent in collectives (``comm_share``:
     gradient all-reduce, figure and pi_old gathers; mean over ranks)."""
-    parts = ranks.gather((counts["real_tokens"], counts["computed_tokens"], elapsed, ranks.comm_s))
+    parts = ranks.gather(
+        (counts["real_tokens"], counts["computed_tokens"], elapsed, ranks.comm_s, counts["unique_tokens"])
+    )
     out = {
         "pad_fraction": 1.0 - sum(p[0] for p in parts) / max(sum(p[1] for p in parts), 1),
+        "tokens_computed_per_unique": sum(p[1] for p in parts) / max(sum(p[4] for p in parts), 1),
         "comm_share": sum(p[3] / max(p[2], 1e-9) for p in parts) / len(parts),
         "world_size": float(ranks.world_size),
     }
@@ -454,9 +503,11 @@ def _minibatch_step(
         tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     ] = []  # (U, P) log pi, log pi_old, mask per micro-batch
     mine = mb if ranks is None else ranks.share(mb, [sum(len(rows[i].input_ids) for i in u) for u in mb])
-    for micro in _chunks(mine, rows, s.micro_batch_tokens):
+    for micro in _chunks(mine, rows, s.micro_batch_tokens, by_content=s.packing == "tree"):
         flat_rows = [i for u in micro for i in u]
-        logp_flat, ent_flat = policy_logprobs(model, [rows[i] for i in flat_rows], s.temperature, s.pad_id, counts)
+        logp_flat, ent_flat = policy_logprobs(
+            model, [rows[i] for i in flat_rows], s.temperature, s.pad_id, counts, s.packing
+        )
         where = {i: k for k, i in enumerate(flat_rows)}
         local = [[where[i] for i in u] for u in micro]
         sub = [rows[i] for i in flat_rows]
@@ -469,7 +520,9 @@ def _minibatch_step(
         ref_lp = None
         if ref_model is not None:
             with torch.no_grad():
-                ref_lp, _ = _unit_tensors(local, sub, policy_logprobs(ref_model, sub, s.temperature, s.pad_id)[0])
+                ref_lp, _ = _unit_tensors(
+                    local, sub, policy_logprobs(ref_model, sub, s.temperature, s.pad_id, packing=s.packing)[0]
+                )
         terms = loss_fn(
             logp,
             old_lp,
