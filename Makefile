@@ -45,11 +45,11 @@ run: setup  ## train the main run (CONFIG=..., ARGS="--set key=value")
 	$(BIN)/horizonrl train --config $(CONFIG) $(ARGS)
 
 test: setup-test lint  ## ruff, then the whole suite (what CI runs)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not gpu" $(ARGS)
 
 # The edit-test loop: unit tests only (no end-to-end run; under 2 minutes on 2 cores). CI runs `make test`.
 test-fast: setup-test lint  ## ruff, then the unit tests only (the edit-test loop, < 2 min)
-	$(BIN)/python -m pytest -q -n 2 -m "not slow" $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 -m "not slow and not gpu" $(ARGS)
 
 lint: setup-test  ## ruff format --check and ruff check
 	$(BIN)/ruff format --check .
