@@ -22,6 +22,9 @@ from horizonrl.files import file_digest, remove_temporary, write_json
 from horizonrl.rollout.records import EpisodeRecord
 
 SCHEMA_VERSION = "2"  # 2: turns carry policy_version
+# The versions this code still reads, and the columns each lacks by kind: those are filled on reading with
+# -1 (a version-1 turn's policy is its episode's ``policy_version``), so runs stored before resume and recompute.
+_LACKS: dict[str, dict[str, tuple[str, ...]]] = {"1": {"turns": ("policy_version",)}, SCHEMA_VERSION: {}}
 _META_VERSION = b"horizonrl.schema_version"
 _META_TABLE = b"horizonrl.table"
 
@@ -266,10 +269,16 @@ def read_table(path: str | Path, kind: str, columns: list[str] | None = None) ->
     unknown = sorted(set(columns or []) - set(_SCHEMAS[kind].names))
     if unknown:
         raise StoreError(f"{path}: the {kind!r} table has no column {', '.join(unknown)}")
+    lacks = _LACKS[pq.read_schema(path).metadata[_META_VERSION].decode()].get(kind, ())
+    wanted = columns or _SCHEMAS[kind].names
     try:
-        return pq.read_table(path, columns=columns)
+        table = pq.read_table(path, columns=[name for name in wanted if name not in lacks])
     except (pa.ArrowInvalid, OSError) as err:
         raise StoreError(f"{path}: not a readable Parquet file (truncated or corrupt): {err}") from err
+    for name in (name for name in wanted if name in lacks):
+        field = _SCHEMAS[kind].field(name)
+        table = table.add_column(wanted.index(name), field, pa.array([-1] * table.num_rows, field.type))
+    return table
 
 
 def check_table(path: str | Path, kind: str) -> None:
@@ -286,13 +295,14 @@ def check_table(path: str | Path, kind: str) -> None:
     meta = stored.metadata or {}
     version = meta.get(_META_VERSION, b"?").decode()
     # checked before the columns, so a file of another kind is named as such, not as damaged
-    if version != SCHEMA_VERSION or meta.get(_META_TABLE, b"").decode() != kind:
+    if version not in _LACKS or meta.get(_META_TABLE, b"").decode() != kind:
         raise StoreError(
             f"{path}: schema version {version!r} of table {meta.get(_META_TABLE, b'?').decode()!r}; this code reads "
-            f"version {SCHEMA_VERSION!r} of {kind!r}"
+            f"versions {', '.join(map(repr, _LACKS))} of {kind!r}"
         )
     expected = _SCHEMAS[kind]
-    missing = [name for name in expected.names if name not in stored.names]
+    lacks = _LACKS[version].get(kind, ())
+    missing = [name for name in expected.names if name not in stored.names and name not in lacks]
     extra = [name for name in stored.names if name not in expected.names]
     retyped = [
         f"{f.name} ({stored.field(f.name).type}, expected {f.type})"

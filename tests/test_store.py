@@ -161,6 +161,22 @@ def test_other_schema_version_raises_naming_the_path(tmp_path, monkeypatch):
         read_table(path, "advantages")
 
 
+def test_tables_of_schema_version_1_are_read_with_the_turns_policy_version_unknown(tmp_path):
+    """A run stored before turns carried ``policy_version`` (version 1: the same tables without that column)
+    is still read, so it resumes and recomputes: the column comes back as -1 (the episode row has it)."""
+    turns = store.turns_table(_records(), policy_version=3)
+    meta = {b"horizonrl.schema_version": b"1", b"horizonrl.table": b"turns"}
+    pq.write_table(turns.drop_columns(["policy_version"]).replace_schema_metadata(meta), tmp_path / "turns.parquet")
+    read = read_table(tmp_path / "turns.parquet", "turns")
+    assert read.schema.equals(TURNS) and read["policy_version"].to_pylist() == [-1] * turns.num_rows
+    assert read.drop_columns(["policy_version"]).equals(turns.drop_columns(["policy_version"]))
+    some = read_table(tmp_path / "turns.parquet", "turns", columns=["turn", "policy_version"])
+    assert some.column_names == ["turn", "policy_version"] and some["turn"].equals(turns["turn"])
+    episodes = store.episodes_table(_records(), "r", 1, 0)
+    pq.write_table(episodes.replace_schema_metadata({**meta, b"horizonrl.table": b"episodes"}), tmp_path / "e.parquet")
+    assert read_table(tmp_path / "e.parquet", "episodes").equals(episodes)
+
+
 def test_file_without_metadata_raises(tmp_path):
     path = tmp_path / "advantages.parquet"
     pq.write_table(_advantages(), path)
@@ -183,7 +199,9 @@ def test_wrong_table_kind_raises_naming_the_path(tmp_path):
     write_table(_advantages(), path, "advantages")
     with pytest.raises(
         StoreError,
-        match=re.escape(f"{path}: schema version '2' of table 'advantages'; this code reads version '2' of 'turns'"),
+        match=re.escape(
+            f"{path}: schema version '2' of table 'advantages'; this code reads versions '1', '2' of 'turns'"
+        ),
     ):
         read_table(path, "turns")
 
