@@ -59,8 +59,8 @@ class CLIProcess:
     pid, environment, working folder, session and output files; a SIGKILL kills it and nothing else; it
     imports Prefect and runs ``flows.cli.main`` as ``python -m flows.cli`` would, atexit hooks included.
     What it saves is only the imports, the largest share of a short CLI run's CPU in the suite. The
-    entry point itself (``python -m flows.cli``, the console script) is run as a fresh interpreter by the
-    stack and benchmark tests."""
+    entry point itself (the ``horizonrl`` console script) is run as a fresh interpreter by the benchmark
+    test, and the stack test's flow runs start fresh from Prefect's worker."""
 
     def __init__(
         self, args: list[str], env: dict[str, str], log: Path, *, stderr: Path | None = None, new_session: bool = False
