@@ -265,11 +265,10 @@ def write_table(table: pa.Table, path: str | Path, kind: str) -> str:
 
 def read_table(path: str | Path, kind: str, columns: list[str] | None = None) -> pa.Table:
     """Read a stored table, checking it is complete, of this schema version and has its kind's columns."""
-    check_table(path, kind)
+    lacks = _check(path, kind)
     unknown = sorted(set(columns or []) - set(_SCHEMAS[kind].names))
     if unknown:
         raise StoreError(f"{path}: the {kind!r} table has no column {', '.join(unknown)}")
-    lacks = _LACKS[pq.read_schema(path).metadata[_META_VERSION].decode()].get(kind, ())
     wanted = columns or _SCHEMAS[kind].names
     try:
         table = pq.read_table(path, columns=[name for name in wanted if name not in lacks])
@@ -282,9 +281,14 @@ def read_table(path: str | Path, kind: str, columns: list[str] | None = None) ->
 
 
 def check_table(path: str | Path, kind: str) -> None:
-    """Raise ``StoreError`` naming ``path`` unless it is a readable Parquet file of ``kind`` in this schema
-    version with exactly its kind's columns and types. Reads only the footer, so a command can check all
-    its inputs before it writes anything."""
+    """Raise ``StoreError`` naming ``path`` unless it is a readable Parquet file of ``kind`` in a schema
+    version this code reads, with exactly its kind's columns and types. Reads only the footer, so a command
+    can check all its inputs before it writes anything."""
+    _check(path, kind)
+
+
+def _check(path: str | Path, kind: str) -> tuple[str, ...]:
+    """``check_table``; returns the columns the file's schema version lacks (filled on reading)."""
     path = Path(path)
     if not path.is_file():
         raise StoreError(f"{path}: no such file")
@@ -316,6 +320,7 @@ def check_table(path: str | Path, kind: str) -> None:
     ):
         if names:
             raise StoreError(f"{path}: the {kind!r} table {what} {', '.join(names)}")
+    return lacks
 
 
 def env_steps(data_dir: str | Path, experiment: str, run_name: str, iterations: range) -> int:

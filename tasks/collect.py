@@ -25,7 +25,6 @@ from prefect.cache_policies import NONE
 
 from horizonrl import faults, store
 from horizonrl.config import TrainConfig
-from horizonrl.engines.vllm import WeightSync
 from horizonrl.files import file_digest
 from horizonrl.rollout.loop import Shard
 from horizonrl.rollout.metrics import branch_metrics, episode_metrics
@@ -34,7 +33,7 @@ from horizonrl.run.runtime import PolicyRuntime, Serving
 from horizonrl.tracking import mlflow_runs
 from horizonrl.training.checkpoint import CheckpointRef, checkpoints
 from tasks.context import GENERATOR, RUNTIME, RunContext
-from tasks.tracking import log_stage
+from tasks.tracking import log_stage, weight_sync_figures
 
 
 @dataclass(frozen=True)
@@ -68,8 +67,10 @@ def collect_rollouts(ctx: RunContext, iteration: int, policy: CheckpointRef, new
             policy = max([policy, *checkpoints(ctx.path)], key=lambda c: c.iteration)
         start, synced = time.time(), generator(cfg).weight_sync
         records = _play(ctx, iteration, policy)
-        if cfg.rollout.max_staleness and generator(cfg).weight_sync is not synced:  # the generator's server moved
-            _log_sync(ctx, iteration, generator(cfg).weight_sync)
+        sync = generator(cfg).weight_sync
+        if cfg.rollout.max_staleness and sync is not synced:  # the generator's server moved before the first
+            # episode (a version boundary): logged at the collect's iteration
+            log_stage(ctx, "collect", weight_sync_figures(ctx, iteration, sync), iteration)
         digests = {"turns": store.write_table(store.turns_table(records, policy.iteration), paths[1], "turns")}
         faults.kill_point("collect", iteration)
         digests["episodes"] = store.write_table(
@@ -103,20 +104,6 @@ def collect_rollouts(ctx: RunContext, iteration: int, policy: CheckpointRef, new
         metrics["mixed_group_fraction"],
     )
     return ref
-
-
-def _log_sync(ctx: RunContext, iteration: int, sync: WeightSync) -> None:
-    """How an asynchronous vLLM run's server reached the checkpoint this collect plays (synced here, before
-    its first episode: a version boundary), logged at the collect's iteration."""
-    log_stage(ctx, "time", {"weight_sync_s": sync.seconds}, iteration)
-    figures = {"weight_sync_in_place": float(sync.path in ("in_place", "adapter"))}
-    if sync.probe_max_diff is not None:
-        figures["weight_sync_probe_diff"] = sync.probe_max_diff
-    log_stage(ctx, "collect", figures, iteration)
-    if sync.reason is not None:
-        get_run_logger().warning(
-            "iteration %d: vLLM weights by %s (%.1f s): %s", iteration, sync.path, sync.seconds, sync.reason
-        )
 
 
 def _check_recorded(ctx: RunContext, iteration: int, ref: RolloutRef, digests: dict[str, str]) -> None:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
+from prefect import get_run_logger
 
 from horizonrl import store
 from horizonrl.files import file_digest
@@ -20,6 +22,9 @@ from horizonrl.rollout.records import EpisodeRecord
 from horizonrl.seeding import derive_seed
 from horizonrl.tracking import mlflow_runs, traces
 from tasks.context import RunContext
+
+if TYPE_CHECKING:
+    from horizonrl.engines.vllm import WeightSync
 
 
 def logged(ctx: RunContext, key: str, iteration: int) -> bool:
@@ -39,6 +44,20 @@ def log_stage(
     mlflow_runs.log_metrics(c, ctx.mlflow_run_id, stage, metrics, iteration)
     for name, (path, digest) in (inputs or {}).items():
         mlflow_runs.log_parquet_input(c, ctx.mlflow_run_id, name, path, digest)
+
+
+def weight_sync_figures(ctx: RunContext, iteration: int, sync: WeightSync) -> dict[str, float]:
+    """How a checkpoint reached the vLLM server: ``time/weight_sync_s`` logged, a warning when it fell back
+    (restart) with the reason; returns the stage's figures (``weight_sync_in_place``, the probe's difference)."""
+    log_stage(ctx, "time", {"weight_sync_s": sync.seconds}, iteration)
+    if sync.reason is not None:
+        get_run_logger().warning(
+            "iteration %d: vLLM weights by %s (%.1f s): %s", iteration, sync.path, sync.seconds, sync.reason
+        )
+    figures = {"weight_sync_in_place": float(sync.path in ("in_place", "adapter"))}
+    if sync.probe_max_diff is not None:
+        figures["weight_sync_probe_diff"] = sync.probe_max_diff
+    return figures
 
 
 def _target(ctx: RunContext) -> traces.TraceTarget:

@@ -18,7 +18,7 @@ from horizonrl.training.trainer import UpdateSettings
 from tasks.advantage import AdvantageRef
 from tasks.collect import RolloutRef
 from tasks.context import RUNTIME, RunContext
-from tasks.tracking import log_stage
+from tasks.tracking import log_stage, weight_sync_figures
 
 __all__ = ["TooManyNonFiniteSteps", "update"]
 
@@ -79,14 +79,7 @@ def update(
     # how the new checkpoint reached the vLLM server (None: transformers engine; asynchronous: the collect syncs)
     sync = RUNTIME.weight_sync if RUNTIME.serves(cfg) else None
     if sync is not None:
-        log_stage(ctx, "time", {"weight_sync_s": sync.seconds}, iteration)
-        stats["weight_sync_in_place"] = float(sync.path in ("in_place", "adapter"))
-        if sync.probe_max_diff is not None:
-            stats["weight_sync_probe_diff"] = sync.probe_max_diff
-        if sync.reason is not None:
-            get_run_logger().warning(
-                "iteration %d: vLLM weights by %s (%.1f s): %s", iteration, sync.path, sync.seconds, sync.reason
-            )
+        stats.update(weight_sync_figures(ctx, iteration, sync))
     if not rows:
         get_run_logger().info(
             "iteration %d update: skipped, no row to learn from (every row filtered: no mixed group)", iteration

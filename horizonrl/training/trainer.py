@@ -167,12 +167,13 @@ def policy_logprobs(
     once (``horizonrl.training.packing``). ``counts`` (if given) adds the real, the computed and the unique
     (shared prefixes once) decoder positions."""
     lengths = [r.positions[-1] + 1 if r.positions else len(r.input_ids) for r in rows]
-    if counts is not None:
-        counts.update(unique_tokens=unique_tokens([np.asarray(r.input_ids[:n]) for r, n in zip(rows, lengths)]))
+    seqs = [np.asarray(r.input_ids[:n], dtype=np.int64) for r, n in zip(rows, lengths)]  # each row as computed
+    if counts is not None and packing != "tree":  # the tree's packed length is the unique count itself
+        counts.update(unique_tokens=unique_tokens(seqs))
     if packing == "off":
         states = _padded_states(model, rows, lengths, pad_id, counts)
     else:
-        states = _packed_states(model, rows, lengths, packing == "tree", counts)
+        states = _packed_states(model, rows, seqs, packing == "tree", counts)
     device = states.device
     targets = torch.tensor([r.input_ids[p] for r in rows for p in r.positions], dtype=torch.long, device=device)
     logits = model.get_output_embeddings()(states).float() / temperature  # (n, V), row order
@@ -212,15 +213,19 @@ def _padded_states(
 
 
 def _packed_states(
-    model: torch.nn.Module, rows: list[TrainRow], lengths: list[int], share_prefixes: bool, counts: Counter | None
+    model: torch.nn.Module, rows: list[TrainRow], seqs: list[np.ndarray], share_prefixes: bool, counts: Counter | None
 ) -> torch.Tensor:
-    """The decoder's states before every policy token, (n, H) in row order, from one packed sequence."""
+    """The decoder's states before every policy token, (n, H) in row order, from one packed sequence of
+    ``seqs`` (each row's ids up to its last policy token)."""
     device = next(model.parameters()).device
-    p = pack([np.asarray(r.input_ids[:n], dtype=np.int64) for r, n in zip(rows, lengths)], share_prefixes, device)
+    p = pack(seqs, share_prefixes, device)
     hidden = decoder_hidden(model.get_decoder(), p)  # (N, H)
     where = np.concatenate([p.index[i][np.asarray(r.positions, dtype=np.int64) - 1] for i, r in enumerate(rows)])
     if counts is not None:
-        counts.update(real_tokens=p.ids.shape[1], computed_tokens=p.ids.shape[1])
+        n = p.ids.shape[1]
+        counts.update(real_tokens=n, computed_tokens=n)
+        if share_prefixes:
+            counts.update(unique_tokens=n)
     return hidden[torch.from_numpy(where).to(device)]
 
 
