@@ -117,6 +117,7 @@ def swept(tmp_path_factory):
                     stderr=subprocess.STDOUT,
                 )
             }
+        _wait_for_running_cells(s.prefect_api, procs[SWEEP], logs[SWEEP])
         for name in SOLO:
             cfg = {**tiny_config(root, s.mlflow_uri, iterations=1), "run_name": name, "method": "loop", "seed": 5}
             logs[name].write_text("")
@@ -134,6 +135,22 @@ def swept(tmp_path_factory):
     assert stopped == ["worker", "prefect", "mlflow", "postgres"]
     assert not leftovers(str(prefect_home)), f"processes left after stack down: {leftovers(str(prefect_home))}"
     assert all(v is None for v in stack.status(s).values())
+
+
+def _wait_for_running_cells(api: str, sweep: subprocess.Popen, log: Path, timeout: float = 420) -> None:
+    """Block until the sweep's cells run as flow runs, so the solo runs started next write beside them
+    (started at once, the solos can finish before the worker has picked up the first cell)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert sweep.poll() is None, f"the sweep ended before its cells ran:\n{log.read_text()[-3000:]}"
+        runs = httpx.post(
+            f"{api}/flow_runs/filter",
+            json={"flow_runs": {"name": {"like_": f"{SWEEP}--"}, "state": {"type": {"any_": ["RUNNING"]}}}},
+        ).json()
+        if runs:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"no cell of the sweep was running after {timeout} s:\n{log.read_text()[-3000:]}")
 
 
 def _parent_and_children(c: MlflowClient):
