@@ -34,12 +34,14 @@ def allowed_log_softmax(logits: torch.Tensor, allowed: list[list[int]]) -> torch
     """log-softmax of (n, V) ``logits`` over the full vocabulary, or over row i's ``allowed[i]`` ids where
     that list is non-empty (admissible mode). The sampler and the learner both call this, so the
     recorded and the recomputed log-probs are of the same distribution."""
-    if any(allowed):
+    if any(allowed):  # one masked fill and one scatter for the batch (a row-by-row loop costs per row)
         bias = torch.zeros_like(logits)
-        for i, ids in enumerate(allowed):
-            if ids:
-                bias[i].fill_(float("-inf"))
-                bias[i, ids] = 0.0
+        rows = [i for i, ids in enumerate(allowed) if ids]
+        bias[torch.tensor(rows, device=logits.device)] = float("-inf")
+        bias[
+            torch.tensor([i for i in rows for _ in allowed[i]], device=logits.device),
+            torch.tensor([t for i in rows for t in allowed[i]], device=logits.device),
+        ] = 0.0
         logits = logits + bias
     return torch.log_softmax(logits, dim=-1)
 

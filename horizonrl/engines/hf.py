@@ -105,23 +105,20 @@ class _SlabLayer(DynamicLayer):
 
 
 class _Slab:
-    """One turn's KV cache: per layer keys and values (rows, kv_heads, C, head_dim), zeros where nothing
-    was written (masked columns must hold finite values); ``attn`` (rows, C) is 1 at real columns,
-    ``next_pos`` (rows,) the position id of each row's next token."""
+    """One turn's KV cache: every layer's keys and values in one tensor ``kv`` (2 x layers, rows, kv_heads,
+    C, head_dim), zeros where nothing was written (masked columns must hold finite values), so a turn's
+    allocation, gather and row swaps are one operation each whatever the depth; ``attn`` (rows, C) is 1 at
+    real columns, ``next_pos`` (rows,) the position id of each row's next token."""
 
     def __init__(self, model: torch.nn.Module, rows: int, columns: int, device: torch.device) -> None:
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dtype = next(model.parameters()).dtype
-        shape = (rows, heads, columns, dim)
+        self.kv = torch.zeros((2 * cfg.num_hidden_layers, rows, heads, columns, dim), dtype=dtype, device=device)
         self.cache = DynamicCache()
-        for _ in range(cfg.num_hidden_layers):
-            self.cache.layers.append(
-                _SlabLayer(
-                    torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
-                )
-            )
+        for k in range(cfg.num_hidden_layers):
+            self.cache.layers.append(_SlabLayer(self.kv[2 * k], self.kv[2 * k + 1]))
         self.attn = torch.zeros((rows, columns), dtype=torch.long, device=device)
         self.next_pos = torch.zeros(rows, dtype=torch.long, device=device)
 
@@ -131,19 +128,11 @@ class _Slab:
             layer.at(rows, start, cursor)
         return self.cache
 
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor whose first dimension is the row: keys and values of each layer, attn, next_pos."""
-        return [t for layer in self.cache.layers for t in (layer.slab_keys, layer.slab_values)] + [
-            self.attn,
-            self.next_pos,
-        ]
-
     def swap(self, a: list[int], b: list[int], start: int, end: int, keep_a: bool) -> None:
         """Rows ``b`` move to rows ``a`` (columns start:end); rows ``a`` move to ``b`` too if ``keep_a``.
         Row by row: a few rows move per step, and a plain copy of a row is cheaper than an indexed
         gather and scatter of them."""
-        for t in self.tensors():
-            view = t[..., start:end, :] if t.dim() == 4 else t[:, start:end] if t.dim() == 2 else t
+        for view in (self.kv[:, :, :, start:end].transpose(0, 1), self.attn[:, start:end], self.next_pos):
             for p, q in zip(a, b):
                 kept = view[p].clone() if keep_a else None
                 view[p].copy_(view[q])
@@ -151,15 +140,16 @@ class _Slab:
                     view[q].copy_(kept)
 
 
-def _pick(t: torch.Tensor, src: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
-    """``out[j, :, c] = t[src[j], :, column[j, c]]`` for every (j, c), (len(src), heads, width, d). ``t``
-    (rows, heads, L, d) is read as rows of ``d`` floats, so this is one ``index_select`` (copying whole
-    rows is what it is fast at; advanced indexing over two dimensions is several times slower)."""
-    _, heads, length, d = t.shape
-    flat = (src[:, None, None] * heads + torch.arange(heads, device=t.device)[None, :, None]) * length + column[
-        :, None, :
-    ]
-    return torch.index_select(t.reshape(-1, d), 0, flat.reshape(-1)).view(len(src), heads, column.shape[1], d)
+def _pick(kv: torch.Tensor, src: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+    """``out[:, j, :, c] = kv[:, src[j], :, column[j, c]]`` for every (j, c), (2 x layers, len(src), heads,
+    width, d). ``kv`` (2 x layers, rows, heads, L, d) is read as rows of ``d`` floats, so this is one
+    ``index_select`` (copying whole rows is what it is fast at; advanced indexing over two dimensions is
+    several times slower)."""
+    planes, rows, heads, length, d = kv.shape
+    dev = kv.device
+    flat = (src[:, None, None] * heads + torch.arange(heads, device=dev)[None, :, None]) * length + column[:, None, :]
+    flat = torch.arange(planes, device=dev)[:, None, None, None] * (rows * heads * length) + flat[None]
+    return torch.index_select(kv.reshape(-1, d), 0, flat.reshape(-1)).view(planes, len(src), heads, column.shape[1], d)
 
 
 def _buckets(lengths: list[int], slack: float) -> list[list[int]]:
@@ -264,20 +254,15 @@ class Session:
         attn[j, to] = 1
         slab.attn[rows, start:past] = attn
         slab.next_pos[rows] = old.next_pos[src]
-        for new_layer, old_layer in zip(slab.cache.layers, old.cache.layers):
-            new_layer.slab_keys[rows, :, start:past] = _pick(old_layer.slab_keys, src, column)
-            new_layer.slab_values[rows, :, start:past] = _pick(old_layer.slab_values, src, column)
+        slab.kv[:, rows, :, start:past] = _pick(old.kv, src, column)
 
     def _prefill_rows(self, slab: _Slab, rows: slice, new_ids: list[list[int]], start: int, past: int) -> torch.Tensor:
         """Prefill ``new_ids`` (left-padded to the longest) into ``slab[rows]`` from column ``past``, the
         history read from ``start``; the next-token logits (n, V)."""
         D = max(len(x) for x in new_ids)
-        ids = torch.full((len(new_ids), D), self.e.pad_id, dtype=torch.long)  # built on the CPU, moved once
-        mask = torch.zeros((len(new_ids), D), dtype=torch.long)
-        for i, x in enumerate(new_ids):
-            ids[i, D - len(x) :] = torch.tensor(x, dtype=torch.long)
-            mask[i, D - len(x) :] = 1
-        ids, mask = ids.to(self.e.device), mask.to(self.e.device)
+        pad = [D - len(x) for x in new_ids]
+        ids = torch.tensor([[self.e.pad_id] * p + list(x) for p, x in zip(pad, new_ids)], device=self.e.device)
+        mask = torch.tensor([[0] * p + [1] * (D - p) for p in pad], device=self.e.device)
         pos = slab.next_pos[rows, None] + (mask.cumsum(1) - 1).clamp_min(0)  # (n, D)
         slab.attn[rows, past : past + D] = mask
         out = self.e.model(

@@ -254,8 +254,7 @@ def _generate(batch: list[LiveEpisode], sampling: _Sampling, session: Session | 
     rest)."""
     fmt, s = sampling.fmt, sampling.settings
     deltas, inputs, tries = [], [], []
-    for ep in batch:
-        obs_ids = fmt.user(ep.obs)
+    for ep, obs_ids in zip(batch, fmt.users([ep.obs for ep in batch])):
         if session is None:
             delta = window_prompt(fmt, ep.goal_ids, ep.history, obs_ids, s.history_turns)
         else:

@@ -103,7 +103,11 @@ class ChatFormat:
         return self.template is not None
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return self.encode_many([text])[0]
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        """Each text's ids, in one tokenizer call (its per-call cost paid once for a turn's batch)."""
+        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=False).input_ids]
 
     def _render(self, messages: list[dict[str, str]]) -> str:
         return self.tokenizer.apply_chat_template(
@@ -123,12 +127,18 @@ class ChatFormat:
 
     def user(self, observation: str) -> list[int]:
         """The observation message followed by the assistant header the action is generated after."""
+        return self.users([observation])[0]
+
+    def users(self, observations: list[str]) -> list[list[int]]:
+        """``user`` of each observation, tokenized in one call (a turn's batch of episodes)."""
+        return self.encode_many([self._user_text(o) for o in observations])
+
+    def _user_text(self, observation: str) -> str:
         if self.template is None:
-            return self.encode(f"Observation: {observation}\nAction:")
+            return f"Observation: {observation}\nAction:"
         if self.template.user_parts is not None:
-            return self.encode(observation.join(self.template.user_parts))
-        text = self._render(_reference(_GOAL, observation))
-        return self.encode(_cut(text, self.template.before_user, "", "user message"))
+            return observation.join(self.template.user_parts)
+        return _cut(self._render(_reference(_GOAL, observation)), self.template.before_user, "", "user message")
 
     def close(self, action_ids: list[int]) -> list[int]:
         """Ids that follow a generated action in the context: the end token if it was cut off, then the rest
