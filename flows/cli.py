@@ -21,17 +21,55 @@ def _env_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
+# Background loops of Prefect's server that a run's temporary server never needs (schedules, late and paused
+# runs, workers' heartbeats, cancellation clean-up, automations): off there, so it takes fewer CPU seconds
+# from the run it serves. Its event and task-run recorders stay on: the run's history is kept in its database.
+TEMPORARY_SERVER_IDLE = tuple(
+    f"PREFECT_SERVER_SERVICES_{name}_ENABLED"
+    for name in (
+        "SCHEDULER",
+        "LATE_RUNS",
+        "PAUSE_EXPIRATIONS",
+        "FOREMAN",
+        "REPOSSESSOR",
+        "CANCELLATION_CLEANUP",
+        "CLEANUP_RECONCILER",
+        "TRIGGERS",
+    )
+)
+
+
+def _choose_prefect_api() -> None:
+    """Which Prefect server the command's flows report to: ``PREFECT_API_URL`` if set in the environment;
+    else the local stack's (``horizonrl stack up`` in this folder, ``.stack/``) if it is up, a long-lived
+    server that saves every run the start of a temporary one; else Prefect's own choice (a temporary server,
+    unless the Prefect profile names one)."""
+    if os.environ.get("PREFECT_API_URL"):
+        return
+    from pathlib import Path
+
+    from horizonrl_stack import running_api
+
+    api = running_api(Path(".stack"))
+    if api is not None:
+        os.environ["PREFECT_API_URL"] = api
+        print(f"horizonrl: Prefect API {api}: the running stack's server (.stack/)", file=sys.stderr)
+
+
 def _temporary_server_in_background() -> threading.Thread | None:
     """Start Prefect's temporary API server (what the flow would start on its first API call) in a thread,
     so that its boot, a process of its own, overlaps this process's imports of torch and transformers
-    instead of following them. Prefect keeps one such server per process: the flow finds it running.
-    None where ``PREFECT_API_URL`` names a server. A failed start is left to the flow's own, which reports it."""
+    instead of following them, with its idle loops off (``TEMPORARY_SERVER_IDLE``). Prefect keeps one such
+    server per process: the flow finds it running. None where ``PREFECT_API_URL`` names a server. A failed
+    start is left to the flow's own, which reports it."""
     from prefect.settings import get_current_settings
 
     settings = get_current_settings()
     if settings.api.url or not settings.server.ephemeral.enabled:
         return None
     from prefect.server.api.server import SubprocessASGIServer  # here, not in the thread: imports stay on one thread
+
+    os.environ.update(dict.fromkeys(TEMPORARY_SERVER_IDLE, "false"))  # the server's environment is this one's
 
     def start() -> None:
         try:
@@ -123,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     st.add_argument("--postgres-port", type=int, default=5432)
     args = parser.parse_args(argv)
+    if args.command not in ("stack", "show"):
+        _choose_prefect_api()
     if args.command == "recompute":
         return _recompute(args)
     if args.command == "show":

@@ -20,6 +20,7 @@ server is gone hangs.
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import secrets
@@ -40,6 +41,7 @@ HOST = "127.0.0.1"
 ORDER_DOWN = ("worker", "prefect", "mlflow", "postgres")
 PG_USER = "horizonrl"
 PG_DATABASES = ("prefect", "mlflow")
+URLS = "urls.json"  # in the stack's home while it is up: its servers' addresses (running_api)
 
 
 @dataclass(frozen=True)
@@ -159,16 +161,34 @@ def up(stack: Stack, timeout_s: float = 180) -> dict[str, str]:
     except BaseException:
         down(stack)
         raise
-    return {
+    urls = {
         "prefect": stack.prefect_api,
         "prefect_ui": f"http://{HOST}:{stack.prefect_port}",
         "mlflow": stack.mlflow_uri,
     }
+    (stack.home / URLS).write_text(json.dumps(urls))
+    return urls
+
+
+def running_api(home: Path) -> str | None:
+    """The Prefect API of the stack whose pid files are in ``home``, if it is up and answers; else None.
+    What ``horizonrl train`` (and the other flow commands) use when ``PREFECT_API_URL`` is unset, instead of
+    starting a temporary server of their own."""
+    urls = home / URLS
+    if not urls.is_file() or status(Stack(home=home))["prefect"] is None:
+        return None
+    api = json.loads(urls.read_text())["prefect"]
+    try:
+        with urllib.request.urlopen(f"{api}/health", timeout=2) as resp:
+            return api if resp.status == 200 else None
+    except (OSError, ValueError):
+        return None
 
 
 def down(stack: Stack, grace_s: float = 20) -> list[str]:
     """Stop worker, then servers, then PostgreSQL. Returns the parts that were running."""
     stopped = []
+    (stack.home / URLS).unlink(missing_ok=True)
     for name in ORDER_DOWN:
         pid_file = stack.home / f"{name}.pid"
         if not pid_file.is_file():

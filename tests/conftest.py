@@ -23,10 +23,12 @@ def prefect_harness():
     """A real (temporary) Prefect API for flow runs; entering it costs ~13 s, so once per session."""
     from prefect.testing.utilities import prefect_test_harness
 
-    # The server's background loops that no test here relies on (schedules, late and paused runs, workers'
-    # heartbeats, automations): off in this server only, set while it starts and removed before any test
-    # process inherits them. The stack tests' servers and a CLI's temporary server run with the defaults.
-    idle = [f"PREFECT_SERVER_SERVICES_{name}_ENABLED" for name in _IDLE_SERVICES]
+    from flows.cli import TEMPORARY_SERVER_IDLE
+
+    # The server's background loops that no test here relies on, off as in a CLI's temporary server: set
+    # while it starts and removed before any test process inherits them (the stack tests' servers, started
+    # by `horizonrl stack up`, run with the defaults).
+    idle = TEMPORARY_SERVER_IDLE
     os.environ.update(dict.fromkeys(idle, "false"))
     try:
         with prefect_test_harness(server_startup_timeout=120):
@@ -36,18 +38,6 @@ def prefect_harness():
     finally:
         for name in idle:
             os.environ.pop(name, None)
-
-
-_IDLE_SERVICES = (
-    "SCHEDULER",
-    "LATE_RUNS",
-    "PAUSE_EXPIRATIONS",
-    "FOREMAN",
-    "REPOSSESSOR",
-    "CANCELLATION_CLEANUP",
-    "CLEANUP_RECONCILER",
-    "TRIGGERS",
-)
 
 
 @pytest.fixture(scope="session")

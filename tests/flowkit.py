@@ -63,7 +63,14 @@ class CLIProcess:
     test, and the stack test's flow runs start fresh from Prefect's worker."""
 
     def __init__(
-        self, args: list[str], env: dict[str, str], log: Path, *, stderr: Path | None = None, new_session: bool = False
+        self,
+        args: list[str],
+        env: dict[str, str],
+        log: Path,
+        *,
+        stderr: Path | None = None,
+        new_session: bool = False,
+        cwd: Path = REPO,
     ):
         global _forks
         if _forks is None:
@@ -71,7 +78,7 @@ class CLIProcess:
             _forks.set_forkserver_preload(_PRELOAD)
         self.args, self.log, self.stderr = args, log, stderr
         self._proc = _forks.Process(
-            target=_cli_main, args=(args, env, str(log), str(stderr or log), new_session), daemon=False
+            target=_cli_main, args=(args, env, str(log), str(stderr or log), new_session, str(cwd)), daemon=False
         )
         self._proc.start()
         self.pid = self._proc.pid
@@ -89,10 +96,10 @@ class CLIProcess:
     returncode = property(poll)
 
 
-def _cli_main(args: list[str], env: dict[str, str], stdout: str, stderr: str, new_session: bool) -> None:
+def _cli_main(args: list[str], env: dict[str, str], stdout: str, stderr: str, new_session: bool, cwd: str) -> None:
     if new_session:
         os.setsid()
-    os.chdir(REPO)
+    os.chdir(cwd)
     sys.path.insert(0, str(REPO))
     os.environ.clear()
     os.environ.update(env)

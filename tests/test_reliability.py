@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
-from flowkit import CLIProcess, flat, leftovers, run_of, steps, tiny_config
+from flowkit import REPO, CLIProcess, flat, leftovers, run_of, steps, tiny_config
 from safetensors.torch import load_file
 
 from horizonrl import faults, store
@@ -68,7 +68,8 @@ def start_cli(
     cfg: dict, api_url: str | None, log: Path, fault: str | None = None, command: list[str] | None = None
 ) -> CLIProcess:
     """``horizonrl train`` with ``cfg`` as --set overrides (or ``horizonrl <command>``), a process in its own
-    session; ``api_url`` None: with no API, so that it starts Prefect's temporary server as a user's run does."""
+    session; ``api_url`` None: with no API, so that it starts Prefect's temporary server as a user's run does
+    (in the log's folder, where no local stack is up, even when one is up in the repository)."""
     env = {k: v for k, v in os.environ.items() if k not in (faults.ENV, "PREFECT_API_URL")}
     env.update(PREFECT_HOME=str(log.parent / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
     if api_url:
@@ -77,7 +78,7 @@ def start_cli(
         env[faults.ENV] = fault
     args = command or ["train", *(f"--set={k}={v}" for k, v in flat(cfg).items())]
     log.write_text("")
-    return CLIProcess(args, env, log, new_session=True)
+    return CLIProcess(args, env, log, new_session=True, cwd=REPO if api_url else log.parent)
 
 
 def finish(proc: CLIProcess, timeout: float = 300) -> int:
@@ -463,7 +464,7 @@ def test_second_process_refused_and_a_killed_run_leaves_no_server(api_url, tmp_p
     second start on the same run name (in this test's process) is refused, naming it. The first is then
     SIGKILLed: its temporary server survives it (re-parented). The next run of that name stops that server, marks the
     dead flow run crashed, and finishes; afterwards no server process of this Prefect home is left."""
-    from flows.cli import main
+    from flows.cli import TEMPORARY_SERVER_IDLE, main
 
     home = tmp_path / "prefect"
     long = config(tmp_path, iterations=50, eval={"every": 50, "n_tasks": 2, "greedy": False})
@@ -488,6 +489,8 @@ def test_second_process_refused_and_a_killed_run_leaves_no_server(api_url, tmp_p
     first.wait()
     orphans = runlock.orphaned_prefect_servers(home)
     assert orphans and leftovers(str(home)), "the killed run left no server behind, so the test would check nothing"
+    server_env = Path(f"/proc/{orphans[0]}/environ").read_bytes().split(b"\0")
+    assert all(f"{name}=false".encode() in server_env for name in TEMPORARY_SERVER_IDLE)  # its idle loops off
 
     third = start_cli(
         config(tmp_path, iterations=1, eval={"every": 50, "n_tasks": 2, "greedy": False}), None, tmp_path / "third.log"

@@ -276,7 +276,8 @@ def test_every_run_writes_whole_beside_the_others_on_postgres(swept):
 
 def test_sqlite_stack_starts_answers_and_stops(tmp_path):
     """The default stack (SQLite files behind both servers): up, both servers answer, the worker has
-    registered, down, and nothing is left."""
+    registered; a ``horizonrl train`` started in the stack's folder without ``PREFECT_API_URL`` reports to
+    the stack's Prefect server instead of starting a temporary one; down, and nothing is left."""
     home = tmp_path / "prefect-home"
     s = stack.Stack(
         home=tmp_path / ".stack",
@@ -294,9 +295,22 @@ def test_sqlite_stack_starts_answers_and_stops(tmp_path):
             and httpx.get(f"{urls['mlflow']}/health").status_code == 200
         )
         assert (tmp_path / "mlflow" / "mlflow.db").is_file()
+        assert stack.running_api(s.home) == s.prefect_api
+
+        cfg = {**tiny_config(tmp_path, f"sqlite:///{tmp_path}/runs.db", "on-the-stack", iterations=1), "seed": 5}
+        env = {k: v for k, v in s.environ().items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+        log = tmp_path / "train.log"
+        proc = CLIProcess(["train", *(f"--set={k}={v}" for k, v in flat(cfg).items())], env, log, cwd=tmp_path)
+        assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
+        assert f"Prefect API {s.prefect_api}: the running stack's server" in log.read_text()
+        runs = httpx.post(f"{s.prefect_api}/flow_runs/filter", json={}).json()
+        assert [(r["state_type"], r["parameters"]["config"]["run_name"]) for r in runs] == [
+            ("COMPLETED", "on-the-stack")
+        ]
     finally:
         stopped = stack.down(s)
     assert stopped == ["worker", "prefect", "mlflow"] and not leftovers(str(home))
+    assert stack.running_api(s.home) is None and not (s.home / stack.URLS).exists()
 
 
 def test_report_numbers_match_mlflow_metrics(swept):
