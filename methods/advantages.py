@@ -28,40 +28,48 @@ class _Trajectories(NamedTuple):
     returns: np.ndarray  # (J,) float64: R_j
     group: np.ndarray  # (J,) int64: group index of each trajectory, in [0, G)
     group_size: np.ndarray  # (G,) int64: K_g, trajectories per group
+    group_first: np.ndarray  # (G,) int64: first trajectory of each group
+    run_length: np.ndarray | None  # (J,) int64 rows per trajectory when rows come sorted by traj_id, else None
+
+    def to_rows(self, x: np.ndarray) -> np.ndarray:
+        """(J,) values broadcast to their rows (N,): a repeat over sorted rows, else a gather."""
+        return x[self.row_traj] if self.run_length is None else np.repeat(x, self.run_length)
 
 
-def _first_and_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _first_and_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """``np.unique(values, return_index=True, return_inverse=True)[1:]``: first row of each distinct
-    value (sorted) and each row's code. Sorted input (the store's rollout order) takes a linear pass
-    over runs instead of a sort, with the same result."""
+    value (sorted) and each row's code; third, the length of each value's run when the input is
+    sorted (else None). Sorted input (the store's rollout order) takes a linear pass over runs
+    instead of a sort, with the same result."""
     values = np.asarray(values)
     if len(values) and np.all(values[1:] >= values[:-1]):
-        new = np.concatenate(([True], values[1:] != values[:-1]))
-        return np.flatnonzero(new), np.cumsum(new) - 1
+        first = np.flatnonzero(np.concatenate(([True], values[1:] != values[:-1])))
+        length = np.diff(np.append(first, len(values)))
+        return first, np.repeat(np.arange(len(first), dtype=np.int64), length), length
     _, first, codes = np.unique(values, return_index=True, return_inverse=True)
-    return first, codes.reshape(-1)
+    return first, codes.reshape(-1), None
 
 
 def _trajectories(batch: StepBatch) -> _Trajectories:
     """Collapse rows (N,) to trajectories (J,); raise if a trajectory's rows disagree on R or group."""
-    first, row_traj = _first_and_codes(batch.traj_id)
+    first, row_traj, run_length = _first_and_codes(batch.traj_id)
     row_returns = np.asarray(batch.episode_return, dtype=np.float64)  # (N,)
     if not np.all(np.isfinite(row_returns)):
         raise ValueError("episode_return has non-finite values")
     returns = row_returns[first]  # (J,)
-    if np.any(row_returns != returns[row_traj]):
-        raise ValueError("rows of one trajectory carry different episode_return values")
     row_group = np.asarray(batch.group_id)
-    if np.any(row_group != row_group[first][row_traj]):
+    group_first, group, _ = _first_and_codes(row_group[first])
+    traj = _Trajectories(row_traj, returns, group, np.bincount(group), group_first, run_length)
+    if np.any(row_returns != traj.to_rows(returns)):
+        raise ValueError("rows of one trajectory carry different episode_return values")
+    if np.any(row_group != traj.to_rows(row_group[first])):
         raise ValueError("rows of one trajectory carry different group_id values")
-    _, group = _first_and_codes(row_group[first])
-    return _Trajectories(row_traj, returns, group, np.bincount(group))
+    return traj
 
 
 def _group_deviation(traj: _Trajectories) -> np.ndarray:
     """R_j − mean_g R, (J,); exactly 0 for a group whose returns are all equal (§7.2)."""
-    group_first, _ = _first_and_codes(traj.group)
-    shifted = traj.returns - traj.returns[group_first][traj.group]  # 0 for every member of a tied group
+    shifted = traj.returns - traj.returns[traj.group_first][traj.group]  # 0 for every member of a tied group
     shifted_mean = np.bincount(traj.group, shifted, len(traj.group_size)) / traj.group_size
     return shifted - shifted_mean[traj.group]
 
@@ -74,12 +82,12 @@ def _group_std(dev: np.ndarray, traj: _Trajectories, ddof: int) -> np.ndarray:
 
 def _result(traj: _Trajectories, adv: np.ndarray, keep: np.ndarray) -> AdvantageResult:
     """Broadcast (J,) advantages and keep flags to rows (N,) and fill the plain stats."""
-    row_adv, row_keep = adv[traj.row_traj], keep[traj.row_traj]
+    row_adv, row_keep = traj.to_rows(adv), traj.to_rows(keep)
     nonzero_per_group = np.bincount(traj.group, adv != 0, len(traj.group_size))
     n_groups = len(traj.group_size)
     stats = {
         "zero_group_fraction": float(np.mean(nonzero_per_group == 0)) if n_groups else 0.0,
-        "kept_fraction": float(np.mean(row_keep)) if len(row_keep) else 0.0,
+        "kept_fraction": np.count_nonzero(row_keep) / len(row_keep) if len(row_keep) else 0.0,  # np.mean's bits
         "adv_mean": float(np.mean(row_adv)) if len(row_adv) else 0.0,
         "adv_abs_mean": float(np.mean(np.abs(row_adv))) if len(row_adv) else 0.0,
         "groups": float(n_groups),

@@ -140,9 +140,12 @@ def batch_effects(delta: np.ndarray, k: StepKeys, child_balance: bool) -> tuple[
     rows = sh[eligible[k.exact[sh]]]
     effect, first = delta[rows], rows
     if child_balance:  # buckets sorted by (key, uid, observation, context): the order S and Q are summed in
-        exact = k.uid[rows] * max(k.n_obs, 1) + k.obs[rows]
-        key_exact, _ = combine_codes(k.key[rows], exact, max(k.n_uid * k.n_obs, 1))
-        bucket, n_bucket = combine_codes(key_exact, k.context[rows], len(k.context_values))
+        n_context = max(len(k.context_values), 1)
+        key_exact = k.key[rows] * max(k.n_exact, 1) + exact_ranks(k)[k.exact[rows]]  # (key, uid, obs) order
+        if len(rows) and int(key_exact.max()) >= np.iinfo(np.int64).max // n_context:  # too wide for one pack
+            exact = k.uid[rows] * max(k.n_obs, 1) + k.obs[rows]
+            key_exact, _ = combine_codes(k.key[rows], exact, max(k.n_uid * k.n_obs, 1))
+        bucket, n_bucket = combine_codes(key_exact, k.context[rows], n_context)  # one sort of the rows
         effect, first = group_moments(delta[rows], bucket, n_bucket)[1], rows[group_first(bucket, n_bucket)]
     # first: (E,) one row per effect, whose key and context the effect takes
     written, key_index = np.unique(k.key[first], return_inverse=True)
@@ -151,6 +154,15 @@ def batch_effects(delta: np.ndarray, k: StepKeys, child_balance: bool) -> tuple[
     moments = (np.bincount(key_index, weights=v, minlength=n_written) for v in (effect, effect**2))
     sums = [weight, *moments, weight]
     return key_codes(k, written), sums, children_by_key(key_index, k.context[first], n_written, k.context_values)
+
+
+def exact_ranks(k: StepKeys) -> np.ndarray:
+    """(n_exact,) rank of each Exact group in (uid, observation) code order: a sort of the groups,
+    so that the rows' (key, uid, observation, context) buckets are ordered by one sort of one int64."""
+    first = k.exact_first
+    rank = np.empty(k.n_exact, dtype=np.int64)
+    rank[np.argsort(k.uid[first] * max(k.n_obs, 1) + k.obs[first])] = np.arange(k.n_exact)
+    return rank
 
 
 def key_codes(k: StepKeys, codes: np.ndarray) -> KeyCodes:

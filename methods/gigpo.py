@@ -21,6 +21,7 @@ import numpy as np
 from methods.registry import ADVANTAGES
 from methods.stepwise import (
     MODES,
+    codes_within_groups,
     discounted_returns,
     first_rows,
     group_standardize,
@@ -94,8 +95,8 @@ def gigpo_advantage(batch: StepBatch, params: GiGPOParams, state: object | None 
     score, reward = penalized_score_and_reward(batch, params.invalid_penalty)
     returns = discounted_returns(reward, starts, params.gamma)  # (N,) G_n
     uid, n_uid = hashed_codes(batch.group_id)  # numbered by first appearance: no sort
-    obs, n_obs = hashed_codes(batch.anchor_obs)
-    anchor, n_anchor = pair_codes(uid, obs, n_obs)  # one hash pass over the packed pairs, not a second sort
+    obs, n_obs = codes_within_groups(batch.anchor_obs, uid)  # told apart inside each uid only
+    anchor, n_anchor = pair_codes(uid, obs, n_obs)  # obs's own codes when each names one uid
     adv_episode = episode_advantage(score, uid, n_uid, starts, params)
     adv_step = group_standardize(returns, anchor, n_anchor, params.mode, params.eps, "zero")
     adv = adv_episode + params.step_advantage_w * adv_step

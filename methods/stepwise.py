@@ -61,7 +61,8 @@ def trajectory_starts(batch: StepBatch) -> np.ndarray:
     traj, turn, group = (np.asarray(c) for c in (batch.traj_id, batch.turn, batch.group_id))
     same = traj[1:] == traj[:-1]  # (N-1,) row n+1 continues row n's trajectory
     starts = np.flatnonzero(np.concatenate(([True], ~same))) if len(traj) else np.zeros(0, np.int64)
-    if len(starts) != len(distinct(traj[starts])):
+    ids = traj[starts]
+    if not np.all(ids[1:] > ids[:-1]) and len(starts) != len(distinct(ids)):  # increasing ids: distinct
         raise ValueError("StepBatch rows of a trajectory must be contiguous (traj_id repeats after a gap)")
     if np.any(same & (turn[1:] <= turn[:-1])):
         raise ValueError("StepBatch rows of a trajectory must be in increasing turn order")
@@ -73,8 +74,9 @@ def trajectory_starts(batch: StepBatch) -> np.ndarray:
 def discounted_returns(reward: np.ndarray, starts: np.ndarray, gamma: float) -> np.ndarray:
     """G_n = r_n + gamma * G_{n+1} inside each trajectory, G = 0 after its last row (2.2, 4.3).
 
-    The recursion runs backwards over the position inside the trajectory, vectorized over
-    trajectories (one numpy step per position), so it equals the plain loop bit for bit.
+    The recursion runs backwards over the distance d to the trajectory's end, vectorized over
+    trajectories (one numpy step per d, over the trajectories longer than d), so it equals the plain
+    loop bit for bit.
 
     Args:
         reward: (N,) step rewards r_n in row order.
@@ -85,18 +87,18 @@ def discounted_returns(reward: np.ndarray, starts: np.ndarray, gamma: float) -> 
         (N,) float64 returns G_n.
     """
     n_rows = len(reward)
-    lengths = np.diff(np.append(starts, n_rows))  # (T,)
-    pos = np.arange(n_rows) - np.repeat(starts, lengths)  # (N,) index inside the trajectory
-    is_last = np.zeros(n_rows, dtype=bool)
-    is_last[starts + lengths - 1] = True
-    successor = np.where(is_last, n_rows, np.arange(n_rows) + 1)  # (N,) row n+1, or the zero pad
-    small = np.int16 if n_rows and int(pos.max()) < np.iinfo(np.int16).max else np.int64
-    order = np.argsort(pos.astype(small), kind="stable")  # a radix sort for 16-bit positions: the same order
-    offsets = np.concatenate(([0], np.cumsum(np.bincount(pos, minlength=0))))
     returns = np.zeros(n_rows + 1, dtype=np.float64)  # last slot: G after the end = 0
-    for j in range(len(offsets) - 2, -1, -1):
-        rows = order[offsets[j] : offsets[j + 1]]
-        returns[rows] = reward[rows] + gamma * returns[successor[rows]]
+    if n_rows == 0:
+        return returns[:0]
+    ends = np.append(starts[1:], n_rows) - 1  # (T,) last row of each trajectory
+    returns[ends] = reward[ends] + gamma * returns[n_rows]  # the zero pad after the end
+    lengths = ends - starts + 1
+    small = np.int16 if int(lengths.max()) < np.iinfo(np.int16).max else np.int64
+    longest = ends[np.argsort(-lengths.astype(small), kind="stable")]  # a radix sort: longest first
+    longer = np.cumsum(np.bincount(lengths)[::-1])[::-1]  # longer[d]: trajectories of d rows or more
+    for d in range(1, len(longer) - 1):  # row n = end - d, d rows before its trajectory's end
+        rows = longest[: longer[d + 1]] - d
+        returns[rows] = reward[rows] + gamma * returns[rows + 1]
     return returns[:n_rows]
 
 
@@ -115,11 +117,13 @@ def factorize(values: Any) -> tuple[np.ndarray, list[Any]]:
     is a value like any other. A column of str only goes straight to the string table that
     ``pd.factorize`` would pick (``StringHashTable``: the same codes, without its NA and type scans,
     which cost a third as much again); anything else, or a pandas without it, through
-    ``pd.factorize``. Numeric arrays use ``np.unique(return_inverse=True)``.
+    ``pd.factorize``. Numeric arrays use ``np.unique(return_inverse=True)`` over their runs of equal
+    values (``_runs``: a task group's rows are one run, so 1e6 group ids are 1e5 values to sort).
     """
     if isinstance(values, np.ndarray) and values.dtype != object:
-        uniques, codes = np.unique(values, return_inverse=True)
-        return codes.reshape(-1).astype(np.int64), uniques.tolist()
+        flat, spread = _runs(values)
+        uniques, codes = np.unique(flat, return_inverse=True)
+        return spread(codes.reshape(-1).astype(np.int64)), uniques.tolist()
     items = values if isinstance(values, np.ndarray) else np.asarray(list(values), dtype=object)
     if StringHashTable is not None and items.ndim == 1 and len(items):
         try:
@@ -149,11 +153,22 @@ def combine_codes(a: np.ndarray, b: np.ndarray, n_b: int) -> tuple[np.ndarray, i
 def pair_codes(a: np.ndarray, b: np.ndarray, n_b: int) -> tuple[np.ndarray, int]:
     """Codes of the pairs (a_n, b_n) and their number, for groupings whose numbering no result
     depends on (per-group statistics summed in row order): ``combine_codes``' count over a small
-    packed range, else pandas' hash table on the packed int64 (first-appearance order) instead of a
-    sort."""
+    packed range; else, when every b code occurs with one a only, b's own codes (renumbered in
+    order if some go unused: a scatter and a check instead of hashing 1e6 pairs); else pandas' hash
+    table on the packed int64 (first-appearance order) instead of a sort. Codes of b numbered by
+    first appearance stay so on the second path."""
     packed = _packed(a, b, n_b)
     if len(packed) and int(packed.max()) < DENSE_RANGE * len(packed):
         return dense_codes(packed)
+    if len(packed) and int(np.min(a)) >= 0 and int(np.min(b)) >= 0:  # b determines a: the pairs are b's groups
+        a_of_b = np.full(max(n_b, 1), -1, dtype=np.int64)
+        a_of_b[b] = a
+        if np.array_equal(a_of_b[b], a):  # each b code has one a (an anchor observation names its task)
+            present = a_of_b >= 0
+            if present.all():
+                return np.asarray(b, dtype=np.int64), n_b
+            rank = np.cumsum(present) - 1
+            return rank[b].astype(np.int64), int(rank[-1]) + 1
     codes, uniques = pd.factorize(packed)
     return codes.astype(np.int64), len(uniques)
 
@@ -171,19 +186,76 @@ def _packed(a: np.ndarray, b: np.ndarray, n_b: int) -> np.ndarray:
 def dense_codes(packed: np.ndarray) -> tuple[np.ndarray, int]:
     """Codes of non-negative int64 values in sorted order, by a count over 0..max: what
     ``np.unique(return_inverse=True)`` gives, in O(N + max)."""
-    present = np.bincount(packed) > 0
-    rank = np.cumsum(present) - 1
-    return rank[packed].astype(np.int64), int(rank[-1]) + 1
+    present = np.zeros(int(packed.max()) + 1, dtype=bool)
+    present[packed] = True
+    rank = np.cumsum(present, dtype=np.int32 if len(present) < 2**31 else np.int64)  # half the bytes to gather
+    return rank[packed].astype(np.int64) - 1, int(rank[-1])
+
+
+def _runs(values: np.ndarray) -> tuple[np.ndarray, Any]:
+    """The values of a numeric column's runs of equal neighbours, and a function spreading per-run
+    codes back to rows. Coding the runs gives the rows' codes in the same order (sorted, or by first
+    appearance) at a fraction of the cost when rows come in runs (a group's rows are contiguous);
+    a column without runs is passed through as it is."""
+    flat = np.asarray(values).reshape(-1)
+    if len(flat) < 2:
+        return flat, lambda codes: codes
+    new = np.empty(len(flat), dtype=bool)
+    new[0] = True
+    np.not_equal(flat[1:], flat[:-1], out=new[1:])
+    starts = np.flatnonzero(new)
+    if 2 * len(starts) > len(flat):
+        return flat, lambda codes: codes
+    lengths = np.diff(np.append(starts, len(flat)))
+    return flat[starts], lambda codes: np.repeat(codes, lengths)
 
 
 def hashed_codes(values: Any) -> tuple[np.ndarray, int]:
     """Integer codes of a column in first-appearance order and their number (``factorize`` without
     sorting numeric values: for groupings whose numbering no result depends on)."""
     if isinstance(values, np.ndarray) and values.dtype != object:
-        codes, uniques = pd.factorize(values.reshape(-1))
-        return codes.astype(np.int64), len(uniques)
+        flat, spread = _runs(values)
+        codes, uniques = pd.factorize(flat)
+        return spread(codes.astype(np.int64)), len(uniques)
     codes, uniques = factorize(values)
     return codes, len(uniques)
+
+
+BLOCK_ROWS = 8192  # rows per block of ``codes_within_groups``: its hash tables stay in the CPU's cache
+
+
+def codes_within_groups(values: Any, group: np.ndarray) -> tuple[np.ndarray, int]:
+    """Codes of a column that only need to tell values apart inside each group (GiGPO's anchor
+    observation inside its uid), and their number.
+
+    When every group's rows are one contiguous run (the store's rollout order), the rows are cut
+    into blocks of about ``BLOCK_ROWS`` at group boundaries and each block is coded by its own small
+    hash table (a third cheaper on 1e6 strings than one table over all rows, whose probes miss the
+    cache); codes are unique across blocks, so equal values in two blocks (then in two groups) get
+    two codes. Otherwise, ``hashed_codes``. Pair the result with ``group`` (``pair_codes``).
+
+    Args:
+        group: (N,) int group codes.
+    """
+    values = values if isinstance(values, np.ndarray) else np.asarray(list(values), dtype=object)
+    group = np.asarray(group)
+    if values.dtype != object or values.ndim != 1 or len(values) < 4 * BLOCK_ROWS:
+        return hashed_codes(values)
+    new = np.empty(len(group), dtype=bool)
+    new[0] = True
+    np.not_equal(group[1:], group[:-1], out=new[1:])
+    starts = np.flatnonzero(new)
+    if len(starts) != len(distinct(group[starts])):  # a group in two runs: one table over all rows
+        return hashed_codes(values)
+    at = np.searchsorted(starts, np.arange(0, len(values), BLOCK_ROWS))  # first group start at or after
+    cuts = np.unique(np.append(starts[at[at < len(starts)]], len(values)))  # block bounds, from 0 to N
+    codes = np.empty(len(values), dtype=np.int64)
+    n_codes = 0
+    for lo, hi in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+        block, uniques = factorize(values[lo:hi])
+        codes[lo:hi] = block + n_codes
+        n_codes += len(uniques)
+    return codes, n_codes
 
 
 def group_first(codes: np.ndarray, n_groups: int) -> np.ndarray:
