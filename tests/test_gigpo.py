@@ -15,9 +15,17 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
+from methods import stepwise
 from methods.gigpo import GiGPOParams, gigpo_advantage
 from methods.registry import ADVANTAGES
-from methods.stepwise import discounted_returns, group_moments, trajectory_starts
+from methods.stepwise import (
+    discounted_returns,
+    factorize,
+    group_moments,
+    hashed_codes,
+    pair_codes,
+    trajectory_starts,
+)
 from methods.types import StepBatch
 
 ATOL = 1e-12
@@ -162,16 +170,23 @@ def loop_gigpo(rows, params: GiGPOParams) -> list[float]:
     return [e + params.step_advantage_w * s for e, s in zip(adv_episode, adv_step)]
 
 
-def random_rows(seed: int) -> list[tuple]:
-    """Groups of 1-6 trajectories of 1-5 steps, rewards from a small set (ties), shared observations."""
+def random_rows(seed: int, groups: int = 12, shared: bool = True, again: bool = False) -> list[tuple]:
+    """Groups of 1-6 trajectories of 1-5 steps, rewards from a small set (ties), observations shared
+    across groups (or each group's own with ``shared=False``); ``again``: the first group comes back
+    at the end, so its rows are not one run."""
     rng = np.random.default_rng(seed)
     rows, traj = [], 0
-    for uid in rng.permutation(12):
+    order = rng.permutation(groups)
+    for uid in [*order, order[0]] if again else order:
         for _ in range(int(rng.integers(1, 7))):
             length, ret = int(rng.integers(1, 6)), float(rng.choice([0.0, 1.0, 0.5]))
             for t in range(length):
                 reward = ret if t == length - 1 else float(rng.choice([0.0, 0.0, 0.1]))
-                obs = f"obs{rng.integers(0, 4)}" if t < 3 else f"deep{traj}"
+                obs = (
+                    (f"obs{rng.integers(0, 4)}" if shared else f"{uid}/obs{rng.integers(0, 4)}")
+                    if t < 3
+                    else f"deep{traj}"
+                )
                 rows.append((int(uid), traj, reward, ret, obs, bool(rng.random() > 0.2)))
             traj += 1
     return rows
@@ -186,6 +201,33 @@ def test_vectorized_equals_loop(seed, mode, cross_steps):
     result = gigpo_advantage(step_batch(rows), params)
     np.testing.assert_allclose(result.adv, loop_gigpo(rows, params), rtol=0, atol=1e-10)
     assert result.adv.dtype == np.float64 and result.adv.shape == (len(rows),)
+
+
+@pytest.mark.parametrize(("shared", "again"), [(True, False), (False, False), (True, True)])
+def test_blocked_codes_equal_loop(shared, again, monkeypatch):
+    """Past 4 * BLOCK_ROWS rows (64 here, so the batch stays small) the anchor observations are coded
+    block by block (groups in one run each) or by one table (a group in two runs), and paired by
+    their own codes when each names one uid."""
+    monkeypatch.setattr(stepwise, "BLOCK_ROWS", 64)
+    rows = random_rows(5, groups=120, shared=shared, again=again)
+    assert len(rows) > 4 * 64
+    params = GiGPOParams(step_advantage_w=0.7)
+    result = gigpo_advantage(step_batch(rows), params)
+    np.testing.assert_allclose(result.adv, loop_gigpo(rows, params), rtol=0, atol=1e-10)
+
+
+def test_code_helpers_match_their_references():
+    values = np.array([3, 3, 1, 1, 2, 2, 3])  # runs, one value coming back
+    codes, uniques = factorize(values)
+    assert codes.tolist() == [2, 2, 0, 0, 1, 1, 2] and uniques == [1, 2, 3]
+    assert hashed_codes(values)[0].tolist() == [0, 0, 1, 1, 2, 2, 0]
+    # packed range above 4N: b determines a (unused b code 1 renumbered away), then it does not
+    assert [
+        c.tolist() if isinstance(c, np.ndarray) else c for c in pair_codes(np.array([5, 5, 7]), np.array([0, 0, 2]), 3)
+    ] == [[0, 0, 1], 2]
+    assert [
+        c.tolist() if isinstance(c, np.ndarray) else c for c in pair_codes(np.array([5, 6, 7]), np.array([0, 0, 2]), 3)
+    ] == [[0, 1, 2], 3]
 
 
 def test_discounted_returns_match_recursion_bit_for_bit():

@@ -106,8 +106,10 @@ class _SlabLayer(DynamicLayer):
 
 class _Slab:
     """One turn's KV cache: every layer's keys and values in one tensor ``kv`` (2 x layers, rows, kv_heads,
-    C, head_dim), zeros where nothing was written (masked columns must hold finite values), so a turn's
-    allocation, gather and row swaps are one operation each whatever the depth; ``attn`` (rows, C) is 1 at
+    C, head_dim), so a turn's allocation, gather and row swaps are one operation each whatever the depth.
+    It is allocated empty: the session writes every column a call reads before the call (zeros in the
+    holes left of each row's history: masked columns add exactly zero, but only if finite), and zeroing
+    the whole slab cost as much as a turn's gather; ``attn`` (rows, C) is 1 at
     real columns, ``next_pos`` (rows,) the position id of each row's next token."""
 
     def __init__(self, model: torch.nn.Module, rows: int, columns: int, device: torch.device) -> None:
@@ -115,7 +117,7 @@ class _Slab:
         heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dtype = next(model.parameters()).dtype
-        self.kv = torch.zeros((2 * cfg.num_hidden_layers, rows, heads, columns, dim), dtype=dtype, device=device)
+        self.kv = torch.empty((2 * cfg.num_hidden_layers, rows, heads, columns, dim), dtype=dtype, device=device)
         self.cache = DynamicCache()
         for k in range(cfg.num_hidden_layers):
             self.cache.layers.append(_SlabLayer(self.kv[2 * k], self.kv[2 * k + 1]))
@@ -230,6 +232,7 @@ class Session:
         for bucket, d, h in zip(buckets, new, longest):
             rows = slice(first, first + len(bucket))
             past = end - d  # the bucket's history ends here, right-packed
+            slab.kv[:, rows, :, : past - h] = 0  # the holes before the history, read (masked) from ``start``
             if h:
                 self._gather(old, slab, [self.row[slots[i]] for i in bucket], rows, past - h, past)
             logits.append(self._prefill_rows(slab, rows, [inputs[i] for i in bucket], past - h, past))
