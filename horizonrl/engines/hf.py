@@ -9,7 +9,7 @@ no choice, so no policy-gradient signal).
 A ``Session`` keeps one KV cache for a batch of episodes across turns (full-history context): each turn
 prefills only the new tokens (the observation), not the whole history. Position ids are explicit and
 padding is masked, so where a row's columns sit in the cache changes nothing but the holes. Each turn's
-cache is one preallocated slab per layer, (rows, kv_heads, columns, head_dim), written in place:
+cache is one preallocated slab, (2 x layers, rows, kv_heads, columns, head_dim), written in place:
 
 * the slab is sized once per turn (the rows' longest history plus the longest new tokens and the
   token budget) and each row's history is gathered into it once, its real columns packed to the
