@@ -41,10 +41,15 @@ def context_hashes(context_ids: Sequence[Any]) -> list[str]:
 
 def context_digests(context_ids: Sequence[Any]) -> np.ndarray:
     """The same digests as ``context_hashes``, as (n, 2) uint64 (big-endian halves: their order is the
-    hex strings' order)."""
-    blake2b = hashlib.blake2b
-    raw = b"".join([blake2b(str(c).encode("utf-8"), digest_size=16).digest() for c in context_ids])
-    return np.frombuffer(raw, dtype=">u8").astype(np.uint64).reshape(-1, 2)
+    hex strings' order). Each hash is a copy of one empty blake2b state (a quarter cheaper than
+    constructing one per id, whose keyword parsing dominates for short ids)."""
+    empty = hashlib.blake2b(digest_size=16)
+    digests = []
+    for c in context_ids:
+        h = empty.copy()
+        h.update(str(c).encode("utf-8"))
+        digests.append(h.digest())
+    return np.frombuffer(b"".join(digests), dtype=">u8").astype(np.uint64).reshape(-1, 2)
 
 
 def digests_from_hex(hashes: Sequence[str]) -> np.ndarray:
