@@ -150,9 +150,10 @@ def loop_blpo(batch: StepBatch, p: BLPOParams, records: dict, decay: float) -> t
     fmt, role, abstract, context = (
         c.tolist() for c in (batch.format_valid, batch.progress_key, batch.abstract_action, batch.context_id)
     )
-    normal: dict[str, str] = {}
+    texts = batch.action.tolist()
+    normal = {t: normalize_action_text(t) for t in set(texts)}  # each distinct action text normalised once
     action = [(0 if v else 1) if f else 2 for v, f in zip(valid, fmt)]
-    action = [(a, normal.setdefault(t, normalize_action_text(t))) for a, t in zip(action, batch.action.tolist())]
+    action = [(a, normal[t]) for a, t in zip(action, texts)]
     n = len(batch)
     episode, exact, exact_on = [0.0] * n, [0.0] * n, [False] * n
     effects: dict[tuple[str, str], list] = {}  # key -> [W, S, Q, {context: weight}]
