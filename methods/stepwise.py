@@ -192,6 +192,14 @@ def dense_codes(packed: np.ndarray) -> tuple[np.ndarray, int]:
     return rank[packed].astype(np.int64) - 1, int(rank[-1])
 
 
+def run_starts(values: np.ndarray) -> np.ndarray:
+    """(R,) int64 index of the first row of each run of equal neighbours in a non-empty 1-D array."""
+    new = np.empty(len(values), dtype=bool)
+    new[0] = True
+    np.not_equal(values[1:], values[:-1], out=new[1:])
+    return np.flatnonzero(new)
+
+
 def _runs(values: np.ndarray) -> tuple[np.ndarray, Any]:
     """The values of a numeric column's runs of equal neighbours, and a function spreading per-run
     codes back to rows. Coding the runs gives the rows' codes in the same order (sorted, or by first
@@ -200,10 +208,7 @@ def _runs(values: np.ndarray) -> tuple[np.ndarray, Any]:
     flat = np.asarray(values).reshape(-1)
     if len(flat) < 2:
         return flat, lambda codes: codes
-    new = np.empty(len(flat), dtype=bool)
-    new[0] = True
-    np.not_equal(flat[1:], flat[:-1], out=new[1:])
-    starts = np.flatnonzero(new)
+    starts = run_starts(flat)
     if 2 * len(starts) > len(flat):
         return flat, lambda codes: codes
     lengths = np.diff(np.append(starts, len(flat)))
@@ -241,10 +246,7 @@ def codes_within_groups(values: Any, group: np.ndarray) -> tuple[np.ndarray, int
     group = np.asarray(group)
     if values.dtype != object or values.ndim != 1 or len(values) < 4 * BLOCK_ROWS:
         return hashed_codes(values)
-    new = np.empty(len(group), dtype=bool)
-    new[0] = True
-    np.not_equal(group[1:], group[:-1], out=new[1:])
-    starts = np.flatnonzero(new)
+    starts = run_starts(group)
     if len(starts) != len(distinct(group[starts])):  # a group in two runs: one table over all rows
         return hashed_codes(values)
     at = np.searchsorted(starts, np.arange(0, len(values), BLOCK_ROWS))  # first group start at or after

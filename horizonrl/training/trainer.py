@@ -167,7 +167,8 @@ def policy_logprobs(
     once (``horizonrl.training.packing``). ``counts`` (if given) adds the real, the computed and the unique
     (shared prefixes once) decoder positions."""
     lengths = [r.positions[-1] + 1 if r.positions else len(r.input_ids) for r in rows]
-    seqs = [np.asarray(r.input_ids[:n], dtype=np.int64) for r, n in zip(rows, lengths)]  # each row as computed
+    needs_seqs = packing != "off" or counts is not None  # each row as computed, for packing or the unique count
+    seqs = [np.asarray(r.input_ids[:n], dtype=np.int64) for r, n in zip(rows, lengths)] if needs_seqs else []
     if counts is not None and packing != "tree":  # the tree's packed length is the unique count itself
         counts.update(unique_tokens=unique_tokens(seqs))
     if packing == "off":
