@@ -28,10 +28,13 @@ def prefect_harness():
 
     from flows.cli import TEMPORARY_SERVER_IDLE
 
-    # The server's background loops that no test here relies on, off as in a CLI's temporary server: set
-    # while it starts and removed before any test process inherits them (the stack tests' servers, started
-    # by `horizonrl stack up`, run with the defaults).
-    idle = TEMPORARY_SERVER_IDLE
+    # The server's background loops that no test here relies on, off as in a CLI's temporary server, and
+    # its event services too (task runs recorded from their events, events persisted: half the server's
+    # CPU per flow run, and no test reads task runs or events from this server): set while it starts and
+    # removed before any test process inherits them (the stack tests' servers, started by `horizonrl stack
+    # up`, and the CLI's temporary servers run with them).
+    events = tuple(f"PREFECT_SERVER_SERVICES_{name}_ENABLED" for name in ("EVENT_PERSISTER", "TASK_RUN_RECORDER"))
+    idle = (*TEMPORARY_SERVER_IDLE, *events)
     os.environ.update(dict.fromkeys(idle, "false"))
     try:
         with prefect_test_harness(server_startup_timeout=120):

@@ -37,18 +37,25 @@ def tiny_config(tmp_path: Path, tracking_uri: str, run_name: str = "e2e", iterat
     }
 
 
-# What every `horizonrl` command imports before its own work: ~5 CPU-s per process on these machines, paid
-# once per test worker by the fork server below instead of once per CLI process. Prefect is left out: it
-# reads its settings (PREFECT_API_URL, PREFECT_HOME) when imported, and each test gives its own.
+# What every `horizonrl` command imports before its own work: ~6.5 CPU-s per process on these machines,
+# paid once per test worker by the fork server below instead of once per CLI process. Prefect itself is
+# left out: it reads its settings (PREFECT_API_URL, PREFECT_HOME) when imported, and each test gives its
+# own; the libraries it imports are in (half its import time). MLflow's SQL store and Alembic, which it
+# imports at a process's first store open, are in too (1 CPU-s per process).
 _PRELOAD = [
     "torch",
     "transformers.models.qwen2.modeling_qwen2",
     "mlflow",
+    "mlflow.store.tracking.sqlalchemy_store",
+    "alembic.migration",
+    "alembic.script",
+    "sqlalchemy.dialects.sqlite",
     "pyarrow.parquet",
     "horizonrl.run.runtime",
     "horizonrl.store",
     "horizonrl.tracking.mlflow_runs",
     "methods",
+    *("griffe", "rich", "coolname", "websockets", "pendulum", "jsonschema", "httpx", "pydantic_settings", "anyio"),
 ]
 _forks: multiprocessing.context.ForkServerContext | None = None
 
