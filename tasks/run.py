@@ -15,7 +15,6 @@ from prefect.settings import PREFECT_HOME
 
 from horizonrl import store
 from horizonrl.config import CONFIG_FILE, TrainConfig, run_dir, train_config
-from horizonrl.models.loading import load_policy
 from horizonrl.models.tokenizers import describe_tokenizer
 from horizonrl.rollout.loop import turn_horizon
 from horizonrl.run import runlock
@@ -100,7 +99,7 @@ def start_run(cfg: TrainConfig, killed_holder: dict[str, Any] | None = None) -> 
     c.log_artifact(run_id, str(d / CONFIG_FILE))  # the run's config as it ran: the evaluate flow reloads it
     ctx = RunContext(cfg, str(d), uri, run_id)
     if policy is None:
-        model, tokenizer = load_policy(RUNTIME.initial_model_dir(cfg))
+        model, tokenizer = RUNTIME.load(cfg, RUNTIME.initial_model_dir(cfg))
         policy = save_checkpoint(
             d,
             0,
@@ -115,7 +114,7 @@ def start_run(cfg: TrainConfig, killed_holder: dict[str, Any] | None = None) -> 
                 "config_digest": cfg.digest(),
             },
         )
-        RUNTIME.drop()
+        RUNTIME.keep(policy, model, tokenizer)
     state = read_state(policy)
     log_stage(
         ctx, "update", state.get("update_stats", {}), policy.iteration

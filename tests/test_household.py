@@ -483,3 +483,43 @@ def test_a_thousand_random_steps_take_under_two_seconds():
         if done or steps % 50 == 0:
             _, info = env.reset(tasks[steps % 50])
     assert time.perf_counter() - start < 2.0
+
+
+def test_the_corpus_digest_is_remembered_under_the_code_that_played_it(tmp_path, monkeypatch):
+    """A run's start needs only the digest of household's corpus (it names the tiny model): after the first
+    process played it, the next ones read it from the models folder; another suite seed, a changed
+    fingerprint (another Python here; an edit of the environments' code likewise) or an unreadable memo play
+    it again, and a suite whose corpus comes from outside the code (TextWorld's games) is played every time.
+    The tiny model's directory is the one its real corpus names."""
+    import json
+    import sys
+
+    from horizonrl.config import load_config
+    from horizonrl.envs import corpus_digest, sha256_lines
+    from horizonrl.run.runtime import PolicyRuntime
+
+    played = []
+
+    def corpus() -> list[str]:
+        played.append(1)
+        return ["go to fridge 1", "open fridge 1"]
+
+    digest = sha256_lines(corpus())
+    played.clear()
+    assert [corpus_digest("household", "easy", 0, corpus, tmp_path) for _ in range(3)] == [digest] * 3
+    assert len(played) == 1
+    assert corpus_digest("household", "easy", 1, corpus, tmp_path) == digest and len(played) == 2  # another seed
+    monkeypatch.setattr(sys, "version", sys.version + " (another build)")
+    assert corpus_digest("household", "easy", 0, corpus, tmp_path) == digest and len(played) == 3
+    (tmp_path / "corpus-household-easy-0.json").write_text("{not json")
+    assert corpus_digest("household", "easy", 0, corpus, tmp_path) == digest and len(played) == 4
+    assert corpus_digest("textworld-coin", "easy", 0, corpus, tmp_path) == digest and len(played) == 5
+    assert corpus_digest("textworld-coin", "easy", 0, corpus, tmp_path) == digest and len(played) == 6
+    monkeypatch.undo()
+
+    cfg = load_config(None, [f"data_dir={tmp_path / 'data'}", "model.tiny.hidden_size=16", "model.tiny.num_heads=2"])
+    first = PolicyRuntime().initial_model_dir(cfg)
+    real = sha256_lines(HouseholdSuite(cfg.env.suite_seed).corpus())
+    assert json.loads((first / "horizonrl.json").read_text())["corpus"] == real
+    monkeypatch.setattr(HouseholdSuite, "corpus", lambda self, n_tasks=200: pytest.fail("played again"))
+    assert PolicyRuntime().initial_model_dir(cfg) == first

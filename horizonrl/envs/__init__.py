@@ -9,7 +9,11 @@ cooking spec), or with ``games`` (``env.games``) the user's own games from a fol
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
+import json
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -127,6 +131,43 @@ def suite_corpus(suite: EnvSuite, tier: str) -> list[str]:
     return suite.corpus()
 
 
+# Suites whose corpus is a function of this package's code alone (no game files, simulator or other
+# package's data): its digest can be remembered across processes, keyed by that code (``corpus_digest``).
+CODE_CORPUS = frozenset({"household"})
+
+
+def corpus_digest(name: str, tier: str, seed: int, corpus: Callable[[], list[str]], cache_dir: str | Path) -> str:
+    """sha256 of the lines ``corpus()`` returns: ``suite_corpus`` at ``tier`` of suite ``name`` built with
+    ``seed`` (its tasks, and so the episodes played, depend on it), the key of a tiny model's word
+    tokenizer. For a suite of ``CODE_CORPUS`` it is remembered in ``cache_dir/corpus-<name>-<tier>-<seed>.json``
+    beside the source fingerprint it was computed under (every file of this package and the Python version):
+    playing household's corpus costs ~1 CPU-s, which every process's start paid again. A fingerprint that
+    differs, as after an edit of any environment's code, plays it again."""
+    if name not in CODE_CORPUS:
+        return sha256_lines(corpus())
+    fingerprint = hashlib.sha256(sys.version.encode())
+    for source in sorted(Path(__file__).parent.glob("*.py")):
+        fingerprint.update(source.name.encode() + b"\0" + source.read_bytes())
+    memo = Path(cache_dir) / f"corpus-{name}-{tier}-{seed}.json"
+    try:
+        stored = json.loads(memo.read_text())
+        if stored["fingerprint"] == fingerprint.hexdigest():
+            return stored["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, or unreadable: computed and written again
+        pass
+    digest = sha256_lines(corpus())
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_name(f"{memo.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"fingerprint": fingerprint.hexdigest(), "sha256": digest}))
+    tmp.replace(memo)
+    return digest
+
+
+def sha256_lines(lines: list[str]) -> str:
+    """The digest of a corpus, as a tiny model's key holds it."""
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
 def suite_ref(name: str, games: str | None = None, data_dir: str | None = None) -> str | Callable[[int], EnvSuite]:
     """What a worker process builds its suite from (``EnvPool``): the name, or a picklable factory of
     the suite on the user's games or in the run's data folder."""
@@ -137,12 +178,15 @@ def suite_ref(name: str, games: str | None = None, data_dir: str | None = None) 
 
 __all__ = [
     "CLOSED_TEXT",
+    "CODE_CORPUS",
     "Env",
     "EnvSuite",
     "Task",
     "SUITES",
     "check_games",
     "check_tier",
+    "corpus_digest",
+    "sha256_lines",
     "make_suite",
     "suite_corpus",
     "suite_ref",

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ from transformers import (
 )
 
 from horizonrl.config import LoraConfig, ModelConfig
-from horizonrl.envs import CLOSED_TEXT
+from horizonrl.envs import CLOSED_TEXT, sha256_lines
 from horizonrl.models import lora
 from horizonrl.models.tokenizers import CHAT_TOKENIZERS, fetch_tokenizer, load_tokenizer, train_word_tokenizer
 
@@ -70,16 +71,23 @@ def tiny_model(
 
 
 def tiny_model_dir(
-    data_dir: str | Path, env_key: str, cfg: ModelConfig, corpus: list[str], tokenizer_cache: str | Path | None = None
+    data_dir: str | Path,
+    env_key: str,
+    cfg: ModelConfig,
+    corpus: list[str] | Callable[[], list[str]],
+    tokenizer_cache: str | Path | None = None,
+    corpus_sha256: str | None = None,
 ) -> Path:
     """Build (once) and return the directory of the tiny model for this environment and config. A word
-    tokenizer is trained on ``corpus``, with a character fallback unless the environment's text is closed
-    (``CLOSED_TEXT``); a genuine one is fetched into ``tokenizer_cache`` (default
-    ``<data_dir>/tokenizers``)."""
+    tokenizer is trained on ``corpus`` (the lines, or what returns them: then called only when needed),
+    with a character fallback unless the environment's text is closed (``CLOSED_TEXT``); ``corpus_sha256``,
+    its digest where already known (``envs.corpus_digest``), spares playing it when the model exists. A
+    genuine tokenizer is fetched into ``tokenizer_cache`` (default ``<data_dir>/tokenizers``)."""
+    lines = corpus if callable(corpus) else lambda: corpus
     spec = {"env": env_key, "tiny": cfg.tiny.model_dump(), "seed": cfg.init_seed}
     fallback = cfg.tokenizer == "word" and env_key not in CLOSED_TEXT
     if cfg.tokenizer == "word":
-        spec["corpus"] = hashlib.sha256("\n".join(corpus).encode()).hexdigest()
+        spec["corpus"] = corpus_sha256 or sha256_lines(lines())
         if fallback:  # a closed-text environment's spec (and so its cached model) is what it always was
             spec["word_fallback"] = 1
     else:
@@ -90,7 +98,7 @@ def tiny_model_dir(
     if (out / "model.safetensors").is_file():
         return out
     if cfg.tokenizer == "word":
-        tokenizer = train_word_tokenizer(corpus, fallback=fallback)
+        tokenizer = train_word_tokenizer(lines(), fallback=fallback)
     else:
         tokenizer = load_tokenizer(fetch_tokenizer(cfg.tokenizer, tokenizer_cache or Path(data_dir) / "tokenizers"))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

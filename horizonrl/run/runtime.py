@@ -7,6 +7,7 @@ once per iteration.
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 from horizonrl.config import MODEL_URI_PREFIXES, RayConfig, TrainConfig
 from horizonrl.engines.base import Engine
 from horizonrl.engines.hf import TransformersEngine
-from horizonrl.envs import EnvSuite, make_suite, suite_corpus, suite_ref
+from horizonrl.envs import EnvSuite, corpus_digest, make_suite, suite_corpus, suite_ref
 from horizonrl.envs.batch import EpisodeBatch, InProcess
 from horizonrl.envs.pool import EnvPool
 from horizonrl.models import lora
@@ -76,6 +77,7 @@ class PolicyRuntime:
         self._episodes: tuple[tuple, EpisodeBatch] | None = None
         self._ray: RayConfig | None = None  # the Ray cluster this process joined (rollout.runner: ray)
         self._following: tuple[str, ChatFormat, Engine] | None = None  # (url, ...): playing on a shared server
+        self._written: tuple[CheckpointRef, torch.nn.Module, object] | None = None  # see keep()
 
     def suite(self, cfg: TrainConfig) -> EnvSuite:
         key = (cfg.env.name, cfg.env.suite_seed, cfg.env.games)
@@ -222,7 +224,12 @@ class PolicyRuntime:
         elif cfg.model.path is not None:
             base = Path(cfg.model.path)
         else:
-            base = tiny_model_dir(cfg.data_dir, cfg.env.name, cfg.model, suite_corpus(self.suite(cfg), cfg.env.tier))
+            corpus = functools.partial(suite_corpus, self.suite(cfg), cfg.env.tier)  # played only when needed
+            digest = None
+            if cfg.model.tokenizer == "word":
+                models = Path(cfg.data_dir) / "models"
+                digest = corpus_digest(cfg.env.name, cfg.env.tier, cfg.env.suite_seed, corpus, models)
+            base = tiny_model_dir(cfg.data_dir, cfg.env.name, cfg.model, corpus, corpus_sha256=digest)
         if cfg.model.lora is not None:  # fresh adapters over the base; checkpoints then hold adapters only
             return initial_adapter_dir(cfg.data_dir, base, cfg.model.lora, cfg.model.init_seed)
         return base
@@ -234,7 +241,8 @@ class PolicyRuntime:
             return self.current
         torch.set_num_threads(max(1, torch.get_num_threads()))
         device = resolve_device(cfg.model.device)
-        model, tokenizer = load_policy(ref.path, resolve_dtype(cfg.model.dtype, device), cfg.model.attn_implementation)
+        written, self._written = self._written, None
+        model, tokenizer = written[1:] if written is not None and written[0] == ref else self.load(cfg, ref.path)
         model.to(device)
         fmt = self._chat_format(cfg, tokenizer)
         end_ids = list(fmt.stop_ids)
@@ -347,8 +355,23 @@ class PolicyRuntime:
             group.stop()
             self._ranks = None
 
+    def load(self, cfg: TrainConfig, path: str | Path) -> tuple[torch.nn.Module, object]:
+        """The policy at ``path`` (model, tokenizer) as this run holds it: ``model.dtype`` for the run's device,
+        its attention implementation; on the CPU (``get`` moves it)."""
+        dtype = resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))
+        return load_policy(path, dtype, cfg.model.attn_implementation)
+
+    def keep(self, ref: CheckpointRef, model: torch.nn.Module, tokenizer: object) -> None:
+        """``model`` and ``tokenizer``, just written as checkpoint ``ref`` (``load``ed, unchanged since): the next
+        ``get`` of ``ref`` takes them instead of reading the checkpoint back, so a run's start loads its
+        initial policy once (a real model's weights: seconds to minutes); its engine is built there, as for
+        any checkpoint."""
+        self.current = None
+        self._written = (ref, model, tokenizer)
+
     def drop(self) -> None:
         self.current = None
+        self._written = None
 
 
 def policy_from_store(cfg: TrainConfig) -> CheckpointRef:
