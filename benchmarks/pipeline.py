@@ -16,12 +16,13 @@ sums are compared. Evaluation and the flow's start-up are outside both.
 
 Start-up: ``time/startup_s``, which the flow logs when started by ``horizonrl train``: from its process's
 start to its first stage (the evaluation before training). Once from the run above (Prefect's temporary
-API server, which the flow starts and waits for), once from a short run against a Prefect server started
-beforehand (``PREFECT_API_URL``; how sweeps and deployments run).
+API server, which the flow starts and waits for), once from a short run against a running Prefect server
+(how sweeps and deployments run): the one ``PREFECT_API_URL`` names, else one started beforehand.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -31,6 +32,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -98,12 +100,14 @@ def _train_command(config: str, overrides: list[str]) -> list[str]:
 def train_subprocess(config: str, overrides: list[str], log: Path) -> tuple[float, float, float, float]:
     """Run ``horizonrl train`` with Prefect's temporary API server (``PREFECT_API_URL`` unset); return
     (largest process peak MB, process-tree peak MB, wall seconds, CPU seconds of its helper processes:
-    Prefect's API server, which competes with torch for cores)."""
-    cmd = [sys.executable, "-c", _MAXRSS, str(log.with_suffix(".maxrss")), *_train_command(config, overrides)]
+    Prefect's API server, which competes with torch for cores). It runs in the log's folder: one where no
+    local stack is up (``horizonrl stack up`` in the repository would otherwise serve it)."""
+    command = _train_command(str(Path(config).resolve()), overrides)
+    cmd = [sys.executable, "-c", _MAXRSS, str(log.with_suffix(".maxrss")), *command]
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     peak, t0, helper_cpu = 0, time.perf_counter(), {}
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=log.parent)
         watched = psutil.Process(proc.pid)
         done = threading.Event()
 
@@ -134,10 +138,32 @@ def startup_seconds(cfg: TrainConfig) -> float:
     ].value
 
 
-def startup_with_running_server(config: str, overrides: list[str], out_dir: Path, timeout_s: float = 180) -> float:
+def startup_with_running_server(config: str, overrides: list[str], out_dir: Path) -> float:
     """``time/startup_s`` of a short ``horizonrl train`` (one iteration, tiny sizes: only its start is read)
-    against a Prefect server started first (``prefect server start`` on 127.0.0.1, its own PREFECT_HOME;
-    its start is not counted), with the MLflow store and the tiny model that the main run left."""
+    against a running Prefect server (its start is not counted), with the MLflow store and the tiny model
+    that the main run left."""
+    with running_prefect_server(out_dir) as api:
+        run = [*overrides, f"run_name=startup-{time.strftime('%Y%m%d-%H%M%S')}", *STARTUP_RUN]
+        with open(out_dir / "startup.log", "w") as out:
+            rc = subprocess.call(
+                _train_command(config, run),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PREFECT_API_URL": api},
+            )
+        if rc != 0:
+            raise RuntimeError(f"start-up train run failed (exit {rc}); log: {out_dir / 'startup.log'}")
+        return startup_seconds(load_config(config, run))
+
+
+@contextlib.contextmanager
+def running_prefect_server(out_dir: Path, timeout_s: float = 180) -> Iterator[str]:
+    """The API URL of a running Prefect server: the one ``PREFECT_API_URL`` names (a user's stack; the
+    test's session server), else ``prefect server start`` on 127.0.0.1 with its own PREFECT_HOME under
+    ``out_dir``, stopped on exit."""
+    if os.environ.get("PREFECT_API_URL"):
+        yield os.environ["PREFECT_API_URL"]
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -169,17 +195,7 @@ def startup_with_running_server(config: str, overrides: list[str], out_dir: Path
                 if server.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"Prefect server did not start; log: {out_dir / 'prefect-server.log'}") from None
                 time.sleep(0.5)
-        run = [*overrides, f"run_name=startup-{time.strftime('%Y%m%d-%H%M%S')}", *STARTUP_RUN]
-        with open(out_dir / "startup.log", "w") as out:
-            rc = subprocess.call(
-                _train_command(config, run),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PREFECT_API_URL": api},
-            )
-        if rc != 0:
-            raise RuntimeError(f"start-up train run failed (exit {rc}); log: {out_dir / 'startup.log'}")
-        return startup_seconds(load_config(config, run))
+        yield api
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
@@ -328,6 +344,7 @@ def tracing_figures(config: str, cfg: TrainConfig, iteration_s: list[float], out
 
 
 def run(config: str, overrides: list[str], out_dir: Path) -> list[Figure]:
+    out_dir = out_dir.resolve()  # the temporary-server run works in a folder of its own (train_subprocess)
     out_dir.mkdir(parents=True, exist_ok=True)
     overrides = [
         *overrides,

@@ -70,8 +70,13 @@ def test_quick_suite_in_process_sections(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_quick_suite_pipeline_section(tmp_path, capsys):
-    """The pipeline section: one shortened train run through Prefect and MLflow (a minute or more)."""
+def test_quick_suite_pipeline_section(prefect_harness, tmp_path, capsys, monkeypatch):
+    """The pipeline section: one shortened train run through Prefect and MLflow on Prefect's temporary server
+    (a minute or more), then the start-up against a running server: the session's, named by
+    ``PREFECT_API_URL`` as a user's stack would be, instead of one started for it."""
+    from prefect.settings import PREFECT_API_URL
+
+    monkeypatch.setenv("PREFECT_API_URL", PREFECT_API_URL.value())
     run_quick(tmp_path, capsys, ["pipeline"])
 
 
