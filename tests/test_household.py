@@ -490,12 +490,13 @@ def test_the_corpus_digest_is_remembered_under_the_code_that_played_it(tmp_path,
     process played it, the next ones read it from the models folder; another suite seed, a changed
     fingerprint (another Python here; an edit of the environments' code likewise) or an unreadable memo play
     it again, and a suite whose corpus comes from outside the code (TextWorld's games) is played every time.
-    The tiny model's directory is the one its real corpus names."""
+    The tiny model's directory is the one its real corpus names, also when a remembered digest is wrong."""
     import json
     import sys
 
     from horizonrl.config import load_config
     from horizonrl.envs import corpus_digest, sha256_lines
+    from horizonrl.models.loading import tiny_model_dir
     from horizonrl.run.runtime import PolicyRuntime
 
     played = []
@@ -521,5 +522,7 @@ def test_the_corpus_digest_is_remembered_under_the_code_that_played_it(tmp_path,
     first = PolicyRuntime().initial_model_dir(cfg)
     real = sha256_lines(HouseholdSuite(cfg.env.suite_seed).corpus())
     assert json.loads((first / "horizonrl.json").read_text())["corpus"] == real
+    corpus_of_seed = HouseholdSuite(cfg.env.suite_seed).corpus  # played again: a remembered digest gone stale
+    assert tiny_model_dir(cfg.data_dir, "household", cfg.model, corpus_of_seed, corpus_sha256="0" * 64) == first
     monkeypatch.setattr(HouseholdSuite, "corpus", lambda self, n_tasks=200: pytest.fail("played again"))
     assert PolicyRuntime().initial_model_dir(cfg) == first

@@ -98,7 +98,10 @@ def tiny_model_dir(
     if (out / "model.safetensors").is_file():
         return out
     if cfg.tokenizer == "word":
-        tokenizer = train_word_tokenizer(lines(), fallback=fallback)
+        text = lines()
+        if corpus_sha256 is not None and sha256_lines(text) != corpus_sha256:  # a remembered digest gone stale
+            return tiny_model_dir(data_dir, env_key, cfg, text, tokenizer_cache)  # keyed by what was played
+        tokenizer = train_word_tokenizer(text, fallback=fallback)
     else:
         tokenizer = load_tokenizer(fetch_tokenizer(cfg.tokenizer, tokenizer_cache or Path(data_dir) / "tokenizers"))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
