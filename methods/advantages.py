@@ -18,6 +18,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from methods.registry import ADVANTAGES
+from methods.stepwise import run_starts
 from methods.types import AdvantageResult, StepBatch
 
 
@@ -43,7 +44,7 @@ def _first_and_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nda
     instead of a sort, with the same result."""
     values = np.asarray(values)
     if len(values) and np.all(values[1:] >= values[:-1]):
-        first = np.flatnonzero(np.concatenate(([True], values[1:] != values[:-1])))
+        first = run_starts(values)
         length = np.diff(np.append(first, len(values)))
         return first, np.repeat(np.arange(len(first), dtype=np.int64), length), length
     _, first, codes = np.unique(values, return_index=True, return_inverse=True)

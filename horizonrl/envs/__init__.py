@@ -12,13 +12,13 @@ import functools
 import hashlib
 import inspect
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from horizonrl.envs.base import Env, EnvSuite, Task
 from horizonrl.envs.scienceworld_env import TASK_NAMES as SCIENCEWORLD_TASKS  # a name list; imports no scienceworld
+from horizonrl.files import write_json
 
 
 def _household(seed: int) -> EnvSuite:
@@ -157,9 +157,7 @@ def corpus_digest(name: str, tier: str, seed: int, corpus: Callable[[], list[str
         pass
     digest = sha256_lines(corpus())
     memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_name(f"{memo.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({"fingerprint": fingerprint.hexdigest(), "sha256": digest}))
-    tmp.replace(memo)
+    write_json({"fingerprint": fingerprint.hexdigest(), "sha256": digest}, memo)
     return digest
 
 

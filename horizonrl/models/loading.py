@@ -12,6 +12,7 @@ with the same environment, tokenizer, architecture and seed starts from the same
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -83,7 +84,7 @@ def tiny_model_dir(
     with a character fallback unless the environment's text is closed (``CLOSED_TEXT``); ``corpus_sha256``,
     its digest where already known (``envs.corpus_digest``), spares playing it when the model exists. A
     genuine tokenizer is fetched into ``tokenizer_cache`` (default ``<data_dir>/tokenizers``)."""
-    lines = corpus if callable(corpus) else lambda: corpus
+    lines = functools.cache(corpus) if callable(corpus) else lambda: corpus  # played once, if at all
     spec = {"env": env_key, "tiny": cfg.tiny.model_dump(), "seed": cfg.init_seed}
     fallback = cfg.tokenizer == "word" and env_key not in CLOSED_TEXT
     if cfg.tokenizer == "word":
