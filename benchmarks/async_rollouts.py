@@ -36,9 +36,10 @@ from benchmarks.report import Figure
 from horizonrl.config import TrainConfig
 from horizonrl.engines.hf import TransformersEngine
 from horizonrl.models.loading import load_policy
-from horizonrl.rollout.loop import SamplingSettings, collect
+from horizonrl.rollout.loop import SamplingSettings, collect, sample_tasks
 from horizonrl.rollout.prompting import ChatFormat
-from horizonrl.run.runtime import PolicyRuntime, sample_tasks
+from horizonrl.run.learner import Learner, initial_model_dir
+from horizonrl.run.player import Player
 from horizonrl.seeding import derive_seed
 from horizonrl.training.trainer import UpdateSettings
 
@@ -57,8 +58,8 @@ def _serve(cfg_values: dict, core: int | None, latency_s: float, inbox: mp.Queue
         os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
     cfg = TrainConfig.model_validate(cfg_values)
-    rt = PolicyRuntime()
-    model, tokenizer = load_policy(rt.initial_model_dir(cfg))
+    rt = Player(Learner())
+    model, tokenizer = load_policy(initial_model_dir(cfg, rt.suite(cfg)))
     fmt = ChatFormat.for_tokenizer(tokenizer)
     engine = TransformersEngine(model, tokenizer.pad_token_id, list(fmt.stop_ids))
     engine = _RemoteLatency(engine, latency_s) if latency_s else engine
@@ -76,8 +77,8 @@ def lagged_run(cfg: TrainConfig, k: int, gen_latency_s: float = 0.0, process: bo
     """Wall seconds of ``cfg.iterations`` iterations at lag ``k``, and the seconds each side was busy.
     ``process``: the generator is a worker process (started before the clock) instead of a thread; the
     thread then only hands it each iteration's weights and takes its records back."""
-    rt = PolicyRuntime()
-    model, tokenizer = load_policy(rt.initial_model_dir(cfg))
+    rt = Player(Learner())
+    model, tokenizer = load_policy(initial_model_dir(cfg, rt.suite(cfg)))
     fmt = ChatFormat.for_tokenizer(tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay)
     gen_model = copy.deepcopy(model)

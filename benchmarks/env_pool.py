@@ -90,11 +90,12 @@ def compare_overlap(pool: EnvPool, tasks: list[Task], args: argparse.Namespace) 
     from horizonrl.models.loading import load_policy
     from horizonrl.rollout.loop import SamplingSettings, collect
     from horizonrl.rollout.prompting import ChatFormat
-    from horizonrl.run.runtime import PolicyRuntime
+    from horizonrl.run.learner import Learner, initial_model_dir
+    from horizonrl.run.player import Player
 
     cfg = TrainConfig(env=EnvConfig(name=args.suite, tier=args.tier, max_turns=args.turns))
-    rt = PolicyRuntime()
-    model, tokenizer = load_policy(rt.initial_model_dir(cfg))
+    rt = Player(Learner())
+    model, tokenizer = load_policy(initial_model_dir(cfg, rt.suite(cfg)))
     fmt = ChatFormat.for_tokenizer(tokenizer)
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
     if args.gen_latency_ms:

@@ -45,10 +45,11 @@ from horizonrl import store
 from horizonrl.config import TrainConfig, load_config
 from horizonrl.engines.hf import TransformersEngine
 from horizonrl.models.loading import load_policy
-from horizonrl.rollout.loop import SamplingSettings, collect, turn_horizon
+from horizonrl.rollout.loop import SamplingSettings, collect, sample_tasks, turn_horizon
 from horizonrl.rollout.prompting import ChatFormat
 from horizonrl.rollout.records import EpisodeRecord
-from horizonrl.run.runtime import PolicyRuntime, sample_tasks
+from horizonrl.run.learner import Learner, initial_model_dir
+from horizonrl.run.player import Player
 from horizonrl.seeding import derive_seed
 from horizonrl.tracking import mlflow_runs, traces
 from horizonrl.training.sequences import attach_advantages, step_batch, train_rows
@@ -210,8 +211,8 @@ def flow_iteration_seconds(cfg: TrainConfig) -> list[float]:
 
 def plain_iterations(cfg: TrainConfig) -> list[float]:
     """The flow's collect -> advantages -> update as plain calls (no Prefect, MLflow or Parquet)."""
-    rt = PolicyRuntime()
-    model, tokenizer = load_policy(rt.initial_model_dir(cfg))
+    rt = Player(Learner())
+    model, tokenizer = load_policy(initial_model_dir(cfg, rt.suite(cfg)))
     fmt = ChatFormat.for_tokenizer(tokenizer)
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay)

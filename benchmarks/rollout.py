@@ -35,7 +35,8 @@ from horizonrl.models.loading import load_policy, tiny_model_dir
 from horizonrl.rollout.loop import SamplingSettings, collect
 from horizonrl.rollout.prompting import ChatFormat
 from horizonrl.rollout.records import EpisodeRecord
-from horizonrl.run.runtime import PolicyRuntime
+from horizonrl.run.learner import Learner, initial_model_dir
+from horizonrl.run.player import Player
 
 TOKENIZER_CACHE = Path(__file__).resolve().parents[1] / "data" / "tokenizers"  # shared with the tests (npm, once)
 
@@ -100,9 +101,7 @@ def _replay(model: torch.nn.Module, calls: list[tuple[dict, tuple[int, ...] | No
     return time.perf_counter() - t0
 
 
-def _chat_vocab_collect(
-    cfg: TrainConfig, rt: PolicyRuntime, tasks: list, group: int, seed: int
-) -> tuple[float, int, int]:
+def _chat_vocab_collect(cfg: TrainConfig, rt: Player, tasks: list, group: int, seed: int) -> tuple[float, int, int]:
     """(tokens/s, new tokens, vocabulary size) of the batched collect with the tiny model of ``cfg`` built
     around the genuine Qwen3 tokenizer (Qwen3 architecture)."""
     model_cfg = cfg.model.model_copy(update={"tokenizer": "qwen3"})
@@ -118,8 +117,8 @@ def _chat_vocab_collect(
 
 
 def run(cfg: TrainConfig, tasks_n: int, group: int, seed: int = 0) -> list[Figure]:
-    rt = PolicyRuntime()
-    model, tokenizer = load_policy(rt.initial_model_dir(cfg))
+    rt = Player(Learner())
+    model, tokenizer = load_policy(initial_model_dir(cfg, rt.suite(cfg)))
     fmt = ChatFormat.for_tokenizer(tokenizer)
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
     suite = rt.suite(cfg)

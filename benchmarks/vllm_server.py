@@ -26,7 +26,8 @@ from horizonrl.engines.vllm import engine_from_config, probe_of
 from horizonrl.models.loading import load_policy
 from horizonrl.rollout.loop import SamplingSettings, collect
 from horizonrl.rollout.prompting import ChatFormat
-from horizonrl.run.runtime import PolicyRuntime
+from horizonrl.run.learner import Learner, initial_model_dir
+from horizonrl.run.player import Player
 
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 
@@ -43,8 +44,8 @@ def available() -> bool:
 
 
 def run(cfg: TrainConfig, tasks_n: int, group: int, out: Path, seed: int = 0) -> list[Figure]:
-    rt = PolicyRuntime()
-    model_dir = rt.initial_model_dir(cfg)
+    rt = Player(Learner())
+    model_dir = initial_model_dir(cfg, rt.suite(cfg))
     model, tokenizer = load_policy(model_dir)
     fmt = ChatFormat.for_tokenizer(tokenizer)
     end_ids = list(fmt.stop_ids)

@@ -32,7 +32,7 @@ from horizonrl.tracking import mlflow_runs
 from horizonrl.training.checkpoint import CheckpointRef, checkpoint_dir
 from tasks.advantage import advantages
 from tasks.collect import RolloutRef, collect_rollouts
-from tasks.context import GENERATOR, RunContext
+from tasks.context import CLUSTER, GENERATOR, RunContext
 from tasks.evaluate import evaluate
 from tasks.run import end_failed_run, finish_run, start_run
 from tasks.tracking import Progress, log_stage, logged
@@ -51,6 +51,7 @@ def train(
         lock.record(flow_run_id=flow_run.get_id())
         run = start_run(cfg, lock.previous)
         ctx, policy, elapsed = run.ctx, run.policy, run.elapsed_s
+        CLUSTER.join(cfg)  # a run on Ray: left by finish_run (or the failure hook)
         started = os.environ.pop(STARTED_AT, None)  # set by `horizonrl train`: absent for sweep cells and deployments
         if started is not None:  # process start -> the first stage: imports, Prefect's API server, opening the run
             log_stage(ctx, "time", {"startup_s": time.time() - float(started)}, policy.iteration)
@@ -188,4 +189,4 @@ class AsyncCollect:
             if self.windows[it][1]:
                 self._log_generator_idle(it)
         GENERATOR.close_episodes()
-        GENERATOR.drop()
+        GENERATOR.weights.drop()

@@ -4,14 +4,14 @@ The iteration's tasks are split into ``rollout.shards`` fixed shards (``horizonr
 each played by the ``collect-shard`` task: one after another in this process (``rollout.runner: local``;
 a single local shard plays in the collect task itself) or in parallel on a Ray cluster through prefect-ray's task runner
 (``ray``), where each Ray worker keeps
-its own policy and environments in its ``RUNTIME``. The shards' records are joined in order, so the
+its own policy and environments in its ``PLAYER``. The shards' records are joined in order, so the
 tables do not depend on where the shards ran. A method that branches (APPO) has its branches planned over
 all initial rollouts and played here, after the shards.
 
 With ``rollout.max_staleness`` >= 1 (asynchronous rollouts, docs/algorithms.md §1.10) the train flow submits
 this task so it runs beside the update of the iteration before, and it plays with the process's generator
-(``tasks.context.GENERATOR``: its own copy of the weights, loaded from the checkpoint it is given) instead of
-the learner's model.
+(``tasks.context.GENERATOR``: a second player with its own copy of the weights, loaded from the checkpoint it
+is given) instead of the learner's model.
 """
 
 from __future__ import annotations
@@ -24,15 +24,14 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from horizonrl import faults, store
-from horizonrl.config import TrainConfig
 from horizonrl.files import file_digest
-from horizonrl.rollout.loop import Shard
+from horizonrl.rollout.loop import Shard, iteration_shards
 from horizonrl.rollout.metrics import branch_metrics, episode_metrics
 from horizonrl.rollout.records import EpisodeRecord
-from horizonrl.run.runtime import PolicyRuntime, Serving
+from horizonrl.run.player import Player, Serving
 from horizonrl.tracking import mlflow_runs
 from horizonrl.training.checkpoint import CheckpointRef, checkpoints
-from tasks.context import GENERATOR, RUNTIME, RunContext
+from tasks.context import RunContext, player
 from tasks.tracking import log_stage, weight_sync_figures
 
 
@@ -65,11 +64,11 @@ def collect_rollouts(ctx: RunContext, iteration: int, policy: CheckpointRef, new
     else:
         if newest:
             policy = max([policy, *checkpoints(ctx.path)], key=lambda c: c.iteration)
-        start, synced = time.time(), generator(cfg).weight_sync
-        records = _play(ctx, iteration, policy)
-        sync = generator(cfg).weight_sync
-        if cfg.rollout.max_staleness and sync is not synced:  # the generator's server moved before the first
-            # episode (a version boundary): logged at the collect's iteration
+        start, p = time.time(), player(cfg)
+        sync = p.sync(cfg, policy)  # a version boundary: before the first episode
+        records = _play(ctx, iteration, policy, p)
+        if cfg.rollout.max_staleness and sync is not None:  # the generator's server moved: logged at the
+            # collect's iteration (a synchronous run's moves at the update's)
             log_stage(ctx, "collect", weight_sync_figures(ctx, iteration, sync), iteration)
         digests = {"turns": store.write_table(store.turns_table(records, policy.iteration), paths[1], "turns")}
         faults.kill_point("collect", iteration)
@@ -135,43 +134,37 @@ def _shard_records(
 ) -> list[EpisodeRecord]:
     """The shard task's body, apart so that Ray ships it by reference: cloudpickle sends a task's own
     function by value (its module attribute is the Task, not the function) together with the globals it
-    uses, which would copy this process's RUNTIME (model, optimizer, environments) into every shard."""
-    return generator(ctx.cfg).play_shard(ctx.cfg, policy, shard, serving)
+    uses, which would copy this process's players (model, optimizer, environments) into every shard. A
+    worker's version boundary is its shard: it syncs its player to ``policy`` first."""
+    p = player(ctx.cfg)
+    p.sync(ctx.cfg, policy, serving)
+    return p.play(ctx.cfg, shard, ctx.cfg.rollout.group_size)
 
 
-def generator(cfg: TrainConfig) -> PolicyRuntime:
-    """Who plays: the learner's holder, or with asynchronous rollouts the generator's own copy."""
-    return GENERATOR if cfg.rollout.max_staleness else RUNTIME
-
-
-def _play(ctx: RunContext, iteration: int, policy: CheckpointRef) -> list[EpisodeRecord]:
-    """K rollouts of the iteration's tasks, shard by shard; for a method that branches also the branches,
-    planned over them and played in one batch in this process."""
+def _play(ctx: RunContext, iteration: int, policy: CheckpointRef, p: Player) -> list[EpisodeRecord]:
+    """K rollouts of the iteration's tasks by ``p`` (synced to ``policy``), shard by shard; for a method that
+    branches also the branches, planned over them and played in one batch in this process."""
     cfg = ctx.cfg
-    shards = generator(cfg).iteration_shards(cfg, iteration)
-    records = [r for part in _play_shards(ctx, policy, shards) for r in part]
+    shards = iteration_shards(cfg, p.task_pool(cfg, "train", cfg.env.train_pool), iteration)
+    records = [r for part in _play_shards(ctx, policy, shards, p) for r in part]
     if cfg.preset.branches:  # played by the same checkpoint as their parents
-        branches, stats = generator(cfg).play_branches(cfg, policy, records, iteration)
+        branches, stats = p.play_branches(cfg, records, iteration)
         records += branches
         log_stage(ctx, f"collect/{cfg.method}", stats, iteration)
     return records
 
 
-def _play_shards(ctx: RunContext, policy: CheckpointRef, shards: list[Shard]) -> list[list[EpisodeRecord]]:
-    """Each shard's records, in shard order. On Ray the run's cluster is joined at the first collect and
-    kept until ``finish_run``; the task runner only submits to it. One local shard is the collect task
-    itself: it plays in it, without a task run of its own (one less per iteration for the API server)."""
+def _play_shards(ctx: RunContext, policy: CheckpointRef, shards: list[Shard], p: Player) -> list[list[EpisodeRecord]]:
+    """Each shard's records, in shard order. On Ray the run's cluster, joined at the run's start, runs them
+    (the task runner only submits to it). One local shard is the collect task itself: it plays in it, without
+    a task run of its own (one less per iteration for the API server)."""
     if ctx.cfg.rollout.runner == "local":
-        return (
-            [_shard_records(ctx, policy, shards[0])]
-            if len(shards) == 1
-            else [play_shard(ctx, policy, shard) for shard in shards]
-        )
+        group = ctx.cfg.rollout.group_size
+        return [p.play(ctx.cfg, shards[0], group)] if len(shards) == 1 else [play_shard(ctx, policy, s) for s in shards]
     from prefect_ray import RayTaskRunner  # the optional "ray" extra
 
-    RUNTIME.ray_cluster(ctx.cfg)
-    # vLLM: this process's server, synced to the policy here, serves every shard (they never sync it)
-    serving = RUNTIME.serving(ctx.cfg, policy) if ctx.cfg.engine.name == "vllm" else None
+    # vLLM: this process's server, synced to the policy by the collect, serves every shard (they never sync it)
+    serving = p.serving() if ctx.cfg.engine.name == "vllm" else None
     with RayTaskRunner() as runner:  # Ray is already initialised: the runner neither starts nor stops it
         futures = [
             runner.submit(play_shard, {"ctx": ctx, "policy": policy, "shard": shard, "serving": serving})

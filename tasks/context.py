@@ -1,4 +1,5 @@
-"""What every task of a run receives: the validated config and references to the run's stores."""
+"""What every task of a run receives: the validated config and references to the run's stores; and this
+process's owners of the heavy objects, built once per process and kept across stages and runs."""
 
 from __future__ import annotations
 
@@ -6,15 +7,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from horizonrl.config import TrainConfig
-from horizonrl.run.runtime import PolicyRuntime
+from horizonrl.run.cluster import Cluster
+from horizonrl.run.learner import Learner
+from horizonrl.run.player import Player
 from horizonrl.tracking.mlflow_runs import client
 
-# The one heavy-object holder of this process (model, optimizer, engine); tasks ask it for a checkpoint.
-RUNTIME = PolicyRuntime()
-# With asynchronous rollouts (``rollout.max_staleness`` >= 1) the generator's own holder: the collect task plays
-# with it beside the update, which trains RUNTIME's model; with vLLM it owns the run's server
+# The policy being trained (model, tokenizer, optimizer, reference, update ranks); tasks ask it for a checkpoint.
+LEARNER = Learner()
+# Plays the run's episodes with the learner's weights (or the run's vLLM server); in a Ray worker, its shards.
+PLAYER = Player(LEARNER)
+# With asynchronous rollouts (``rollout.max_staleness`` >= 1) the generator: a second player with its own
+# weights, which the collect task plays with beside the update; with vLLM it owns the run's server
 # (docs/algorithms.md §1.10).
-GENERATOR = PolicyRuntime(generator=True)
+GENERATOR = Player(Learner())
+# The Ray cluster of a run that uses one, joined at its start and left at its end.
+CLUSTER = Cluster()
 
 
 @dataclass(frozen=True)
@@ -30,3 +37,8 @@ class RunContext:
 
     def mlflow(self):
         return client(self.tracking_uri)
+
+
+def player(cfg: TrainConfig) -> Player:
+    """Who plays the training rollouts: the learner's player, or with asynchronous rollouts the generator."""
+    return GENERATOR if cfg.rollout.max_staleness else PLAYER

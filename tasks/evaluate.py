@@ -8,33 +8,31 @@ from prefect.cache_policies import NONE
 
 from horizonrl import faults
 from horizonrl.config import TrainConfig
-from horizonrl.rollout.loop import SamplingSettings, collect
+from horizonrl.rollout.loop import Shard
 from horizonrl.rollout.metrics import episode_metrics, sample_episodes
 from horizonrl.rollout.records import EpisodeRecord
-from horizonrl.run.runtime import PolicyRuntime
+from horizonrl.run.player import Player
 from horizonrl.seeding import derive_seed
 from horizonrl.store import episodes_table, iteration_dir, turns_table, write_table
 from horizonrl.tracking.mlflow_runs import log_table
 from horizonrl.training.checkpoint import CheckpointRef
-from tasks.context import GENERATOR, RUNTIME, RunContext
+from tasks.context import GENERATOR, PLAYER, RunContext
 from tasks.tracking import log_stage, log_success_by_env_steps, logged, trace_evaluation
 
 
-def evaluator(cfg: TrainConfig) -> PolicyRuntime:
-    """Who plays the evaluation: the learner's holder, or in an asynchronous vLLM run the generator's, which
+def evaluator(cfg: TrainConfig) -> Player:
+    """Who plays the evaluation: the learner's player, or in an asynchronous vLLM run the generator, which
     owns the run's one server (the train flow lets the collects in flight end first, docs/algorithms.md §1.10)."""
-    return RUNTIME if RUNTIME.serves(cfg) or cfg.engine.name != "vllm" else GENERATOR
+    return GENERATOR if cfg.engine.name == "vllm" and cfg.rollout.max_staleness else PLAYER
 
 
 def play(
     ctx: RunContext, policy: CheckpointRef, n_tasks: int, samples: int, greedy: bool, seed: int
 ) -> list[EpisodeRecord]:
     cfg = ctx.cfg
-    holder = evaluator(cfg)
-    loaded = holder.get(cfg, policy)
-    tasks = holder.task_pool(cfg, cfg.eval.split, n_tasks)
-    settings = SamplingSettings.from_config(cfg, holder.suite(cfg), seed, greedy)
-    return collect(holder.episodes(cfg), tasks, samples, loaded.engine, loaded.fmt, settings)
+    p = evaluator(cfg)
+    p.sync(cfg, policy)
+    return p.play(cfg, Shard(0, p.task_pool(cfg, cfg.eval.split, n_tasks), 0, 0, seed), samples, greedy)
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=1, cache_policy=NONE)

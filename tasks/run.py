@@ -18,6 +18,7 @@ from horizonrl.config import CONFIG_FILE, TrainConfig, run_dir, train_config
 from horizonrl.models.tokenizers import describe_tokenizer
 from horizonrl.rollout.loop import turn_horizon
 from horizonrl.run import runlock
+from horizonrl.run.learner import initial_model_dir
 from horizonrl.store import StoreError, remove_stale_temporaries
 from horizonrl.tracking import mlflow_runs
 from horizonrl.training.checkpoint import (
@@ -27,7 +28,7 @@ from horizonrl.training.checkpoint import (
     resume_checkpoint,
     save_checkpoint,
 )
-from tasks.context import RUNTIME, RunContext
+from tasks.context import CLUSTER, LEARNER, PLAYER, RunContext
 from tasks.tracking import log_stage
 
 ITERATION_TAG = "horizonrl.iteration"  # on the logged policy model: the checkpoint it packs
@@ -99,7 +100,7 @@ def start_run(cfg: TrainConfig, killed_holder: dict[str, Any] | None = None) -> 
     c.log_artifact(run_id, str(d / CONFIG_FILE))  # the run's config as it ran: the evaluate flow reloads it
     ctx = RunContext(cfg, str(d), uri, run_id)
     if policy is None:
-        model, tokenizer = RUNTIME.load(cfg, RUNTIME.initial_model_dir(cfg))
+        model, tokenizer = LEARNER.load(cfg, initial_model_dir(cfg, PLAYER.suite(cfg)))
         policy = save_checkpoint(
             d,
             0,
@@ -114,7 +115,7 @@ def start_run(cfg: TrainConfig, killed_holder: dict[str, Any] | None = None) -> 
                 "config_digest": cfg.digest(),
             },
         )
-        RUNTIME.keep(policy, model, tokenizer)
+        LEARNER.keep(policy, model, tokenizer)
     state = read_state(policy)
     log_stage(
         ctx, "update", state.get("update_stats", {}), policy.iteration
@@ -157,9 +158,9 @@ def run_params(cfg: TrainConfig, policy_dir: str | Path | None = None) -> dict[s
     for the tier), and with a model folder (``model.path``, or ``policy_dir``: the policy evaluated) the
     tokenizer that folder holds as ``model.tokenizer`` instead of the unused tiny-model setting."""
     params = cfg.flat()
-    params["env.horizon"] = str(turn_horizon(cfg, RUNTIME.suite(cfg)))
+    params["env.horizon"] = str(turn_horizon(cfg, PLAYER.suite(cfg)))
     if policy_dir is None and cfg.model.path is not None:
-        policy_dir = RUNTIME.initial_model_dir(cfg)
+        policy_dir = initial_model_dir(cfg, PLAYER.suite(cfg))
     if policy_dir is not None:
         params["model.tokenizer"] = describe_tokenizer(policy_dir)
     return params
@@ -203,9 +204,9 @@ def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
     import mlflow
     from horizonrl.tracking.policy_model import SIGNATURE, PolicyModel
 
-    RUNTIME.close_episodes()
-    RUNTIME.close_ray()
-    RUNTIME.close_update_ranks()
+    PLAYER.close_episodes()
+    CLUSTER.leave()
+    LEARNER.close_update_ranks()
     c = ctx.mlflow()
     history = c.get_metric_history(ctx.mlflow_run_id, "eval/success_rate")
     by_step = {m.step: m.value for m in history}
@@ -242,9 +243,9 @@ def end_failed_run(flow: object, flow_run: FlowRun, state: State) -> None:
     run FAILED in MLflow with the cause (tag ``horizonrl.failure``) so the UI does not show a dead run as
     running. Running the same run name again
     resumes it (RUNNING again). A config too broken to name a run leaves nothing to mark."""
-    RUNTIME.close_episodes()
-    RUNTIME.close_ray()
-    RUNTIME.close_update_ranks()
+    PLAYER.close_episodes()
+    CLUSTER.leave()
+    LEARNER.close_update_ranks()
     params = flow_run.parameters
     try:
         cfg = train_config(params.get("config_path"), params.get("overrides"), params.get("config"), read_files=False)

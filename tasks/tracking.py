@@ -17,10 +17,12 @@ from prefect import get_run_logger
 
 from horizonrl import store
 from horizonrl.files import file_digest
+from horizonrl.models import lora
 from horizonrl.rollout.metrics import episode_metrics
 from horizonrl.rollout.records import EpisodeRecord
 from horizonrl.seeding import derive_seed
 from horizonrl.tracking import mlflow_runs, traces
+from horizonrl.training.checkpoint import CheckpointRef
 from tasks.context import RunContext
 
 if TYPE_CHECKING:
@@ -44,6 +46,13 @@ def log_stage(
     mlflow_runs.log_metrics(c, ctx.mlflow_run_id, stage, metrics, iteration)
     for name, (path, digest) in (inputs or {}).items():
         mlflow_runs.log_parquet_input(c, ctx.mlflow_run_id, name, path, digest)
+
+
+def log_adapter(ctx: RunContext, ref: CheckpointRef) -> None:
+    """A LoRA run's new checkpoint: its adapter files go to the run (``adapters/iter=<n>/``), so each
+    version can be served without the run folder. Full-weight checkpoints log nothing here."""
+    if lora.is_adapter_dir(ref.path):
+        mlflow_runs.log_adapter(ctx.mlflow(), ctx.mlflow_run_id, ref.path, ref.iteration)
 
 
 def weight_sync_figures(ctx: RunContext, iteration: int, sync: WeightSync) -> dict[str, float]:

@@ -17,8 +17,8 @@ from horizonrl.training.sequences import attach_advantages, train_rows
 from horizonrl.training.trainer import UpdateSettings
 from tasks.advantage import AdvantageRef
 from tasks.collect import RolloutRef
-from tasks.context import RUNTIME, RunContext
-from tasks.tracking import log_stage, weight_sync_figures
+from tasks.context import LEARNER, PLAYER, RunContext
+from tasks.tracking import log_adapter, log_stage, weight_sync_figures
 
 __all__ = ["TooManyNonFiniteSteps", "update"]
 
@@ -27,10 +27,10 @@ __all__ = ["TooManyNonFiniteSteps", "update"]
 def update(
     ctx: RunContext, iteration: int, rollouts: RolloutRef, adv: AdvantageRef, policy: CheckpointRef, elapsed_s: float
 ) -> CheckpointRef:
-    """Not retried: a half-applied update lives only in memory, so on failure the holder is dropped (and
-    with ``update.world_size`` > 1 the ranks stopped) and the next attempt reloads ``policy`` from disk."""
+    """Not retried: a half-applied update lives only in memory, so on failure the learner drops it (and
+    with ``update.world_size`` > 1 stops the ranks) and the next attempt reloads ``policy`` from disk."""
     cfg = ctx.cfg
-    loaded = RUNTIME.get(cfg, policy)
+    loaded = LEARNER.get(cfg, policy)
     try:
         rows = attach_advantages(
             train_rows(store.read_table(rollouts.turns, "turns"), cfg.rollout.context),
@@ -46,10 +46,10 @@ def update(
             loaded.tokenizer.pad_token_id,
             sampled_here=not stale,
             decoupled=stale,
-            horizon=turn_horizon(cfg, RUNTIME.suite(cfg)),
+            horizon=turn_horizon(cfg, PLAYER.suite(cfg)),
         )
-        ranks = RUNTIME.update_ranks(cfg, ctx.path) if cfg.update.world_size > 1 and rows else None
-        ref_model = RUNTIME.reference(cfg, ctx.path) if s.needs_reference and ranks is None else None
+        ranks = LEARNER.update_ranks(cfg, ctx.path) if cfg.update.world_size > 1 and rows else None
+        ref_model = LEARNER.reference(cfg, ctx.path) if s.needs_reference and ranks is None else None
         ref, stats = update_policy(
             cfg,
             ctx.path,
@@ -72,12 +72,14 @@ def update(
             ranks,
         )
     except BaseException:
-        RUNTIME.drop()
-        RUNTIME.close_update_ranks()
+        LEARNER.drop()
+        LEARNER.close_update_ranks()
         raise
-    RUNTIME.advance(ref)
-    # how the new checkpoint reached the vLLM server (None: transformers engine; asynchronous: the collect syncs)
-    sync = RUNTIME.weight_sync if RUNTIME.serves(cfg) else None
+    LEARNER.advance(ref)
+    # a synchronous run's version boundary: the player plays the new checkpoint from now on; how it reached
+    # the vLLM server (None: the transformers engine plays the updated model; asynchronous: the collect syncs)
+    sync = None if cfg.rollout.max_staleness else PLAYER.sync(cfg, ref)
+    log_adapter(ctx, ref)
     if sync is not None:
         stats.update(weight_sync_figures(ctx, iteration, sync))
     if not rows:

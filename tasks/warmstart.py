@@ -20,8 +20,8 @@ from horizonrl.training.cloning import clone_epoch
 from horizonrl.training.demonstrations import play_walkthroughs
 from horizonrl.training.sequences import train_rows
 from horizonrl.training.trainer import annealed_lr
-from tasks.context import RUNTIME, RunContext
-from tasks.tracking import log_stage, logged
+from tasks.context import LEARNER, PLAYER, RunContext
+from tasks.tracking import log_adapter, log_stage, logged
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,8 @@ def record_demonstrations(ctx: RunContext, policy: CheckpointRef) -> Demonstrati
     d = ctx.path / "demonstrations"
     ref = DemonstrationsRef(str(d / "episodes.parquet"), str(d / "turns.parquet"))
     if not (d / "episodes.parquet").is_file():
-        suite = RUNTIME.suite(cfg)
-        fmt = RUNTIME.get(cfg, policy).fmt
+        suite = PLAYER.suite(cfg)
+        fmt = PLAYER.format(cfg, policy)
         tasks = suite.tasks("train", cfg.env.tier, ws.demonstrations)
         records = play_walkthroughs(
             suite,
@@ -84,7 +84,7 @@ def clone(ctx: RunContext, epoch: int, demos: DemonstrationsRef, policy: Checkpo
     every optimizer step (``clone/loss``, step = optimizer step) and the epoch's mean (``clone/epoch_loss``).
     Not retried, like the PPO update: a half-applied epoch lives only in memory."""
     cfg, ws = ctx.cfg, ctx.cfg.warmstart
-    loaded = RUNTIME.get(cfg, policy)
+    loaded = LEARNER.get(cfg, policy)
     try:
         lr = _clone_lr(cfg, epoch)
         for group in loaded.optimizer.param_groups:
@@ -109,10 +109,11 @@ def clone(ctx: RunContext, epoch: int, demos: DemonstrationsRef, policy: Checkpo
         }
         ref = save_checkpoint(ctx.path, epoch, loaded.model, loaded.tokenizer, loaded.optimizer, state)
     except BaseException:
-        RUNTIME.drop()
+        LEARNER.drop()
         raise
     faults.kill_point("clone", epoch)
-    RUNTIME.advance(ref)
+    LEARNER.advance(ref)
+    log_adapter(ctx, ref)
     log_losses(ctx, ref)
     get_run_logger().info(
         "epoch %d: %d steps at lr %.2g, loss %.4f -> %.4f", epoch, len(losses), lr, losses[0], losses[-1]

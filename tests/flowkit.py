@@ -51,7 +51,7 @@ _PRELOAD = [
     "alembic.script",
     "sqlalchemy.dialects.sqlite",
     "pyarrow.parquet",
-    "horizonrl.run.runtime",
+    "horizonrl.run.player",
     "horizonrl.store",
     "horizonrl.tracking.mlflow_runs",
     "methods",

@@ -124,7 +124,7 @@ def test_balanced_shares_are_disjoint_complete_and_balanced():
 
 
 def test_the_backend_is_nccl_on_cuda_and_a_rank_holds_the_gpu_of_its_local_rank():
-    """The run's choice (``PolicyRuntime.update_ranks``: ``update_backend(model.device)``) and where a rank
+    """The run's choice (``Learner.update_ranks``: ``update_backend(model.device)``) and where a rank
     puts its model (``rank_device``, torchrun's and Ray's ranks alike). No GPU here: the nccl ranks
     themselves run in ``test_nccl_ranks_on_cuda_give_the_weights_and_figures_of_one_process`` (make gpu-check)."""
     assert update_backend("cuda") == update_backend("cuda:1") == "nccl"
@@ -204,14 +204,15 @@ def test_two_ranks_give_the_weights_and_figures_of_one_process(tiny_policy_dir, 
 @pytest.mark.slow
 def test_a_ray_actor_group_gives_the_weights_and_figures_of_one_process(tiny_policy_dir, one_process):
     """``update.launcher: ray``: the first update on 2 Ray actors of a local cluster (as the run starts
-    it, ``PolicyRuntime.ray_cluster``), sharded (fsdp): its weights and figures are one process's, and the
+    it, ``Cluster.join``), sharded (fsdp): its weights and figures are one process's, and the
     actors' processes are gone after ``stop``. (Continuing across jobs is the torchrun tests'; the rank
     code is the same.)"""
-    from horizonrl.run.runtime import PolicyRuntime
+    from horizonrl.run.cluster import Cluster
     from horizonrl.training.ray_ranks import RayRankGroup
 
-    runtime = PolicyRuntime()
-    runtime.ray_cluster(TrainConfig.model_validate({"run_name": "ray-ranks", "ray": {"num_cpus": 2}}))
+    cluster = Cluster()
+    ray_run = {"run_name": "ray-ranks", "ray": {"num_cpus": 2}, "update": {"world_size": 2, "launcher": "ray"}}
+    cluster.join(TrainConfig.model_validate(ray_run))
     try:
         group = RayRankGroup(2, "gloo")
         try:
@@ -231,7 +232,7 @@ def test_a_ray_actor_group_gives_the_weights_and_figures_of_one_process(tiny_pol
             time.sleep(0.2)
         assert len(pids) == 2 and not any(pid_alive(p) for p in pids.values()), pids
     finally:
-        runtime.close_ray()
+        cluster.leave()
 
 
 @pytest.mark.gpu

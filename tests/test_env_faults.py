@@ -181,12 +181,12 @@ def test_train_flow_steps_environments_in_workers_and_leaves_none(prefect_harnes
     evaluation); the workers are gone when the run ends."""
     from flows.train import train
     from mlflow import MlflowClient
-    from tasks.context import RUNTIME
+    from tasks.context import PLAYER
 
     cfg = tiny_config(tmp_path, tracking_uri, "pooled", iterations=1)
     cfg["rollout"] = {**cfg["rollout"], "env_workers": 2, "overlap": True}
     train(config=cfg)
-    assert RUNTIME._episodes is None  # closed at the end of the run
+    assert PLAYER._episodes is None  # closed at the end of the run
     kids = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == os.getpid() and _running(p)]
     assert not [p for p in kids if b"spawn" in (p / "cmdline").read_bytes()]
     run = run_of(MlflowClient(tracking_uri), "pooled")

@@ -497,7 +497,7 @@ def test_the_corpus_digest_is_remembered_under_the_code_that_played_it(tmp_path,
     from horizonrl.config import load_config
     from horizonrl.envs import corpus_digest, sha256_lines
     from horizonrl.models.loading import tiny_model_dir
-    from horizonrl.run.runtime import PolicyRuntime
+    from horizonrl.run.learner import initial_model_dir
 
     played = []
 
@@ -519,10 +519,10 @@ def test_the_corpus_digest_is_remembered_under_the_code_that_played_it(tmp_path,
     monkeypatch.undo()
 
     cfg = load_config(None, [f"data_dir={tmp_path / 'data'}", "model.tiny.hidden_size=16", "model.tiny.num_heads=2"])
-    first = PolicyRuntime().initial_model_dir(cfg)
+    first = initial_model_dir(cfg, HouseholdSuite(cfg.env.suite_seed))
     real = sha256_lines(HouseholdSuite(cfg.env.suite_seed).corpus())
     assert json.loads((first / "horizonrl.json").read_text())["corpus"] == real
     corpus_of_seed = HouseholdSuite(cfg.env.suite_seed).corpus  # played again: a remembered digest gone stale
     assert tiny_model_dir(cfg.data_dir, "household", cfg.model, corpus_of_seed, corpus_sha256="0" * 64) == first
     monkeypatch.setattr(HouseholdSuite, "corpus", lambda self, n_tasks=200: pytest.fail("played again"))
-    assert PolicyRuntime().initial_model_dir(cfg) == first
+    assert initial_model_dir(cfg, HouseholdSuite(cfg.env.suite_seed)) == first

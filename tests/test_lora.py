@@ -102,10 +102,14 @@ def test_lora_trains_adapters_only_lowers_the_loss_and_round_trips_exactly(tiny_
     assert load_optimizer_state(ref, torch.optim.AdamW(loaded.parameters(), lr=1e-2))
 
 
-def test_holder_builds_a_lora_policy_and_logs_each_checkpoints_adapter(tiny_policy_dir, tmp_path):
-    from horizonrl.run.runtime import PolicyRuntime
+def test_learner_builds_a_lora_policy_and_each_checkpoints_adapter_is_logged(tiny_policy_dir, tmp_path):
+    from horizonrl.envs import make_suite
+    from horizonrl.run.learner import Learner, initial_model_dir
+    from horizonrl.run.player import Player
     from horizonrl.tracking import mlflow_runs
     from mlflow import MlflowClient
+    from tasks.context import RunContext
+    from tasks.tracking import log_adapter
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     cfg = load_config(
@@ -113,16 +117,21 @@ def test_holder_builds_a_lora_policy_and_logs_each_checkpoints_adapter(tiny_poli
     )
     c = MlflowClient(uri)
     run_id = c.create_run(c.create_experiment("lora", artifact_location=(tmp_path / "artifacts").as_uri())).info.run_id
-    runtime = PolicyRuntime()
-    model, tokenizer = load_policy(runtime.initial_model_dir(cfg))  # what start_run does
+    learner = Learner()
+    suite = make_suite(cfg.env.name, cfg.env.suite_seed, cfg.env.games, data_dir=cfg.data_dir)
+    model, tokenizer = load_policy(initial_model_dir(cfg, suite))  # what start_run does
     ref0 = save_checkpoint(tmp_path / "run", 0, model, tokenizer, None, {"mlflow_run_id": run_id})
-    loaded = runtime.get(cfg, ref0)
-    assert type(loaded.model).__name__ == "PeftModelForCausalLM" and loaded.engine.device.type == "cpu"
+    loaded = learner.get(cfg, ref0)
+    player = Player(learner)
+    player.sync(cfg, ref0)
+    assert type(loaded.model).__name__ == "PeftModelForCausalLM" and player.engine.model is loaded.model
+    assert player.engine.device.type == "cpu"
     assert next(p for n, p in loaded.model.named_parameters() if "lora_A" in n).requires_grad
     ref1 = save_checkpoint(
         tmp_path / "run", 1, loaded.model, loaded.tokenizer, loaded.optimizer, {"mlflow_run_id": run_id}
     )
-    runtime.advance(ref1)  # what the update task does after writing the checkpoint
+    learner.advance(ref1)  # what the update task does after writing the checkpoint, then logs the adapter
+    log_adapter(RunContext(cfg, str(tmp_path / "run"), uri, run_id), ref1)
     logged = {Path(a.path).name for a in c.list_artifacts(run_id, "adapters/iter=00001")}
     assert logged == {ADAPTER_CONFIG, ADAPTER_WEIGHTS}
     assert mlflow_runs.tracking_uri(cfg.tracking_uri) == uri

@@ -170,18 +170,22 @@ def _parent(pid: int) -> int:
         return -1
 
 
-def test_the_holder_never_travels_with_a_shard(tiny_policy_dir):
+def test_the_owners_never_travel_with_a_shard(tiny_policy_dir):
     """Ray pickles a task's function with its globals, and Prefect's context with the flow's: the process's
-    holder must arrive empty (a worker fills its own), never carrying this process's model."""
+    learner and player must arrive empty (a worker fills its own), never carrying this process's model."""
     import pickle
 
     import cloudpickle
 
-    from horizonrl.run.runtime import PolicyRuntime
+    from horizonrl.run.learner import Learner
+    from horizonrl.run.player import Player
     from tasks.collect import play_shard
 
-    holder = PolicyRuntime()
-    holder.current = object()  # stands for a loaded policy
-    copy = pickle.loads(pickle.dumps(holder))
-    assert isinstance(copy, PolicyRuntime) and copy.current is None
+    learner = Learner()
+    learner.current = object()  # stands for a loaded policy
+    player = Player(learner)
+    player.engine = object()  # stands for an engine over it
+    copy = pickle.loads(pickle.dumps(player))
+    assert isinstance(copy, Player) and copy.engine is None and copy.weights.current is None
+    assert pickle.loads(pickle.dumps(learner)).current is None
     assert len(cloudpickle.dumps(play_shard)) < 20_000  # the task, not a model

@@ -30,11 +30,11 @@ def _episodes_by_step(c: MlflowClient, run_id: str) -> dict[int, float]:
 
 def test_train_flow_logs_every_stage(prefect_harness, tmp_path, tracking_uri, monkeypatch):
     from flows.train import train
-    from horizonrl.run.runtime import PolicyRuntime
+    from horizonrl.run.learner import Learner
 
     loads = []  # the policy is read from disk once, at the start: checkpoints it writes stay in memory
-    load = PolicyRuntime.load
-    monkeypatch.setattr(PolicyRuntime, "load", lambda self, cfg, path: loads.append(str(path)) or load(self, cfg, path))
+    load = Learner.load
+    monkeypatch.setattr(Learner, "load", lambda self, cfg, path: loads.append(str(path)) or load(self, cfg, path))
     summary = train(config=_config(tmp_path, tracking_uri))
     assert len(loads) == 1 and "/models/tiny-qwen2-household-" in loads[0], loads
     assert set(summary) >= {"initial_success_rate", "final_success_rate", "improvement"}

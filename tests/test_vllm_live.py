@@ -332,12 +332,14 @@ def test_lora_adapters_hot_load_and_serve_the_learners_logprobs(
 
 def test_a_shard_plays_on_the_server_another_process_synced(live, tiny_policy_dir, tmp_path):
     """Ray shards of a vLLM run (``rollout.runner: ray``): the run's process syncs the server to the
-    checkpoint (``PolicyRuntime.serving``: reload in place, probe verified) and a shard's process plays on
-    it with the tokenizer alone, never syncing (no weights loaded there): its records are the ones the
-    run's process plays for the same shard. Two runtimes in this process stand for the two processes
-    (Ray's shipping of the task is ``tests/test_ray_collect.py``'s)."""
+    checkpoint (``Player.sync``: reload in place, probe verified; ``Player.serving``: where it is) and a
+    shard's process plays on it with the tokenizer alone, never syncing (no weights loaded there): its
+    records are the ones the run's process plays for the same shard. Two players in this process stand for
+    the two processes (Ray's shipping of the task is ``tests/test_ray_collect.py``'s)."""
     from horizonrl.config import load_config
-    from horizonrl.run.runtime import PolicyRuntime
+    from horizonrl.rollout.loop import iteration_shards
+    from horizonrl.run.learner import Learner
+    from horizonrl.run.player import Player
     from horizonrl.training.checkpoint import CheckpointRef
 
     cfg = load_config(
@@ -354,15 +356,17 @@ def test_a_shard_plays_on_the_server_another_process_synced(live, tiny_policy_di
         ],
     )
     policy = CheckpointRef(str(tiny_policy_dir), 0)
-    owner, shard_process = PolicyRuntime(), PolicyRuntime()
+    owner, shard_process = Player(Learner()), Player(Learner())
     try:
-        serving = owner.serving(cfg, policy)
-        assert owner.weight_sync.path == "in_place" and serving.url == live.client.base_url
-        shard = owner.iteration_shards(cfg, 1)[1]
-        played = shard_process.play_shard(cfg, policy, shard, serving)
-        assert shard_process.current is None and shard_process.weight_sync is None  # no weights, no sync there
+        sync = owner.sync(cfg, policy)
+        serving = owner.serving()
+        assert sync.path == "in_place" and serving.url == live.client.base_url
+        shard = iteration_shards(cfg, owner.task_pool(cfg, "train", cfg.env.train_pool), 1)[1]
+        assert shard_process.sync(cfg, policy, serving) is None
+        played = shard_process.play(cfg, shard, cfg.rollout.group_size)
+        assert shard_process.weights.current is None  # no weights loaded there
         assert len(played) == 2 and all(r.turns for r in played)
-        mine = owner.play_shard(cfg, policy, shard)
+        mine = owner.play(cfg, shard, cfg.rollout.group_size)
 
         def key(records):
             return [
@@ -372,7 +376,7 @@ def test_a_shard_plays_on_the_server_another_process_synced(live, tiny_policy_di
 
         assert key(played) == key(mine)
         with pytest.raises(ValueError, match="not the checkpoint to play"):
-            shard_process.play_shard(cfg, CheckpointRef(str(tmp_path / "iter=1"), 1), shard, serving)
+            shard_process.sync(cfg, CheckpointRef(str(tmp_path / "iter=1"), 1), serving)
     finally:
         owner.close_episodes()
         shard_process.close_episodes()

@@ -20,6 +20,7 @@ which ``EpisodeBatch`` stepped the environments or how fast.
 from __future__ import annotations
 
 import math
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -167,6 +168,25 @@ def split_shards(tasks: list[Task], n_shards: int, group_size: int, seed: int) -
         shards.append(Shard(s, tasks[start : start + size], start, start * group_size, shard_seed))
         start += size
     return shards
+
+
+def sample_tasks(pool: list, n: int, seed: int, iteration: int) -> list:
+    """The iteration's tasks: ``n`` distinct tasks of ``pool``, fixed by (seed, iteration)."""
+    rng = random.Random(derive_seed(seed, "tasks", iteration))
+    return rng.sample(pool, min(n, len(pool)))
+
+
+def iteration_shards(cfg: TrainConfig, pool: list[Task], iteration: int) -> list[Shard]:
+    """The iteration's tasks drawn from the training ``pool``, fixed by (seed, iteration), in
+    ``rollout.shards`` fixed shards: group and rollout ids and one sampling seed per shard, so the records
+    do not depend on where shards play."""
+    tasks = sample_tasks(pool, cfg.rollout.tasks_per_iteration, cfg.seed, iteration)
+    return split_shards(tasks, cfg.rollout.shards, cfg.rollout.group_size, collect_seed(cfg, iteration))
+
+
+def collect_seed(cfg: TrainConfig, iteration: int) -> int:
+    """The sampling seed of an iteration's rollouts (and of its branches)."""
+    return derive_seed(cfg.seed, "collect", iteration)
 
 
 def play(

@@ -1,1 +1,1 @@
-"""The per-process runtime holder and the run lock."""
+"""A run's owners of heavy objects (learner, player, Ray cluster) and the run lock."""
