@@ -81,9 +81,9 @@ class _LoggedEngine:
     def __init__(self, inner, log: list) -> None:
         self.inner, self.log = inner, log
 
-    def generate(self, prompts, tries, max_new_tokens, temperature, greedy, seed):
-        self.log.append(("generate", len(prompts), seed))
-        return self.inner.generate(prompts, tries, max_new_tokens, temperature, greedy, seed)
+    def generate(self, request):
+        self.log.append(("generate", len(request.prompts), request.seed))
+        return self.inner.generate(request)
 
     def session(self):
         return self.inner.session()

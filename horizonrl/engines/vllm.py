@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from horizonrl.config import TrainConfig
-from horizonrl.engines.base import Generation, TokenTrie
+from horizonrl.engines.base import Generation, SampleRequest, TokenTrie
 from horizonrl.engines.vllm_server import (
     SERVED_NAME,
     TRIE_PROCESSOR,
@@ -152,51 +152,34 @@ class VLLMEngine:
     def session(self) -> VLLMSession:
         return VLLMSession(self)
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        tries: list[TokenTrie | None],
-        max_new_tokens: int,
-        temperature: float,
-        greedy: bool,
-        seed: int,
-    ) -> list[Generation]:
+    def generate(self, request: SampleRequest) -> list[Generation]:
         """One action per prompt; requests run concurrently and the server batches them."""
         jobs = [
-            self._pool.submit(self._one, k, p, t, max_new_tokens, temperature, greedy, seed)
-            for k, (p, t) in enumerate(zip(prompts, tries))
+            self._pool.submit(self._one, k, p, t, request)
+            for k, (p, t) in enumerate(zip(request.prompts, request.tries))
         ]
         return [j.result() for j in jobs]
 
-    def _one(
-        self,
-        k: int,
-        prompt: list[int],
-        trie: TokenTrie | None,
-        max_new_tokens: int,
-        temperature: float,
-        greedy: bool,
-        seed: int,
-    ) -> Generation:
+    def _one(self, k: int, prompt: list[int], trie: TokenTrie | None, request: SampleRequest) -> Generation:
+        """Prompt ``k`` of ``request`` (its ``prompts[k]`` and ``tries[k]``, or a session's whole sequence)."""
         try:
             if trie is None:
-                return self._free(k, prompt, max_new_tokens, temperature, greedy, seed)
+                return self._free(k, prompt, request)
             if self.one_request:
-                return self._admissible_one(k, prompt, trie, max_new_tokens, temperature, greedy, seed)
-            return self._admissible(k, prompt, trie, max_new_tokens, temperature, greedy, seed)
+                return self._admissible_one(k, prompt, trie, request)
+            return self._admissible(k, prompt, trie, request)
         except VLLMUnreachable as err:  # the server died: this episode ends as an error, the batch goes on
             return Generation([], [], [], [], [], finished=False, error=f"vLLM server unreachable: {err}")
 
-    def _free(
-        self, k: int, prompt: list[int], max_new_tokens: int, temperature: float, greedy: bool, seed: int
-    ) -> Generation:
+    def _free(self, k: int, prompt: list[int], request: SampleRequest) -> Generation:
+        temperature, greedy = request.temperature, request.greedy
         body = completion_body(
             self.model,
             prompt,
-            max_new_tokens,
+            request.max_new_tokens,
             temperature,
             greedy,
-            derive_seed(seed, "vllm", k),
+            derive_seed(request.seed, "vllm", k),
             self.top_logprobs,
             self.end_ids,
         )
@@ -214,18 +197,10 @@ class VLLMEngine:
         g.finished = bool(g.token_ids) and g.token_ids[-1] in self.end_ids
         return g
 
-    def _admissible(
-        self,
-        k: int,
-        prompt: list[int],
-        trie: TokenTrie,
-        max_new_tokens: int,
-        temperature: float,
-        greedy: bool,
-        seed: int,
-    ) -> Generation:
+    def _admissible(self, k: int, prompt: list[int], trie: TokenTrie, request: SampleRequest) -> Generation:
+        temperature, greedy = request.temperature, request.greedy
         g, node, seq = Generation([], [], [], [], []), trie.root, list(prompt)
-        for j in range(max_new_tokens):
+        for j in range(request.max_new_tokens):
             allowed = sorted(node.keys())
             if len(allowed) == 1:  # forced: no choice, nothing to ask the model
                 tok, lp, ent = allowed[0], 0.0, 0.0
@@ -236,7 +211,7 @@ class VLLMEngine:
                     1,
                     temperature,
                     greedy,
-                    derive_seed(seed, "vllm", k, j),
+                    derive_seed(request.seed, "vllm", k, j),
                     min(len(allowed), self.top_logprobs),
                     self.end_ids,
                     allowed,
@@ -262,29 +237,21 @@ class VLLMEngine:
         g.finished = bool(g.token_ids) and (g.token_ids[-1] in self.end_ids or not node)
         return g
 
-    def _admissible_one(
-        self,
-        k: int,
-        prompt: list[int],
-        trie: TokenTrie,
-        max_new_tokens: int,
-        temperature: float,
-        greedy: bool,
-        seed: int,
-    ) -> Generation:
+    def _admissible_one(self, k: int, prompt: list[int], trie: TokenTrie, request: SampleRequest) -> Generation:
         """The whole action in one request: the server's trie processor masks each step to the trie node's
         children (``vllm_server_side/horizonrl_trie.py``); log-probs and entropies are read per step over
         those children as in ``_admissible``, and a token with one continuation counts as forced (log-prob
         0, entropy 0, ``policy_mask`` False). Sampling draws from the same distributions as the per-step
         path with one seed per action instead of one per step."""
+        temperature, greedy = request.temperature, request.greedy
         flat, width = trie_paths(trie.root)
         body = completion_body(
             self.model,
             prompt,
-            max_new_tokens,
+            request.max_new_tokens,
             temperature,
             greedy,
-            derive_seed(seed, "vllm", k),
+            derive_seed(request.seed, "vllm", k),
             max(1, min(width, self.top_logprobs)),
             self.end_ids,
         )
@@ -426,18 +393,9 @@ class VLLMSession:
         self.e = engine
         self.seqs: dict[int, list[int]] = {}
 
-    def extend(
-        self,
-        slots: list[int],
-        new_ids: list[list[int]],
-        tries: list[TokenTrie | None],
-        max_new_tokens: int,
-        temperature: float,
-        greedy: bool,
-        seed: int,
-    ) -> list[Generation]:
-        self.seqs = {s: self.seqs.get(s, []) + list(ids) for s, ids in zip(slots, new_ids)}  # absent slots are done
-        gens = self.e.generate([self.seqs[s] for s in slots], tries, max_new_tokens, temperature, greedy, seed)
+    def extend(self, slots: list[int], request: SampleRequest) -> list[Generation]:
+        self.seqs = {s: self.seqs.get(s, []) + list(ids) for s, ids in zip(slots, request.prompts)}  # absent: done
+        gens = self.e.generate(dataclasses.replace(request, prompts=[self.seqs[s] for s in slots]))
         for s, g in zip(slots, gens):
             self.seqs[s] += g.token_ids  # sampled tokens are part of the context, as in the KV cache
         return gens
