@@ -33,7 +33,9 @@ from horizonrl.models.loading import initial_adapter_dir, load_policy, tiny_mode
 from horizonrl.rollout.loop import SamplingSettings, collect
 from horizonrl.rollout.prompting import ChatFormat
 
-pytestmark = pytest.mark.slow  # a server start (and a restart) costs minutes: CI's `make test`, not `make test-fast`
+# A server start (and a restart) costs minutes, and the server runs from .venv-vllm (make setup-test): CI's
+# `make test`, not `make test-fast`.
+pytestmark = [pytest.mark.slow, pytest.mark.extra]
 TOL = 1e-4
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 REQUESTS = "vllm:request_success_total"
