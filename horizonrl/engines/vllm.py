@@ -172,13 +172,12 @@ class VLLMEngine:
             return Generation([], [], [], [], [], finished=False, error=f"vLLM server unreachable: {err}")
 
     def _free(self, k: int, prompt: list[int], request: SampleRequest) -> Generation:
-        temperature, greedy = request.temperature, request.greedy
         body = completion_body(
             self.model,
             prompt,
             request.max_new_tokens,
-            temperature,
-            greedy,
+            request.temperature,
+            request.greedy,
             derive_seed(request.seed, "vllm", k),
             self.top_logprobs,
             self.end_ids,
@@ -188,7 +187,7 @@ class VLLMEngine:
             raise VLLMError("the server stopped without returning the stop token; the action would lose its end id")
         g = Generation([], [], [], [], [])
         for step in comp.steps:
-            dist = distribution(step, 1.0 if greedy else temperature, temperature)
+            dist = distribution(step, 1.0 if request.greedy else request.temperature, request.temperature)
             g.token_ids.append(step.token)
             g.logprobs.append(dist[step.token])
             g.entropy.append(entropy(dist))
@@ -198,7 +197,6 @@ class VLLMEngine:
         return g
 
     def _admissible(self, k: int, prompt: list[int], trie: TokenTrie, request: SampleRequest) -> Generation:
-        temperature, greedy = request.temperature, request.greedy
         g, node, seq = Generation([], [], [], [], []), trie.root, list(prompt)
         for j in range(request.max_new_tokens):
             allowed = sorted(node.keys())
@@ -209,8 +207,8 @@ class VLLMEngine:
                     self.model,
                     seq,
                     1,
-                    temperature,
-                    greedy,
+                    request.temperature,
+                    request.greedy,
                     derive_seed(request.seed, "vllm", k, j),
                     min(len(allowed), self.top_logprobs),
                     self.end_ids,
@@ -221,7 +219,9 @@ class VLLMEngine:
                     raise VLLMError(f"server sampled {step.token}, outside allowed_token_ids {allowed}")
                 dist = {
                     t: v
-                    for t, v in distribution(step, 1.0 if greedy else temperature, temperature).items()
+                    for t, v in distribution(
+                        step, 1.0 if request.greedy else request.temperature, request.temperature
+                    ).items()
                     if t in node
                 }
                 tok, lp, ent = step.token, dist[step.token], entropy(dist)
@@ -243,14 +243,13 @@ class VLLMEngine:
         those children as in ``_admissible``, and a token with one continuation counts as forced (log-prob
         0, entropy 0, ``policy_mask`` False). Sampling draws from the same distributions as the per-step
         path with one seed per action instead of one per step."""
-        temperature, greedy = request.temperature, request.greedy
         flat, width = trie_paths(trie.root)
         body = completion_body(
             self.model,
             prompt,
             request.max_new_tokens,
-            temperature,
-            greedy,
+            request.temperature,
+            request.greedy,
             derive_seed(request.seed, "vllm", k),
             max(1, min(width, self.top_logprobs)),
             self.end_ids,
@@ -270,7 +269,9 @@ class VLLMEngine:
             else:
                 dist = {
                     t: v
-                    for t, v in distribution(step, 1.0 if greedy else temperature, temperature).items()
+                    for t, v in distribution(
+                        step, 1.0 if request.greedy else request.temperature, request.temperature
+                    ).items()
                     if t in node
                 }
                 lp, ent = dist[step.token], entropy(dist)
