@@ -192,13 +192,7 @@ def loop_blpo(batch: StepBatch, p: BLPOParams, records: dict, decay: float) -> t
         if role[i] not in reads:
             decayed = (records[(role[i], a)].decayed(update, decay) for a in by_role.get(role[i], ()))
             reads[role[i]] = role_progress_advantage(
-                {a: d_ for a, d_ in zip(by_role.get(role[i], ()), decayed) if d_.W > p.eps},
-                mode=p.mode,
-                confidence=p.role_confidence,
-                tau=p.tau,
-                support_scale=p.support_scale,
-                std_floor=p.std_floor,
-                eps=p.eps,
+                {a: d_ for a, d_ in zip(by_role.get(role[i], ()), decayed) if d_.W > p.eps}, p.progress_read
             )
         read = reads[role[i]]
         on = read.active and abstract[i] in read.score

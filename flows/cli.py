@@ -104,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     rc = sub.add_parser("recompute", help="compute a method's advantages over a stored run, without new rollouts")
     rc.add_argument("--run-dir", required=True, help="data/<experiment>/<run_name>")
-    rc.add_argument("--method", required=True, help="method (loop, grpo, gigpo, blpo, ...) or estimator name")
+    rc.add_argument(
+        "--method",
+        required=True,
+        help="method (loop, grpo, drgrpo, rloo, reinforce_pp_baseline, gigpo, blpo, appo) or estimator name",
+    )
     rc.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="estimator parameter override")
     sw = sub.add_parser("sweep", help="run a sweep file's grid as child train runs, then the comparison report")
     sw.add_argument("sweep_file", help="sweep YAML (configs/sweeps/)")

@@ -61,6 +61,15 @@ def aggregate(
     raise ValueError(f"unknown loss aggregation {mode!r}; known: {', '.join(AGGREGATIONS)}")
 
 
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    """Float mean of ``x`` over the bool ``mask`` (0.0 for an empty mask), for the losses' diagnostics.
+    Values off the mask (NaN log-probs, padding) are dropped before the sum, not multiplied by 0, so they
+    never turn a diagnostic into NaN; the sum runs in float64 so the figure does not depend on the batch's
+    dtype."""
+    x = torch.where(mask, x.detach().to(torch.float64), 0.0)
+    return float(x.sum() / mask.sum().clamp_min(1))
+
+
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token KL estimate to the reference policy, (B, T) → (B, T) (verl ``kl_penalty``).
 

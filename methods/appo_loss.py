@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from methods.aggregation import AGGREGATIONS, LossTerms, aggregate, kl_penalty
+from methods.aggregation import AGGREGATIONS, LossTerms, aggregate, kl_penalty, masked_mean
 from methods.registry import LOSSES
 
 KL_KINDS = ("low_var_kl", "k1", "mse")  # the names methods/losses.py uses
@@ -165,11 +165,6 @@ def dual_clip_surrogate(
     return loss_tok, pg_loss2 > pg_loss1, negative & (clip_loss1 > pg_loss3)
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    m = mask.to(x.dtype)
-    return float((x * m).sum() / m.sum().clamp_min(1.0))
-
-
 @LOSSES.register("appo_future_kl", FutureKLParams)
 def appo_future_kl_loss(
     logp: torch.Tensor,
@@ -225,15 +220,15 @@ def appo_future_kl_loss(
         kl_value = float(kl_loss.detach())
     with torch.no_grad():
         extra = {
-            "mean_scale": _masked_mean(scale, mask),
-            "dual_clip_frac": _masked_mean(dual_clipped.to(logp.dtype), mask),
+            "mean_scale": masked_mean(scale, mask),
+            "dual_clip_frac": masked_mean(dual_clipped.to(logp.dtype), mask),
             "rows_dropped": float(((~row_ok) & mask.any(dim=1)).sum()),
         }
         return LossTerms(
             loss=loss,
-            clip_frac=_masked_mean(clipped.to(logp.dtype), mask),
-            approx_kl=_masked_mean(-delta, mask),
-            ratio_mean=_masked_mean(ratio, mask),
+            clip_frac=masked_mean(clipped.to(logp.dtype), mask),
+            approx_kl=masked_mean(-delta, mask),
+            ratio_mean=masked_mean(ratio, mask),
             kl_ref=kl_value,
             extra=extra,
         )

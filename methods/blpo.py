@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from methods.blpo_memory import BLPOMemory, KeyCodes, children_by_key, read_progress_keys
+from methods.blpo_memory import BLPOMemory, KeyCodes, ProgressRead, children_by_key, read_progress_keys
 from methods.registry import ADVANTAGES
 from methods.stepwise import (
     MODES,
@@ -96,6 +96,11 @@ class BLPOParams:
     @property
     def use_role(self) -> bool:
         return "role" in self.layers
+
+    @property
+    def progress_read(self) -> ProgressRead:
+        """The settings the memory's A^P read takes (``blpo_memory`` keeps no defaults of its own)."""
+        return ProgressRead(self.mode, self.role_confidence, self.tau, self.support_scale, self.std_floor, self.eps)
 
 
 def exact_advantage(returns: np.ndarray, k: StepKeys, params: BLPOParams) -> tuple[np.ndarray, np.ndarray]:
@@ -184,10 +189,8 @@ def read_progress(memory: BLPOMemory, update: int, k: StepKeys, params: BLPOPara
     adv, score, active = np.zeros(n_key + 1), np.zeros(n_key + 1), np.zeros(n_key + 1, dtype=bool)
     read = distinct(k.key[k.shareable])
     adv[read], active[read], score[read], n_active_roles = read_progress_keys(
-        memory, key_codes(k, read), update,
-        mode=params.mode, confidence=params.role_confidence, tau=params.tau,
-        support_scale=params.support_scale, std_floor=params.std_floor, eps=params.eps,
-    )  # fmt: skip
+        memory, key_codes(k, read), update, params.progress_read
+    )
     row = np.where(k.shareable, k.key, n_key)  # non-shareable rows read the zero slot n_key
     return adv[row], active[row], score[row], n_active_roles
 

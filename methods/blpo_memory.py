@@ -166,7 +166,7 @@ class BLPOMemory:
 
     def __init__(
         self,
-        half_life: float = 8.0,
+        half_life: float,
         records: Mapping[tuple[str, str], MomentRecord] | None = None,
         update_index: int = -1,
     ) -> None:
@@ -422,17 +422,24 @@ class BLPOMemory:
         ]  # fmt: skip
 
 
+@dataclass(frozen=True)
+class ProgressRead:
+    """How A^P is read from the memory (2.7 (f)-(g)). Built by ``BLPOParams.progress_read``, where the
+    defaults live: none here, so a read cannot quietly use settings other than the run's."""
+
+    mode: str  # "mean_std_norm" | "mean_norm"
+    confidence: bool  # reliability-weighted A^P (BLPOParams.role_confidence)
+    tau: float
+    support_scale: float
+    std_floor: float
+    eps: float
+
+
 def read_progress_keys(
     memory: BLPOMemory,
     keys: KeyCodes,
     update: int,
-    *,
-    mode: str = "mean_std_norm",
-    confidence: bool = True,
-    tau: float = 0.05,
-    support_scale: float = 4.0,
-    std_floor: float = 0.0,
-    eps: float = 1e-6,
+    read: ProgressRead,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """A^P, its activity and m_a of each (role, action) key, read at ``update`` (2.7 (f)-(g)).
 
@@ -451,7 +458,7 @@ def read_progress_keys(
     rows, seg = segments(role_bounds[roles], role_bounds[roles + 1])  # records of those roles, by role
     f = np.float_power(memory.decay, (update - memory.last[rows]).astype(np.float64))
     W, S, Q, R = memory.W[rows] * f, memory.S[rows] * f, memory.Q[rows] * f, memory.R[rows] * f * f
-    kept = W > eps  # role_records: W > eps after decay
+    kept = W > read.eps  # role_records: W > eps after decay
     rows, seg, f, W, S, Q, R = (x[kept] for x in (rows, seg, f, W, S, Q, R))
     n_roles = len(roles)
     # children of the kept records, decayed and pruned (``MomentRecord.decayed``)
@@ -481,36 +488,36 @@ def read_progress_keys(
     total = np.bincount(support_seg, weights=support, minlength=n_roles)
     square = np.bincount(support_seg, weights=support * support, minlength=n_roles)
     n_eff = np.where(square > 0.0, total * total / np.where(square > 0.0, square, 1.0), 0.0)
-    role_active = (var > eps * eps) & (n_eff >= 2.0 - N_EFF_TOL)
+    role_active = (var > read.eps * read.eps) & (n_eff >= 2.0 - N_EFF_TOL)
     centered = score - mean[seg]
     s = np.sqrt(var)[seg]
-    if mode == "mean_norm":
+    if read.mode == "mean_norm":
         adv = centered
-    elif not confidence:
-        adv = centered / np.maximum(np.maximum(s, std_floor), eps)
+    elif not read.confidence:
+        adv = centered / np.maximum(np.maximum(s, read.std_floor), read.eps)
     else:
         n_kept = len(rows)
         total = np.bincount(owner, weights=child_w, minlength=n_kept)
         square = np.bincount(owner, weights=child_w * child_w, minlength=n_kept)
         n = np.where(square > 0.0, total * total / np.where(square > 0.0, square, 1.0), 0.0)  # kish per action
         denom = W - R / W
-        v = np.where(denom > eps, np.maximum(Q - S * S / W, 0.0) / np.where(denom > eps, denom, 1.0), 0.0)
+        v = np.where(denom > read.eps, np.maximum(Q - S * S / W, 0.0) / np.where(denom > read.eps, denom, 1.0), 0.0)
         se2 = v / np.maximum(n, 1.0)
-        has_inverse = n > eps
+        has_inverse = n > read.eps
         inverse = np.where(has_inverse, 1.0 / np.where(has_inverse, n, 1.0), 0.0)
         inverse_total = np.bincount(seg, weights=inverse, minlength=n_roles)[seg]
         se2_total = np.bincount(seg, weights=se2, minlength=n_roles)[seg]
         others = np.bincount(seg, weights=has_inverse, minlength=n_roles)[seg] - has_inverse
         rest = inverse_total - inverse
         n_others = np.where(others > 0, others / np.where(others > 0, rest, 1.0), 0.0)  # HM({n_b : b != a})
-        a_in, b_in = n > eps, n_others > eps
+        a_in, b_in = n > read.eps, n_others > read.eps
         harmonic = np.where(a_in, inverse, 0.0) + np.where(b_in, 1.0 / np.where(b_in, n_others, 1.0), 0.0)
         count = a_in.astype(np.float64) + b_in
         n_cmp = np.where(count > 0, count / np.where(count > 0, harmonic, 1.0), 0.0)
-        kappa = n_cmp / (n_cmp + support_scale)
+        kappa = n_cmp / (n_cmp + read.support_scale)
         kk = k[seg]
         se2_diff = np.float_power((kk - 1) / kk, 2.0) * se2 + (se2_total - se2) / (kk * kk)
-        adv = kappa * centered / np.maximum(np.sqrt(var[seg] + se2_diff + tau * tau), eps)
+        adv = kappa * centered / np.maximum(np.sqrt(var[seg] + se2_diff + read.tau * read.tau), read.eps)
     active = role_active[seg]
     adv = np.where(active, adv, 0.0)
     # the keys' records
@@ -567,13 +574,7 @@ class RoleRead:
 
 def role_progress_advantage(
     records: Mapping[str, MomentRecord],
-    *,
-    mode: str = "mean_std_norm",
-    confidence: bool = True,
-    tau: float = 0.05,
-    support_scale: float = 4.0,
-    std_floor: float = 0.0,
-    eps: float = 1e-6,
+    read: ProgressRead,
 ) -> RoleRead:
     """Per-role statistics and the reliability-weighted A^P of each action (2.7 (f)-(g)).
 
@@ -592,29 +593,29 @@ def role_progress_advantage(
     k = len(actions)
     mean = sum(score.values()) / k if k else 0.0
     var = sum((score[a] - mean) ** 2 for a in actions) / (k - 1) if k >= 2 else 0.0
-    if var <= eps * eps:
+    if var <= read.eps * read.eps:
         return RoleRead(False, {}, score, 0.0)
     n_eff = role_support(records)
     if n_eff < 2.0 - N_EFF_TOL:
         return RoleRead(False, {}, score, n_eff)
     s = math.sqrt(var)
     centered = {a: score[a] - mean for a in actions}
-    if mode == "mean_norm":
+    if read.mode == "mean_norm":
         return RoleRead(True, centered, score, n_eff)
-    if not confidence:
-        return RoleRead(True, {a: c / max(s, std_floor, eps) for a, c in centered.items()}, score, n_eff)
+    if not read.confidence:
+        return RoleRead(True, {a: c / max(s, read.std_floor, read.eps) for a, c in centered.items()}, score, n_eff)
     n = {a: kish_n_eff(list(records[a].children.values())) for a in actions}
-    se2 = {a: effect_variance(records[a], eps) / max(n[a], 1.0) for a in actions}
-    inverse = {a: 1.0 / n[a] for a in actions if n[a] > eps}  # HM terms; sums over b != a use totals
+    se2 = {a: effect_variance(records[a], read.eps) / max(n[a], 1.0) for a in actions}
+    inverse = {a: 1.0 / n[a] for a in actions if n[a] > read.eps}  # HM terms; sums over b != a use totals
     inverse_total, se2_total = sum(inverse.values()), sum(se2.values())
     adv = {}
     for a in actions:
         others = len(inverse) - (a in inverse)
         n_others = others / (inverse_total - inverse.get(a, 0.0)) if others else 0.0  # HM({n_b : b != a})
-        n_cmp = harmonic_mean([n[a], n_others], eps)
-        kappa = n_cmp / (n_cmp + support_scale)
+        n_cmp = harmonic_mean([n[a], n_others], read.eps)
+        kappa = n_cmp / (n_cmp + read.support_scale)
         se2_diff = ((k - 1) / k) ** 2 * se2[a] + (se2_total - se2[a]) / (k * k)
-        adv[a] = kappa * centered[a] / max(math.sqrt(var + se2_diff + tau * tau), eps)
+        adv[a] = kappa * centered[a] / max(math.sqrt(var + se2_diff + read.tau * read.tau), read.eps)
     return RoleRead(True, adv, score, n_eff)
 
 

@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from methods.aggregation import AGGREGATIONS, LossTerms, aggregate, kl_penalty
+from methods.aggregation import AGGREGATIONS, LossTerms, aggregate, kl_penalty, masked_mean
 from methods.registry import LOSSES
 
 LOG_RATIO_CLAMP = 20.0  # |log ρ| bound before exp
@@ -121,12 +121,6 @@ def _surrogate(terms: dict[str, torch.Tensor], params: PPOLossParams) -> dict[st
     return {"loss": loss, "ratio": ratio, "clipped": clipped, "dual": dual}
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    """Plain float mean of x over mask (0.0 for an empty mask)."""
-    x = torch.where(mask, x.detach().to(torch.float64), 0.0)
-    return float(x.sum() / mask.sum().clamp_min(1))
-
-
 @LOSSES.register("ppo_clip", PPOLossParams)
 def ppo_clip(
     logp: torch.Tensor,
@@ -193,11 +187,11 @@ def ppo_clip(
     kl_ref = float(aggregate(terms["kl"].detach(), term_mask, *divisors)) if "kl" in terms else 0.0
     return LossTerms(
         loss=loss,
-        clip_frac=_masked_mean(out["clipped"].to(dtype), term_mask),
-        approx_kl=_masked_mean(-tok["log_ratio"], mask),
-        ratio_mean=_masked_mean(out["ratio"], term_mask),
+        clip_frac=masked_mean(out["clipped"].to(dtype), term_mask),
+        approx_kl=masked_mean(-tok["log_ratio"], mask),
+        ratio_mean=masked_mean(out["ratio"], term_mask),
         kl_ref=kl_ref,
-        extra={"dual_clip_frac": _masked_mean(out["dual"].to(dtype), term_mask)},
+        extra={"dual_clip_frac": masked_mean(out["dual"].to(dtype), term_mask)},
     )
 
 

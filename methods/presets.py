@@ -17,6 +17,7 @@ from methods.registry import ADVANTAGES
 class MethodPreset:
     """What a method is and what the pipeline does for it: tasks read these, never the method's name."""
 
+    title: str  # the method's name in prose (README, pyproject's description; tests/test_method_lists.py)
     advantage: str  # name in methods.ADVANTAGES
     loss: str  # name in methods.LOSSES
     loss_params: dict[str, Any]  # the method's loss settings (kl_coef > 0 loads the reference policy)
@@ -35,6 +36,7 @@ _VERL_CLIP = {
 
 METHODS: dict[str, MethodPreset] = {
     "loop": MethodPreset(
+        title="LOOP",
         advantage="loo",
         loss="ppo_clip",
         loss_params={"clip_mode": "loop", "eps": 0.1, "aggregation": "seq-mean-token-mean"},
@@ -43,6 +45,7 @@ METHODS: dict[str, MethodPreset] = {
         fixed_row_divisor=True,
     ),
     "rloo": MethodPreset(
+        title="RLOO",
         advantage="rloo",
         loss="ppo_clip",
         loss_params={**_VERL_CLIP, "aggregation": "token-mean"},
@@ -50,6 +53,7 @@ METHODS: dict[str, MethodPreset] = {
         epochs=1,
     ),
     "grpo": MethodPreset(
+        title="GRPO",
         advantage="grpo",
         loss="ppo_clip",
         loss_params={**_VERL_CLIP, "aggregation": "token-mean", "kl_coef": 0.001},
@@ -57,6 +61,7 @@ METHODS: dict[str, MethodPreset] = {
         epochs=1,
     ),
     "drgrpo": MethodPreset(
+        title="Dr.GRPO",
         advantage="drgrpo",
         loss="ppo_clip",
         loss_params={**_VERL_CLIP, "aggregation": "seq-mean-token-sum-norm"},
@@ -64,6 +69,7 @@ METHODS: dict[str, MethodPreset] = {
         epochs=1,
     ),
     "reinforce_pp_baseline": MethodPreset(
+        title="REINFORCE++-baseline",
         advantage="reinforce_pp_baseline",
         loss="ppo_clip",
         loss_params={**_VERL_CLIP, "aggregation": "token-mean", "kl_coef": 0.001, "kl_kind": "mse"},
@@ -71,6 +77,7 @@ METHODS: dict[str, MethodPreset] = {
         epochs=1,
     ),
     "gigpo": MethodPreset(
+        title="GiGPO",
         advantage="gigpo",
         loss="ppo_clip",
         loss_params={**_VERL_CLIP, "aggregation": "token-mean", "kl_coef": 0.01},
@@ -78,6 +85,7 @@ METHODS: dict[str, MethodPreset] = {
         epochs=1,
     ),
     "blpo": MethodPreset(
+        title="BLPO",
         advantage="blpo",
         loss="ppo_clip",
         loss_params={**_VERL_CLIP, "aggregation": "token-mean", "kl_coef": 0.01},
@@ -85,6 +93,7 @@ METHODS: dict[str, MethodPreset] = {
         epochs=1,
     ),
     "appo": MethodPreset(
+        title="APPO",
         advantage="appo",
         loss="appo_future_kl",
         loss_params={"kl_coef": 0.001},

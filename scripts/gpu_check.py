@@ -45,6 +45,7 @@ def main() -> int:
     import methods
     from horizonrl import store
     from horizonrl.config import LoraConfig, ModelConfig
+    from horizonrl.engines.base import SampleRequest
     from horizonrl.engines.hf import TransformersEngine
     from horizonrl.envs.household import HouseholdSuite
     from horizonrl.models.loading import resolve_dtype
@@ -117,7 +118,7 @@ def main() -> int:
     prompts = [r.turns[0].prompt_ids for r in records]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    free = engine.generate(prompts, [None] * len(prompts), 64, 1.0, False, 0)
+    free = engine.generate(SampleRequest(prompts, [None] * len(prompts), 64, 1.0, False, 0))
     torch.cuda.synchronize()
     t_free = time.perf_counter() - t0
     free_tokens = sum(len(g.token_ids) for g in free)

@@ -196,6 +196,7 @@ def _note_leaves_running(request):
 
 END_TO_END = {"prefect_harness", "api_url"}  # fixtures of tests that run a flow
 SIMULATORS = ("textworld", "scienceworld")  # games made by tw-make, a JVM per ScienceWorld episode
+EXTRA_FIXTURES = {"chat_tokenizer_cache", "tw_root"}  # npm's tokenizers, TextWorld's games (make setup-test)
 
 # The files with minutes of work (a local stack each, kill-and-resume runs, a vLLM server, games), longest first.
 LONGEST = (
@@ -213,7 +214,9 @@ LONGEST = (
 def pytest_collection_modifyitems(config, items):
     """Tests that run a flow (they ask for the Prefect harness) or an external simulator (TextWorld's
     tw-make and interpreter, ScienceWorld's JVM) are marked ``slow`` like the ones marked by hand, so
-    ``make test-fast`` (``-m "not slow"``) keeps to unit tests; CI runs everything.
+    ``make test-fast`` (``-m "not slow and not extra"``) keeps to unit tests; CI runs everything. Tests of
+    the simulators or of a fixture that only ``make setup-test`` can provide are marked ``extra`` (the
+    rest are marked by hand), so ``make test-fast`` needs ``make setup`` alone and skips nothing.
 
     ``make test`` hands whole files to its two workers (``--dist loadfile``: a module fixture such as the
     local stack is built once), in this order: the longest files first, then the other files with slow
@@ -222,8 +225,12 @@ def pytest_collection_modifyitems(config, items):
     pytest-dev/pytest-xdist#1386. xdist also reorders the files by their number of tests, which put the
     long files last: ``--no-loadscope-reorder`` in the Makefile keeps the order given here.)"""
     for item in items:
-        if END_TO_END & set(getattr(item, "fixturenames", ())) or any(s in item.nodeid for s in SIMULATORS):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        simulator = any(s in item.nodeid for s in SIMULATORS)
+        if END_TO_END & fixtures or simulator:
             item.add_marker(pytest.mark.slow)
+        if EXTRA_FIXTURES & fixtures or simulator:
+            item.add_marker(pytest.mark.extra)
     slow_files = {_file(item) for item in items if item.get_closest_marker("slow")}
     items.sort(
         key=lambda item: (

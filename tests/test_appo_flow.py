@@ -167,7 +167,6 @@ def test_branch_replay_on_textworld(tmp_path, tw_root):
 
 @pytest.mark.slow
 def test_branch_replay_on_scienceworld(tmp_path):
-    pytest.importorskip("scienceworld")
     from horizonrl.envs.scienceworld_env import ScienceWorldSuite
 
     suite = ScienceWorldSuite("boil")

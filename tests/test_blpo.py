@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,7 @@ from methods.types import StepBatch
 
 ATOL = 1e-12
 EPS = 1e-6
+READ = BLPOParams().progress_read  # the default read settings (ALFWorld's)
 LAMBDA = 2.0 ** (-1.0 / 8.0)
 # Section 5: m = (0.4, -0.3), M = 0.05, s^2 = 0.245, c = +-0.35, n_cmp = HM(3, 2) = 2.4, kappa = 2.4 / 6.4
 # = 0.375, SE_D^2 = (1/2)^2 (0.01/3) + (0.02/2)/4 = 0.000833 + 0.0025 for A (the same for B), tau^2 = 0.0025.
@@ -116,14 +118,16 @@ def confidence_records() -> dict[str, MomentRecord]:
 
 
 def test_confidence_example_from_records():
-    read = role_progress_advantage(confidence_records())
+    read = role_progress_advantage(confidence_records(), READ)
     assert read.active and read.n_eff == 5.0
     assert read.score == pytest.approx({"A": 0.4, "B": -0.3}, abs=ATOL)
     assert read.adv["A"] == pytest.approx(A_P, abs=ATOL) and read.adv["B"] == pytest.approx(-A_P, abs=ATOL)
     assert abs(read.adv["A"] - 0.2621) < 5e-5
     # mean_norm: A^P = c_a = +-0.35; confidence off: c / s = +-0.35 / 0.494975 = +-0.707107 (the raw z).
-    assert role_progress_advantage(confidence_records(), mode="mean_norm").adv["A"] == pytest.approx(0.35, abs=ATOL)
-    raw = role_progress_advantage(confidence_records(), confidence=False).adv["B"]
+    assert role_progress_advantage(confidence_records(), replace(READ, mode="mean_norm")).adv["A"] == pytest.approx(
+        0.35, abs=ATOL
+    )
+    raw = role_progress_advantage(confidence_records(), replace(READ, confidence=False)).adv["B"]
     assert raw == pytest.approx(-0.35 / math.sqrt(0.245), abs=ATOL)
 
 
@@ -283,14 +287,14 @@ def test_role_support_takes_the_max_weight_per_context():
     # c1 has weight 1 under A and 0.5 under B: support (c1: 1, c2: 1) -> n_eff = 2^2 / 2 = 2.
     records = {"A": MomentRecord(1.0, 1.0, 1.0, 1.0, 0, {"c1": 1.0}),
                "B": MomentRecord(1.5, 0.0, 1.0, 1.25, 0, {"c1": 0.5, "c2": 1.0})}  # fmt: skip
-    assert role_support(records) == 2.0 and role_progress_advantage(records).active
+    assert role_support(records) == 2.0 and role_progress_advantage(records, READ).active
 
 
 def test_contexts_one_update_apart_are_inactive():
     first = blpo_advantage(blpo_batch(two_action_group(1, "c1")), BLPOParams(), None)
     second = blpo_advantage(blpo_batch(two_action_group(2, "c2"), update_index=1), BLPOParams(), first.state)
     # Support: c1 at lambda = 2^(-1/8), c2 at 1 -> n_eff = (1 + lambda)^2 / (1 + lambda^2) = 1.99626 < 2.
-    read = role_progress_advantage(second.state.role_records("R", 1, EPS))
+    read = role_progress_advantage(second.state.role_records("R", 1, EPS), READ)
     assert read.n_eff == pytest.approx((1 + LAMBDA) ** 2 / (1 + LAMBDA**2), abs=ATOL)
     assert read.n_eff == pytest.approx(1.996, abs=5e-4) and not read.active
     assert second.stats["active_roles"] == 0.0 and second.stats["progress_active_fraction"] == 0.0
@@ -512,8 +516,9 @@ def test_vectorised_memory_write_and_read_equal_the_plain_loops(seed):
     read_keys = [(f"r{r}", f"a{a}") for r in range(9) for a in range(6)]
     for settings in ({}, {"mode": "mean_norm"}, {"confidence": False, "std_floor": 0.7}, {"tau": 0.0}):
         at = update + int(rng.integers(0, 30))
-        adv, active, score, n_active = read_progress_keys(written, KeyCodes.of(read_keys), at, **settings)
-        reads = {r: role_progress_advantage(written.role_records(r, at, EPS), **settings) for r, _ in read_keys}
+        read = replace(READ, **settings)
+        adv, active, score, n_active = read_progress_keys(written, KeyCodes.of(read_keys), at, read)
+        reads = {r: role_progress_advantage(written.role_records(r, at, EPS), read) for r, _ in read_keys}
         expected = [(reads[r].adv.get(a, 0.0), reads[r].active and a in reads[r].score, reads[r].score.get(a, 0.0))
                     for r, a in read_keys]  # fmt: skip
         assert list(zip(adv.tolist(), active.tolist(), score.tolist())) == expected

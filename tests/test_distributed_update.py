@@ -202,6 +202,7 @@ def test_two_ranks_give_the_weights_and_figures_of_one_process(tiny_policy_dir, 
 
 
 @pytest.mark.slow
+@pytest.mark.extra  # the ray extra
 def test_a_ray_actor_group_gives_the_weights_and_figures_of_one_process(tiny_policy_dir, one_process):
     """``update.launcher: ray``: the first update on 2 Ray actors of a local cluster (as the run starts
     it, ``Cluster.join``), sharded (fsdp): its weights and figures are one process's, and the

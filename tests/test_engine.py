@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from horizonrl import store
-from horizonrl.engines.base import TokenTrie
+from horizonrl.engines.base import SampleRequest, TokenTrie
 from horizonrl.engines.hf import Session
 from horizonrl.rollout.loop import SamplingSettings, collect
 from horizonrl.training.sequences import train_rows
@@ -99,7 +99,7 @@ def test_token_budget_cuts_an_admissible_action_inside_a_command(tiny_policy, ho
     _, _, fmt, engine = tiny_policy
     prompts, commands = _prompts(tiny_policy, household_suite)
     tries = [TokenTrie([fmt.command(c) for c in cs], cs) for cs in commands]
-    for g, cs in zip(engine.generate(prompts, tries, 2, 1.0, False, 0), commands):
+    for g, cs in zip(engine.generate(SampleRequest(prompts, tries, 2, 1.0, False, 0)), commands):
         full = [fmt.command(c) for c in cs]
         assert len(g.token_ids) == 2 and any(ids[:2] == g.token_ids for ids in full)
         assert g.finished == (g.token_ids in full)  # only a one-word command ends within 2 tokens
@@ -111,9 +111,9 @@ def test_same_seed_reproduces_and_another_seed_differs(tiny_policy, household_su
     prompts, commands = _prompts(tiny_policy, household_suite, 4)
     tries = [TokenTrie([fmt.command(c) for c in cs], cs) if admissible else None for cs in commands]
     prompts, tries = prompts * 2, tries * 2  # 8 samples: two seeds agreeing everywhere is ~impossible
-    a = engine.generate(prompts, tries, 8, 1.0, False, 123)
-    assert engine.generate(prompts, tries, 8, 1.0, False, 123) == a
-    b = engine.generate(prompts, tries, 8, 1.0, False, 124)
+    a = engine.generate(SampleRequest(prompts, tries, 8, 1.0, False, 123))
+    assert engine.generate(SampleRequest(prompts, tries, 8, 1.0, False, 123)) == a
+    b = engine.generate(SampleRequest(prompts, tries, 8, 1.0, False, 124))
     assert [g.token_ids for g in b] != [g.token_ids for g in a]
 
 
@@ -124,8 +124,8 @@ def test_greedy_picks_the_argmax_of_an_unbatched_uncached_forward(tiny_policy, h
     model, _, fmt, engine = tiny_policy
     prompts, commands = _prompts(tiny_policy, household_suite)
     tries = [TokenTrie([fmt.command(c) for c in cs], cs) if admissible else None for cs in commands]
-    gens = engine.generate(prompts, tries, 5, 0.7, True, 1)
-    assert engine.generate(prompts, tries, 5, 0.7, True, 2) == gens
+    gens = engine.generate(SampleRequest(prompts, tries, 5, 0.7, True, 1))
+    assert engine.generate(SampleRequest(prompts, tries, 5, 0.7, True, 2)) == gens
     for prompt, gen in zip(prompts, gens):
         for j, tok in enumerate(gen.token_ids):
             logp = torch.log_softmax(_next_logits(model, prompt + gen.token_ids[:j]) / 0.7, -1)
@@ -203,10 +203,10 @@ def test_session_turns_equal_fresh_generation_on_the_whole_sequence(tiny_policy,
     ]
     for slots, new_ids in schedule:
         tries = [trie(commands[s - 10]) for s in slots]
-        gens = session.extend(slots, new_ids, tries, 5, 0.7, True, 0)
+        gens = session.extend(slots, SampleRequest(new_ids, tries, 5, 0.7, True, 0))
         for s, ids, t, g in zip(slots, new_ids, tries, gens):
             seq[s] = seq.get(s, []) + ids  # the session's sequence: everything sent to the slot and sampled
-            fresh = engine.generate([seq[s]], [t], 5, 0.7, True, 0)[0]
+            fresh = engine.generate(SampleRequest([seq[s]], [t], 5, 0.7, True, 0))[0]
             assert g.token_ids == fresh.token_ids and g.policy_mask == fresh.policy_mask and g.allowed == fresh.allowed
             assert g.logprobs == pytest.approx(fresh.logprobs, abs=TOL)
             seq[s] += g.token_ids
@@ -217,11 +217,11 @@ def test_generate_restores_the_training_flag(tiny_policy, household_suite):
     prompts, _ = _prompts(tiny_policy, household_suite, 2)
     model.train()
     try:
-        engine.generate(prompts, [None, None], 2, 1.0, False, 0)
+        engine.generate(SampleRequest(prompts, [None, None], 2, 1.0, False, 0))
         assert model.training
     finally:
         model.eval()
-    engine.generate(prompts, [None, None], 2, 1.0, False, 0)
+    engine.generate(SampleRequest(prompts, [None, None], 2, 1.0, False, 0))
     assert not model.training
 
 
@@ -235,7 +235,7 @@ def test_sampling_draws_what_torch_multinomial_draws(tiny_policy, household_suit
     for seed in (0, 1, 2):
         expected = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)).squeeze(-1).tolist()
         assert [
-            g.token_ids[0] for g in engine.generate(prompts, [None] * len(prompts), 1, 1.0, False, seed)
+            g.token_ids[0] for g in engine.generate(SampleRequest(prompts, [None] * len(prompts), 1, 1.0, False, seed))
         ] == expected
 
 
@@ -257,7 +257,9 @@ def test_rows_leaving_the_batch_change_no_other_rows_samples(tiny_policy, househ
     for case, forced in (("early", [fmt.end_id]), ("late", [word] * 8 + [fmt.end_id])):
         before = engine.counts["decode_computed"]
         session = Session(engine, keep_cache=keep_cache)
-        gens[case] = session.extend(list(range(8)), prompts * 2, [TokenTrie([forced])] * 4 + rest, 8, 1.0, False, 7)
+        gens[case] = session.extend(
+            list(range(8)), SampleRequest(prompts * 2, [TokenTrie([forced])] * 4 + rest, 8, 1.0, False, 7)
+        )
         decoded[case] = engine.counts["decode_computed"] - before
         assert [g.token_ids for g in gens[case][:4]] == [forced[:8]] * 4
     for early, late in zip(gens["early"][4:], gens["late"][4:]):

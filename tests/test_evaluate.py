@@ -14,15 +14,14 @@ import socket
 import subprocess
 
 import pytest
+from flowkit import cli_run, run_of, tiny_config
 
-pytest.importorskip("textworld")
+from flows.cli import main
+from horizonrl import faults, store
+from horizonrl.envs.textworld_env import tw_make_path
+from mlflow import MlflowClient
 
-from flowkit import cli_run, run_of, tiny_config  # noqa: E402
-
-from flows.cli import main  # noqa: E402
-from horizonrl import faults, store  # noqa: E402
-from horizonrl.envs.textworld_env import tw_make_path  # noqa: E402
-from mlflow import MlflowClient  # noqa: E402
+pytestmark = pytest.mark.extra  # games made with TextWorld's tw-make
 
 SOURCE = "tw-source"
 

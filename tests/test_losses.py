@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from methods.aggregation import AGGREGATIONS
+from methods.aggregation import AGGREGATIONS, masked_mean
 from methods.losses import PPOLossParams, ppo_clip, trajectory_kl_estimate
 from methods.registry import LOSSES
 
@@ -283,3 +283,11 @@ def test_every_registered_loss_runs_on_a_random_batch(name):
 def test_params_are_validated(bad):
     with pytest.raises(ValueError):
         PPOLossParams(**bad)
+
+
+def test_masked_mean_drops_off_mask_values_and_is_zero_when_empty():
+    """Both losses' diagnostics go through this one mean: a NaN or inf off the mask must not reach it."""
+    x = torch.tensor([[1.0, float("nan"), 2.0], [float("inf"), 4.0, 0.5]])
+    mask = torch.tensor([[True, False, True], [False, True, False]])
+    assert masked_mean(x, mask) == pytest.approx((1.0 + 2.0 + 4.0) / 3, abs=TOL)
+    assert masked_mean(x, torch.zeros_like(mask)) == 0.0

@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("textworld")
+from horizonrl.config import ModelConfig, TrainConfig
+from horizonrl.engines.base import TokenTrie
+from horizonrl.envs import CLOSED_TEXT, suite_corpus
+from horizonrl.envs.textworld_env import TextWorldSuite, game_spec, tw_make_path
+from horizonrl.envs.textworld_games import load_games
+from horizonrl.models.loading import tiny_model_dir
+from horizonrl.models.tokenizers import load_tokenizer, train_word_tokenizer
+from horizonrl.rollout.prompting import ChatFormat
 
-from horizonrl.config import ModelConfig, TrainConfig  # noqa: E402
-from horizonrl.engines.base import TokenTrie  # noqa: E402
-from horizonrl.envs import CLOSED_TEXT, suite_corpus  # noqa: E402
-from horizonrl.envs.textworld_env import TextWorldSuite, game_spec, tw_make_path  # noqa: E402
-from horizonrl.envs.textworld_games import load_games  # noqa: E402
-from horizonrl.models.loading import tiny_model_dir  # noqa: E402
-from horizonrl.models.tokenizers import load_tokenizer, train_word_tokenizer  # noqa: E402
-from horizonrl.rollout.prompting import ChatFormat  # noqa: E402
+pytestmark = pytest.mark.extra  # games made with TextWorld's tw-make
 
 
 @pytest.fixture(scope="module")

@@ -81,9 +81,9 @@ class _LoggedEngine:
     def __init__(self, inner, log: list) -> None:
         self.inner, self.log = inner, log
 
-    def generate(self, prompts, tries, max_new_tokens, temperature, greedy, seed):
-        self.log.append(("generate", len(prompts), seed))
-        return self.inner.generate(prompts, tries, max_new_tokens, temperature, greedy, seed)
+    def generate(self, request):
+        self.log.append(("generate", len(request.prompts), request.seed))
+        return self.inner.generate(request)
 
     def session(self):
         return self.inner.session()
@@ -174,7 +174,6 @@ def test_overlap_branches_replay_and_match_between_backends(tiny_policy, househo
 @pytest.fixture(scope="module")
 def textworld_policy(tmp_path_factory, tw_root):
     """Two easy TextWorld coin-collector games (the suite's shared folder) and a tiny model over their corpus."""
-    pytest.importorskip("textworld")
     from horizonrl.config import ModelConfig, TinyModelConfig
     from horizonrl.engines.hf import TransformersEngine
     from horizonrl.envs.textworld_env import TextWorldSuite

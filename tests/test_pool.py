@@ -158,7 +158,6 @@ def test_reset_many_reuses_workers_for_a_new_batch(plan):
 
 
 def test_scienceworld_pool_leaves_no_jvm_behind():
-    pytest.importorskip("scienceworld")
     from test_scienceworld import scienceworld_jvms, wait_until_gone
 
     from horizonrl.envs.scienceworld_env import ScienceWorldSuite

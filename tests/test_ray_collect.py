@@ -91,6 +91,7 @@ def test_shard_settings_are_checked(override, names):
 
 
 @pytest.mark.slow
+@pytest.mark.extra  # the ray extra
 def test_ray_shards_give_the_local_tables_and_leave_no_process(prefect_harness, tmp_path, tracking_uri, monkeypatch):
     """The train flow twice with 2 shards: in process, then on a local Ray cluster (2 CPUs, 127.0.0.1).
 
@@ -98,7 +99,7 @@ def test_ray_shards_give_the_local_tables_and_leave_no_process(prefect_harness, 
     here, because a different thread count splits reductions differently (last-bit differences in the
     entropy were seen with 2 threads against 1). ``RayTaskRunner.submit`` is wrapped by a spy that only
     records what went to Ray, so equal tables cannot come from shards that stayed in this process."""
-    prefect_ray = pytest.importorskip("prefect_ray")
+    import prefect_ray
     import ray
     import torch
 

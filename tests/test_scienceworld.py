@@ -10,11 +10,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("scienceworld")
-
-from horizonrl.envs import SUITES, make_suite  # noqa: E402
-from horizonrl.envs.base import Env, EnvSuite  # noqa: E402
-from horizonrl.envs.scienceworld_env import (  # noqa: E402
+from horizonrl.envs import SUITES, make_suite
+from horizonrl.envs.base import Env, EnvSuite
+from horizonrl.envs.scienceworld_env import (
     TASK_NAMES,
     JvmHost,
     ScienceWorldEnv,

@@ -26,9 +26,9 @@ class RecordingEngine:
         self.engine = engine
         self.calls: list[dict[int | None, tuple[list[int], object]]] = []  # per call: slot -> (sequence, generation)
 
-    def generate(self, prompts, tries, max_new_tokens, temperature, greedy, seed):
-        gens = self.engine.generate(prompts, tries, max_new_tokens, temperature, greedy, seed)
-        self.calls.append({k: (list(p), g) for k, (p, g) in enumerate(zip(prompts, gens))})
+    def generate(self, request):
+        gens = self.engine.generate(request)
+        self.calls.append({k: (list(p), g) for k, (p, g) in enumerate(zip(request.prompts, gens))})
         return gens
 
     def session(self):
@@ -39,10 +39,10 @@ class RecordingSession:
     def __init__(self, spy: RecordingEngine, session) -> None:
         self.spy, self.session, self.seq = spy, session, {}
 
-    def extend(self, slots, new_ids, tries, max_new_tokens, temperature, greedy, seed):
-        gens = self.session.extend(slots, new_ids, tries, max_new_tokens, temperature, greedy, seed)
+    def extend(self, slots, request):
+        gens = self.session.extend(slots, request)
         call = {}
-        for slot, ids, g in zip(slots, new_ids, gens):
+        for slot, ids, g in zip(slots, request.prompts, gens):
             call[slot] = (self.seq.get(slot, []) + list(ids), g)
             self.seq[slot] = call[slot][0] + g.token_ids
         self.spy.calls.append(call)

@@ -162,6 +162,7 @@ def _parent_and_children(c: MlflowClient):
     return exp, parent, children
 
 
+@pytest.mark.extra  # the PostgreSQL stack (postgres extra, Debian's PostgreSQL) and chromium
 def test_sweep_deployment_logs_parent_children_metrics_and_report(swept):
     s, root, _ = swept
     c = MlflowClient(s.mlflow_uri)
@@ -208,6 +209,7 @@ def test_sweep_deployment_logs_parent_children_metrics_and_report(swept):
     assert max(sum(a <= t < b for a, b in spans) for t, _ in spans) <= 2
 
 
+@pytest.mark.extra
 def test_every_run_writes_whole_beside_the_others_on_postgres(swept):
     """The four cells and the two solo runs wrote to one MLflow server and one data folder, up to four at
     once: every run finished with each step logged once and its episodes stored once, no lock or database
@@ -313,6 +315,7 @@ def test_sqlite_stack_starts_answers_and_stops(tmp_path):
     assert stack.running_api(s.home) is None and not (s.home / stack.URLS).exists()
 
 
+@pytest.mark.extra
 def test_report_numbers_match_mlflow_metrics(swept):
     """Every figure of the parent's comparison table, recomputed here from the children's metrics."""
     s, root, _ = swept
@@ -354,6 +357,7 @@ def test_report_numbers_match_mlflow_metrics(swept):
         assert row["train_s"] == pytest.approx(np.mean([p["train_s"] for p in per_seed])) and row["train_s"] > 0
 
 
+@pytest.mark.extra
 def test_evaluate_deployment_logs_a_linked_run(swept):
     """The registered best policy, evaluated on the train split through the evaluate deployment."""
     s, _, _ = swept
@@ -382,6 +386,7 @@ def test_evaluate_deployment_logs_a_linked_run(swept):
     assert [m.step for m in c.get_metric_history(runs[0].info.run_id, "eval/success_rate")] == [1]
 
 
+@pytest.mark.extra
 def test_mlflow_ui_shows_the_sweep_runs(swept):
     """Headless chromium renders the MLflow UI (a JavaScript app): the experiment page lists the sweep's
     parent run, and the parent's page lists its four cell runs. Screenshots go to test-artifacts/."""
@@ -425,6 +430,7 @@ def test_mlflow_ui_shows_the_sweep_runs(swept):
         assert shot.is_file() and shot.stat().st_size > 10_000, f"{name}: no screenshot"
 
 
+@pytest.mark.extra
 def test_mlflow_ui_shows_an_episode_trace_turn_by_turn(swept):
     """In a cell run's Traces tab, a training episode's trace opens to its turn spans; a turn shows the
     observation, the action and the advantage. Screenshot: test-artifacts/mlflow_episode_trace.png."""
@@ -463,6 +469,7 @@ def test_mlflow_ui_shows_an_episode_trace_turn_by_turn(swept):
     assert shot.stat().st_size > 10_000
 
 
+@pytest.mark.extra
 def test_mlflow_ui_compares_the_cells_on_the_sweep_run(swept):
     """The sweep's parent run lists every variant's held-out success (final, AUC, interval) in its
     Metrics table, and the experiment's chart view grouped by ``cell.method`` draws loop against grpo,

@@ -12,6 +12,7 @@ from flowkit import free_port
 import horizonrl_stack as stack
 
 
+@pytest.mark.extra  # the postgres extra (psycopg) and Debian's PostgreSQL
 def test_postgres_stack_refuses_a_store_postgres_cannot_enter(tmp_path):
     """As root the cluster runs as user ``postgres``: a store inside a 0700 folder is named, before any start."""
     if os.geteuid() != 0:

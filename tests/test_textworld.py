@@ -18,12 +18,10 @@ import threading
 
 import pytest
 
-pytest.importorskip("textworld")
-
-from horizonrl.config import load_config  # noqa: E402
-from horizonrl.envs import SUITES, make_suite, suite_ref  # noqa: E402
-from horizonrl.envs.base import Env, EnvSuite  # noqa: E402
-from horizonrl.envs.textworld_env import (  # noqa: E402
+from horizonrl.config import load_config
+from horizonrl.envs import SUITES, make_suite, suite_ref
+from horizonrl.envs.base import Env, EnvSuite
+from horizonrl.envs.textworld_env import (
     TextWorldEnv,
     TextWorldSuite,
     ensure_game,
@@ -31,7 +29,7 @@ from horizonrl.envs.textworld_env import (  # noqa: E402
     split_of,
     tw_make_path,
 )
-from horizonrl.seeding import derive_seed  # noqa: E402
+from horizonrl.seeding import derive_seed
 
 INFO_KEYS = {"won", "lost", "admissible_commands", "valid", "score", "progress_key", "family", "goal"}
 

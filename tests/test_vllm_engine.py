@@ -33,7 +33,7 @@ import torch
 from flowkit import free_port
 
 from horizonrl.config import load_config
-from horizonrl.engines.base import TokenTrie
+from horizonrl.engines.base import SampleRequest, TokenTrie
 from horizonrl.engines.vllm import VLLMEngine
 from horizonrl.engines.vllm_server import (
     ServerSpec,
@@ -158,7 +158,7 @@ def test_free_mode_parses_a_handwritten_response(serve):
     canned = _choice([12, 13, END], [math.log(0.3), math.log(0.9), math.log(0.6)], tops, "stop")
     srv = serve(lambda path, body: (200, canned))
     engine = VLLMEngine(VLLMClient(srv.url), [END], top_logprobs=2)
-    gens = engine.generate([[1, 2, 3], [1, 2, 3]], [None, None], 8, 1.0, False, 7)
+    gens = engine.generate(SampleRequest([[1, 2, 3], [1, 2, 3]], [None, None], 8, 1.0, False, 7))
     for g in gens:
         assert g.token_ids == [12, 13, END] and g.finished
         assert g.logprobs == pytest.approx([math.log(0.3), math.log(0.9), math.log(0.6)], abs=1e-12)
@@ -174,12 +174,12 @@ def test_free_mode_parses_a_handwritten_response(serve):
 def test_free_mode_cut_at_the_budget_is_unfinished_and_a_missing_stop_token_is_an_error(serve):
     cut = _choice([12, 13], [math.log(0.3), math.log(0.9)], [{12: math.log(0.3)}, {13: math.log(0.9)}], "length")
     srv = serve(lambda path, body: (200, cut))
-    g = VLLMEngine(VLLMClient(srv.url), [END], 1).generate([[1]], [None], 2, 1.0, False, 0)[0]
+    g = VLLMEngine(VLLMClient(srv.url), [END], 1).generate(SampleRequest([[1]], [None], 2, 1.0, False, 0))[0]
     assert g.token_ids == [12, 13] and not g.finished
     lost = _choice([12], [math.log(0.3)], [{12: math.log(0.3)}], "stop")
     srv2 = serve(lambda path, body: (200, lost))
     with pytest.raises(VLLMError, match="stop token"):
-        VLLMEngine(VLLMClient(srv2.url), [END], 1).generate([[1]], [None], 4, 1.0, False, 0)
+        VLLMEngine(VLLMClient(srv2.url), [END], 1).generate(SampleRequest([[1]], [None], 4, 1.0, False, 0))
 
 
 def test_admissible_mode_asks_only_at_branching_tokens(serve):
@@ -192,7 +192,9 @@ def test_admissible_mode_asks_only_at_branching_tokens(serve):
     }
     srv = serve(lambda path, body: (200, answers[tuple(body["allowed_token_ids"])]))
     trie = TokenTrie([[5, 6, END], [5, 7, END], [8, END]])
-    g = VLLMEngine(VLLMClient(srv.url), [END], top_logprobs=8).generate([[1, 2]], [trie], 6, 1.0, False, 3)[0]
+    g = VLLMEngine(VLLMClient(srv.url), [END], top_logprobs=8).generate(
+        SampleRequest([[1, 2]], [trie], 6, 1.0, False, 3)
+    )[0]
     assert g.token_ids == [5, 7, END] and g.finished
     assert g.logprobs == pytest.approx([math.log(0.7), math.log(0.4), 0.0], abs=1e-12)
     assert g.entropy == pytest.approx([_h(0.7, 0.3), _h(0.6, 0.4), 0.0], abs=1e-12)
@@ -213,7 +215,7 @@ def test_server_errors_and_foreign_tokens_raise(serve):
         )
     )
     with pytest.raises(VLLMError, match="HTTP 400.*max_tokens is too large"):
-        VLLMEngine(VLLMClient(srv.url), [END], 1).generate([[1]], [None], 4, 1.0, False, 0)
+        VLLMEngine(VLLMClient(srv.url), [END], 1).generate(SampleRequest([[1]], [None], 4, 1.0, False, 0))
     plain = _choice([12], [-0.1], [{12: -0.1}], "length")
     plain["choices"][0]["logprobs"]["tokens"] = ["hello"]  # return_tokens_as_token_ids ignored
     with pytest.raises(VLLMError, match="token_id"):
@@ -221,7 +223,7 @@ def test_server_errors_and_foreign_tokens_raise(serve):
     outside = serve(lambda path, body: (200, _choice([9], [-0.1], [{9: -0.1}], "length")))
     with pytest.raises(VLLMError, match="outside allowed"):
         VLLMEngine(VLLMClient(outside.url), [END], 4).generate(
-            [[1]], [TokenTrie([[5, END], [8, END]])], 4, 1.0, False, 0
+            SampleRequest([[1]], [TokenTrie([[5, END], [8, END]])], 4, 1.0, False, 0)
         )
 
 
@@ -241,10 +243,10 @@ def test_lora_checkpoints_are_hot_loaded_and_requests_use_the_new_adapter(serve,
         (d / "adapter_config.json").write_text("{}")
         ckpts.append(str(d))
     engine.sync(ckpts[0])
-    engine.generate([[1]], [None], 2, 1.0, False, 0)
+    engine.generate(SampleRequest([[1]], [None], 2, 1.0, False, 0))
     engine.sync(ckpts[0])  # already served: no request
     engine.sync(ckpts[1])
-    engine.generate([[1]], [None], 2, 1.0, False, 0)
+    engine.generate(SampleRequest([[1]], [None], 2, 1.0, False, 0))
     calls = [(p, b) for p, b in srv.requests]
     assert [p for p, _ in calls] == [
         "/v1/load_lora_adapter",
@@ -329,11 +331,14 @@ def test_greedy_generations_equal_the_transformers_engine(emulated, household_su
     engine, hf, fmt, srv = emulated
     prompts, commands = _prompts(fmt, household_suite)
     tries = [TokenTrie([fmt.command(c) for c in cs], cs) if admissible else None for cs in commands]
-    for v, h in zip(engine.generate(prompts, tries, 6, 0.7, True, 0), hf.generate(prompts, tries, 6, 0.7, True, 0)):
+    for v, h in zip(
+        engine.generate(SampleRequest(prompts, tries, 6, 0.7, True, 0)),
+        hf.generate(SampleRequest(prompts, tries, 6, 0.7, True, 0)),
+    ):
         _same(v, h)
     if admissible:  # one request per branching token, never for a forced one
         assert len(srv.completions()) == sum(
-            1 for g in hf.generate(prompts, tries, 6, 0.7, True, 0) for m in g.policy_mask if m
+            1 for g in hf.generate(SampleRequest(prompts, tries, 6, 0.7, True, 0)) for m in g.policy_mask if m
         )
 
 
@@ -349,8 +354,10 @@ def test_session_resends_whole_sequences_and_equals_the_transformers_session(emu
     for slots, new_ids in schedule:
         tries = [trie(commands[s - 10]) for s in slots]
         before = len(srv.completions())
-        v_gens = vs.extend(slots, new_ids, tries, 5, 0.7, True, 0)
-        for s, ids, v, h in zip(slots, new_ids, v_gens, hs.extend(slots, new_ids, tries, 5, 0.7, True, 0)):
+        v_gens = vs.extend(slots, SampleRequest(new_ids, tries, 5, 0.7, True, 0))
+        for s, ids, v, h in zip(
+            slots, new_ids, v_gens, hs.extend(slots, SampleRequest(new_ids, tries, 5, 0.7, True, 0))
+        ):
             _same(v, h)
             seq[s] = seq.get(s, []) + ids
             assert any(r["prompt"] == seq[s] for r in srv.completions()[before:])  # the whole history went out
@@ -365,7 +372,7 @@ def test_sampled_entropy_is_a_top_k_lower_bound(serve, tiny_policy, household_su
     srv = serve(Emulator(model))
     engine = VLLMEngine(VLLMClient(srv.url), hf.end_ids, top_logprobs=4)
     prompts, _ = _prompts(fmt, household_suite, 1)
-    g = engine.generate(prompts, [None], 1, 0.7, False, 5)[0]
+    g = engine.generate(SampleRequest(prompts, [None], 1, 0.7, False, 5))[0]
     with torch.no_grad():
         lp = torch.log_softmax(model(input_ids=torch.tensor(prompts)).logits[0, -1].float() / 0.7, -1)
     top = lp[sorted({*lp.topk(4).indices.tolist(), g.token_ids[0]})]

@@ -24,7 +24,7 @@ import torch
 from flowkit import free_port
 
 from horizonrl.config import LoraConfig, ModelConfig
-from horizonrl.engines.base import TokenTrie, allowed_log_softmax
+from horizonrl.engines.base import SampleRequest, TokenTrie, allowed_log_softmax
 from horizonrl.engines.hf import TransformersEngine
 from horizonrl.engines.vllm import VLLMEngine, probe_of
 from horizonrl.engines.vllm_server import SERVED_NAME, ServerSpec, VLLMServer, max_positions, serving_copy
@@ -33,7 +33,9 @@ from horizonrl.models.loading import initial_adapter_dir, load_policy, tiny_mode
 from horizonrl.rollout.loop import SamplingSettings, collect
 from horizonrl.rollout.prompting import ChatFormat
 
-pytestmark = pytest.mark.slow  # a server start (and a restart) costs minutes: CI's `make test`, not `make test-fast`
+# A server start (and a restart) costs minutes, and the server runs from .venv-vllm (make setup-test): CI's
+# `make test`, not `make test-fast`.
+pytestmark = [pytest.mark.slow, pytest.mark.extra]
 TOL = 1e-4
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 REQUESTS = "vllm:request_success_total"
@@ -74,7 +76,7 @@ def live(tiny_policy, tiny_policy_dir, tmp_path_factory):
     )
     try:
         engine.generate(
-            [fmt.user("warm up .")], [None], 2, 1.0, True, 0
+            SampleRequest([fmt.user("warm up .")], [None], 2, 1.0, True, 0)
         )  # the first request initialises lazily (up to ~25 s)
         yield engine
     finally:
@@ -137,9 +139,9 @@ def test_greedy_window_generations_equal_the_transformers_engine(live, tiny_poli
     prompts, commands = _prompts(fmt, household_suite)
     tries = [TokenTrie([fmt.command(c) for c in cs], cs) if admissible else None for cs in commands]
     before = live.client.metrics()[REQUESTS]
-    gens = live.generate(prompts, tries, 6, 0.7, True, 0)
+    gens = live.generate(SampleRequest(prompts, tries, 6, 0.7, True, 0))
     sent = live.client.metrics()[REQUESTS] - before
-    for v, h in zip(gens, hf.generate(prompts, tries, 6, 0.7, True, 0)):
+    for v, h in zip(gens, hf.generate(SampleRequest(prompts, tries, 6, 0.7, True, 0))):
         _same(v, h)
     assert sent == len(prompts)
 
@@ -156,7 +158,7 @@ def test_one_request_per_action_equals_the_per_step_path(live, tiny_policy, hous
         counts = []
         for engine in (live, per_step):
             before = live.client.metrics()[REQUESTS]
-            gens = engine.generate(prompts, tries, 8, 0.7, True, 0)
+            gens = engine.generate(SampleRequest(prompts, tries, 8, 0.7, True, 0))
             counts.append(live.client.metrics()[REQUESTS] - before)
             if engine is live:
                 one = gens
@@ -186,7 +188,8 @@ def test_full_context_session_equals_the_transformers_session_and_reuses_its_pre
         tries = [trie(commands[s - 10]) for s in slots]
         before = live.client.metrics()[PREFIX_HITS]
         for v, h in zip(
-            vs.extend(slots, new_ids, tries, 5, 0.7, True, 0), hs.extend(slots, new_ids, tries, 5, 0.7, True, 0)
+            vs.extend(slots, SampleRequest(new_ids, tries, 5, 0.7, True, 0)),
+            hs.extend(slots, SampleRequest(new_ids, tries, 5, 0.7, True, 0)),
         ):
             _same(v, h)
         hits.append(live.client.metrics()[PREFIX_HITS] - before)
@@ -200,7 +203,7 @@ def test_sampled_runs_reproduce_by_seed_and_carry_the_learners_logprobs(live, ti
     model, _, fmt, _ = tiny_policy
     prompts, commands = _prompts(fmt, household_suite)
     tries = [TokenTrie([fmt.command(c) for c in cs], cs) if admissible else None for cs in commands]
-    a, b, c = (live.generate(prompts, tries, 6, 1.0, False, s) for s in (5, 5, 6))
+    a, b, c = (live.generate(SampleRequest(prompts, tries, 6, 1.0, False, s)) for s in (5, 5, 6))
     assert [(g.token_ids, g.logprobs) for g in a] == [(g.token_ids, g.logprobs) for g in b]
     assert [g.token_ids for g in a] != [g.token_ids for g in c]
     for p, g in zip(prompts, a + c):
@@ -216,7 +219,7 @@ def test_many_long_seeded_requests_at_once_keep_the_server_alive(live, tiny_poli
     assert min(map(len, prompts)) > 700
     wide = VLLMEngine(live.client, hf.end_ids, len(tokenizer), max_concurrency=16)
     try:
-        a, b = (wide.generate(prompts, [None] * 16, 4, 1.0, False, 9) for _ in range(2))
+        a, b = (wide.generate(SampleRequest(prompts, [None] * 16, 4, 1.0, False, 9)) for _ in range(2))
     finally:
         wide.close()
     assert all(len(g.token_ids) == 4 and not g.error for g in a) and [g.token_ids for g in a] == [
@@ -231,9 +234,11 @@ def test_end_of_turn_ends_an_action_and_the_budget_cuts_one_unfinished(live, tin
     _, _, fmt, _ = tiny_policy
     prompts, commands = _prompts(fmt, household_suite)
     tries = [TokenTrie([fmt.command(c) for c in cs], cs) for cs in commands]
-    for g, cs in zip(live.generate(prompts, tries, 20, 1.0, False, 3), commands):
+    for g, cs in zip(live.generate(SampleRequest(prompts, tries, 20, 1.0, False, 3)), commands):
         assert g.finished and g.token_ids[-1] == fmt.end_id and g.token_ids in [fmt.command(c) for c in cs]
-    free = live.generate(prompts, [None] * 3, 3, 0.7, True, 0)  # the tiny policy's greedy text never ends
+    free = live.generate(
+        SampleRequest(prompts, [None] * 3, 3, 0.7, True, 0)
+    )  # the tiny policy's greedy text never ends
     assert [(len(g.token_ids), g.finished) for g in free] == [(3, False)] * 3
 
 
@@ -255,7 +260,8 @@ def test_full_weights_reload_in_place_within_a_second_and_serve_the_new_policy(
         tries = [TokenTrie([fmt.command(c) for c in cs], cs) for cs in commands]
         moved_hf = TransformersEngine(moved, tokenizer.pad_token_id, hf.end_ids)
         for v, h in zip(
-            live.generate(prompts, tries, 6, 0.7, True, 0), moved_hf.generate(prompts, tries, 6, 0.7, True, 0)
+            live.generate(SampleRequest(prompts, tries, 6, 0.7, True, 0)),
+            moved_hf.generate(SampleRequest(prompts, tries, 6, 0.7, True, 0)),
         ):
             _same(v, h)
     finally:
@@ -316,8 +322,8 @@ def test_lora_adapters_hot_load_and_serve_the_learners_logprobs(
             with torch.no_grad():
                 merged = load_policy(ckpt)[0].merge_and_unload().eval()
             learner_hf = TransformersEngine(merged, tokenizer.pad_token_id, hf.end_ids)
-            gens = live.generate(prompts, tries, 6, 0.7, True, 0)
-            for p, v, h in zip(prompts, gens, learner_hf.generate(prompts, tries, 6, 0.7, True, 0)):
+            gens = live.generate(SampleRequest(prompts, tries, 6, 0.7, True, 0))
+            for p, v, h in zip(prompts, gens, learner_hf.generate(SampleRequest(prompts, tries, 6, 0.7, True, 0))):
                 _same(v, h)
                 assert v.logprobs == pytest.approx(_learner_logprobs(learner, p, v, 0.7), abs=TOL)
         assert names[0] != names[1]
@@ -469,7 +475,10 @@ def test_a_corrupted_in_place_reload_is_caught_and_the_owned_server_restarts_on_
     prompts, commands = _prompts(fmt, household_suite)
     tries = [TokenTrie([fmt.command(c) for c in cs], cs) for cs in commands]
     moved_hf = TransformersEngine(moved, tokenizer.pad_token_id, hf.end_ids)
-    for v, h in zip(live.generate(prompts, tries, 6, 0.7, True, 0), moved_hf.generate(prompts, tries, 6, 0.7, True, 0)):
+    for v, h in zip(
+        live.generate(SampleRequest(prompts, tries, 6, 0.7, True, 0)),
+        moved_hf.generate(SampleRequest(prompts, tries, 6, 0.7, True, 0)),
+    ):
         _same(v, h)
 
 
@@ -513,10 +522,10 @@ def test_qwen3_tokenizer_generations_equal_the_transformers_engine(live, qwen3_p
     tries = [TokenTrie([fmt.command(c) for c in cs], cs) if admissible else None for cs in commands]
     temperature = 0.7 if admissible else 1.0
     try:
-        gens = engine.generate(prompts, tries, 8, temperature, True, 0)
+        gens = engine.generate(SampleRequest(prompts, tries, 8, temperature, True, 0))
     finally:
         engine.close()
-    for v, h in zip(gens, hf.generate(prompts, tries, 8, temperature, True, 0)):
+    for v, h in zip(gens, hf.generate(SampleRequest(prompts, tries, 8, temperature, True, 0))):
         assert (v.token_ids, v.policy_mask, v.allowed, v.finished) == (
             h.token_ids,
             h.policy_mask,

@@ -59,20 +59,25 @@ class Generation:
     error: str = ""  # why the engine produced no action (e.g. its server died); the episode ends as an error
 
 
+@dataclass(frozen=True)
+class SampleRequest:
+    """One engine call: a batch of token-id prompts and how to sample an action after each. Every engine
+    and session takes this one record, so a sampling setting is added in one place, not in each signature."""
+
+    prompts: list[list[int]]  # for ``Session.extend``: each slot's new ids, appended to its sequence
+    tries: list[TokenTrie | None]  # per prompt: the admissible commands (None: free text)
+    max_new_tokens: int
+    temperature: float
+    greedy: bool
+    seed: int
+
+
 class Session(Protocol):
     """A batch of episodes whose sequences grow turn by turn (full-history context)."""
 
-    def extend(
-        self,
-        slots: list[int],
-        new_ids: list[list[int]],
-        tries: list[TokenTrie | None],
-        max_new_tokens: int,
-        temperature: float,
-        greedy: bool,
-        seed: int,
-    ) -> list[Generation]:
-        """Append ``new_ids[k]`` to episode ``slots[k]`` and sample its next action; absent slots are done."""
+    def extend(self, slots: list[int], request: SampleRequest) -> list[Generation]:
+        """Append ``request.prompts[k]`` (new ids) to episode ``slots[k]`` and sample its next action; absent
+        slots are done."""
         ...
 
 
@@ -81,14 +86,6 @@ class Engine(Protocol):
         """A cache-carrying session for full-history rollouts."""
         ...
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        tries: list[TokenTrie | None],
-        max_new_tokens: int,
-        temperature: float,
-        greedy: bool,
-        seed: int,
-    ) -> list[Generation]:
+    def generate(self, request: SampleRequest) -> list[Generation]:
         """Sample one action per prompt, all prompts in one batch."""
         ...

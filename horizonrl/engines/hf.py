@@ -45,7 +45,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from horizonrl.engines.base import Generation, TokenTrie, allowed_log_softmax
+from horizonrl.engines.base import Generation, SampleRequest, allowed_log_softmax
 
 PREFILL_SLACK = (
     0.1  # padding allowed in prefill, as a share of the real new tokens: fewer calls against fewer positions
@@ -65,19 +65,9 @@ class TransformersEngine:
     def session(self) -> Session:
         return Session(self)
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        tries: list[TokenTrie | None],
-        max_new_tokens: int,
-        temperature: float,
-        greedy: bool,
-        seed: int,
-    ) -> list[Generation]:
+    def generate(self, request: SampleRequest) -> list[Generation]:
         """One action per prompt from fresh prompts (window context)."""
-        return Session(self, keep_cache=False).extend(
-            list(range(len(prompts))), prompts, tries, max_new_tokens, temperature, greedy, seed
-        )
+        return Session(self, keep_cache=False).extend(list(range(len(request.prompts))), request)
 
 
 class _SlabLayer(DynamicLayer):
@@ -186,28 +176,19 @@ class Session:
         self.pending: dict[int, int] = {}  # slot -> its last sampled token, not yet in the cache
 
     @torch.no_grad()
-    def extend(
-        self,
-        slots: list[int],
-        new_ids: list[list[int]],
-        tries: list[TokenTrie | None],
-        max_new_tokens: int,
-        temperature: float,
-        greedy: bool,
-        seed: int,
-    ) -> list[Generation]:
-        """Append ``new_ids[k]`` to slot ``slots[k]``'s sequence and sample its action; slots absent
+    def extend(self, slots: list[int], request: SampleRequest) -> list[Generation]:
+        """Append ``request.prompts[k]`` to slot ``slots[k]``'s sequence and sample its action; slots absent
         from ``slots`` are finished and leave the cache."""
         model = self.e.model
         was_training = model.training
         model.eval()
         try:
-            inputs = [([self.pending[s]] if s in self.pending else []) + list(ids) for s, ids in zip(slots, new_ids)]
-            slab, live, logits, start, cursor = self._prefill(slots, inputs, max_new_tokens)
+            inputs = [
+                ([self.pending[s]] if s in self.pending else []) + list(ids) for s, ids in zip(slots, request.prompts)
+            ]
+            slab, live, logits, start, cursor = self._prefill(slots, inputs, request.max_new_tokens)
             self.slab, self.row, self.pending = None, {}, {}
-            return self._decode(
-                slots, slab, live, logits, start, cursor, tries, max_new_tokens, temperature, greedy, seed
-            )
+            return self._decode(slots, slab, live, logits, start, cursor, request)
         finally:
             model.train(was_training)
 
@@ -294,19 +275,18 @@ class Session:
         self.e.counts.update(decode_real=n, decode_computed=n)
         return out.logits[:, -1].float()
 
-    def _decode(
-        self, slots, slab, live, logits, start, cursor, tries, max_new_tokens, temperature, greedy, seed
-    ) -> list[Generation]:
+    def _decode(self, slots, slab, live, logits, start, cursor, request: SampleRequest) -> list[Generation]:
         """Sample until every row's action has ended; the slab's first rows are the rows still decoding,
         ``live`` (indices into ``slots``), in that order, ``logits`` theirs."""
         R, dev = len(slots), self.e.device
-        gen = torch.Generator(device=dev).manual_seed(seed)
-        nodes = [t.root if t is not None else None for t in tries]
+        max_new_tokens, temperature = request.max_new_tokens, request.temperature
+        gen = torch.Generator(device=dev).manual_seed(request.seed)
+        nodes = [t.root if t is not None else None for t in request.tries]
         results = [Generation([], [], [], [], [], finished=False) for _ in range(R)]
         for step in range(max_new_tokens):
             allowed = [sorted(nodes[i].keys()) if nodes[i] is not None else [] for i in live]
             logp = allowed_log_softmax(logits / temperature, allowed)  # (n, V)
-            if greedy:
+            if request.greedy:
                 tok = logp.argmax(-1)
             else:  # torch.multinomial's draw for every row of the call, so leaving rows shift no one's numbers
                 q = torch.empty((R, logp.shape[-1]), device=dev).exponential_(1, generator=gen)

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from horizonrl.config import TrainConfig
-from horizonrl.engines.base import Generation, TokenTrie
+from horizonrl.engines.base import Generation, SampleRequest, TokenTrie
 from horizonrl.engines.vllm_server import (
     SERVED_NAME,
     TRIE_PROCESSOR,
@@ -152,51 +152,33 @@ class VLLMEngine:
     def session(self) -> VLLMSession:
         return VLLMSession(self)
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        tries: list[TokenTrie | None],
-        max_new_tokens: int,
-        temperature: float,
-        greedy: bool,
-        seed: int,
-    ) -> list[Generation]:
+    def generate(self, request: SampleRequest) -> list[Generation]:
         """One action per prompt; requests run concurrently and the server batches them."""
         jobs = [
-            self._pool.submit(self._one, k, p, t, max_new_tokens, temperature, greedy, seed)
-            for k, (p, t) in enumerate(zip(prompts, tries))
+            self._pool.submit(self._one, k, p, t, request)
+            for k, (p, t) in enumerate(zip(request.prompts, request.tries))
         ]
         return [j.result() for j in jobs]
 
-    def _one(
-        self,
-        k: int,
-        prompt: list[int],
-        trie: TokenTrie | None,
-        max_new_tokens: int,
-        temperature: float,
-        greedy: bool,
-        seed: int,
-    ) -> Generation:
+    def _one(self, k: int, prompt: list[int], trie: TokenTrie | None, request: SampleRequest) -> Generation:
+        """Prompt ``k`` of ``request`` (its ``prompts[k]`` and ``tries[k]``, or a session's whole sequence)."""
         try:
             if trie is None:
-                return self._free(k, prompt, max_new_tokens, temperature, greedy, seed)
+                return self._free(k, prompt, request)
             if self.one_request:
-                return self._admissible_one(k, prompt, trie, max_new_tokens, temperature, greedy, seed)
-            return self._admissible(k, prompt, trie, max_new_tokens, temperature, greedy, seed)
+                return self._admissible_one(k, prompt, trie, request)
+            return self._admissible(k, prompt, trie, request)
         except VLLMUnreachable as err:  # the server died: this episode ends as an error, the batch goes on
             return Generation([], [], [], [], [], finished=False, error=f"vLLM server unreachable: {err}")
 
-    def _free(
-        self, k: int, prompt: list[int], max_new_tokens: int, temperature: float, greedy: bool, seed: int
-    ) -> Generation:
+    def _free(self, k: int, prompt: list[int], request: SampleRequest) -> Generation:
         body = completion_body(
             self.model,
             prompt,
-            max_new_tokens,
-            temperature,
-            greedy,
-            derive_seed(seed, "vllm", k),
+            request.max_new_tokens,
+            request.temperature,
+            request.greedy,
+            derive_seed(request.seed, "vllm", k),
             self.top_logprobs,
             self.end_ids,
         )
@@ -205,7 +187,7 @@ class VLLMEngine:
             raise VLLMError("the server stopped without returning the stop token; the action would lose its end id")
         g = Generation([], [], [], [], [])
         for step in comp.steps:
-            dist = distribution(step, 1.0 if greedy else temperature, temperature)
+            dist = distribution(step, 1.0 if request.greedy else request.temperature, request.temperature)
             g.token_ids.append(step.token)
             g.logprobs.append(dist[step.token])
             g.entropy.append(entropy(dist))
@@ -214,18 +196,9 @@ class VLLMEngine:
         g.finished = bool(g.token_ids) and g.token_ids[-1] in self.end_ids
         return g
 
-    def _admissible(
-        self,
-        k: int,
-        prompt: list[int],
-        trie: TokenTrie,
-        max_new_tokens: int,
-        temperature: float,
-        greedy: bool,
-        seed: int,
-    ) -> Generation:
+    def _admissible(self, k: int, prompt: list[int], trie: TokenTrie, request: SampleRequest) -> Generation:
         g, node, seq = Generation([], [], [], [], []), trie.root, list(prompt)
-        for j in range(max_new_tokens):
+        for j in range(request.max_new_tokens):
             allowed = sorted(node.keys())
             if len(allowed) == 1:  # forced: no choice, nothing to ask the model
                 tok, lp, ent = allowed[0], 0.0, 0.0
@@ -234,9 +207,9 @@ class VLLMEngine:
                     self.model,
                     seq,
                     1,
-                    temperature,
-                    greedy,
-                    derive_seed(seed, "vllm", k, j),
+                    request.temperature,
+                    request.greedy,
+                    derive_seed(request.seed, "vllm", k, j),
                     min(len(allowed), self.top_logprobs),
                     self.end_ids,
                     allowed,
@@ -246,7 +219,9 @@ class VLLMEngine:
                     raise VLLMError(f"server sampled {step.token}, outside allowed_token_ids {allowed}")
                 dist = {
                     t: v
-                    for t, v in distribution(step, 1.0 if greedy else temperature, temperature).items()
+                    for t, v in distribution(
+                        step, 1.0 if request.greedy else request.temperature, request.temperature
+                    ).items()
                     if t in node
                 }
                 tok, lp, ent = step.token, dist[step.token], entropy(dist)
@@ -262,16 +237,7 @@ class VLLMEngine:
         g.finished = bool(g.token_ids) and (g.token_ids[-1] in self.end_ids or not node)
         return g
 
-    def _admissible_one(
-        self,
-        k: int,
-        prompt: list[int],
-        trie: TokenTrie,
-        max_new_tokens: int,
-        temperature: float,
-        greedy: bool,
-        seed: int,
-    ) -> Generation:
+    def _admissible_one(self, k: int, prompt: list[int], trie: TokenTrie, request: SampleRequest) -> Generation:
         """The whole action in one request: the server's trie processor masks each step to the trie node's
         children (``vllm_server_side/horizonrl_trie.py``); log-probs and entropies are read per step over
         those children as in ``_admissible``, and a token with one continuation counts as forced (log-prob
@@ -281,10 +247,10 @@ class VLLMEngine:
         body = completion_body(
             self.model,
             prompt,
-            max_new_tokens,
-            temperature,
-            greedy,
-            derive_seed(seed, "vllm", k),
+            request.max_new_tokens,
+            request.temperature,
+            request.greedy,
+            derive_seed(request.seed, "vllm", k),
             max(1, min(width, self.top_logprobs)),
             self.end_ids,
         )
@@ -303,7 +269,9 @@ class VLLMEngine:
             else:
                 dist = {
                     t: v
-                    for t, v in distribution(step, 1.0 if greedy else temperature, temperature).items()
+                    for t, v in distribution(
+                        step, 1.0 if request.greedy else request.temperature, request.temperature
+                    ).items()
                     if t in node
                 }
                 lp, ent = dist[step.token], entropy(dist)
@@ -426,18 +394,9 @@ class VLLMSession:
         self.e = engine
         self.seqs: dict[int, list[int]] = {}
 
-    def extend(
-        self,
-        slots: list[int],
-        new_ids: list[list[int]],
-        tries: list[TokenTrie | None],
-        max_new_tokens: int,
-        temperature: float,
-        greedy: bool,
-        seed: int,
-    ) -> list[Generation]:
-        self.seqs = {s: self.seqs.get(s, []) + list(ids) for s, ids in zip(slots, new_ids)}  # absent slots are done
-        gens = self.e.generate([self.seqs[s] for s in slots], tries, max_new_tokens, temperature, greedy, seed)
+    def extend(self, slots: list[int], request: SampleRequest) -> list[Generation]:
+        self.seqs = {s: self.seqs.get(s, []) + list(ids) for s, ids in zip(slots, request.prompts)}  # absent: done
+        gens = self.e.generate(dataclasses.replace(request, prompts=[self.seqs[s] for s in slots]))
         for s, g in zip(slots, gens):
             self.seqs[s] += g.token_ids  # sampled tokens are part of the context, as in the KV cache
         return gens

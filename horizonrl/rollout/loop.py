@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from horizonrl.config import TrainConfig
-from horizonrl.engines.base import Engine, Generation, Session, TokenTrie
+from horizonrl.engines.base import Engine, Generation, SampleRequest, Session, TokenTrie
 from horizonrl.envs.base import EnvSuite, Task
 from horizonrl.envs.batch import EpisodeBatch, StepResult, as_batch, error_info
 from horizonrl.rollout.prompting import ChatFormat, full_delta, window_prompt
@@ -285,14 +285,12 @@ def _generate(batch: list[LiveEpisode], sampling: _Sampling, session: Session | 
         ep.engine_prefix = []
         ep.history.append((obs_ids, []))
         tries.append(_trie(fmt, ep.info["admissible_commands"], pending) if s.action_mode == "admissible" else None)
-    n_tokens, temperature, greedy = s.max_action_tokens, s.temperature, s.greedy
+    request = SampleRequest(inputs, tries, s.max_action_tokens, s.temperature, s.greedy, seed)
     t0 = time.perf_counter()
     if session is None:
-        gens = sampling.engine.generate(inputs, tries, n_tokens, temperature, greedy, seed)
+        gens = sampling.engine.generate(request)
     else:
-        gens = session.extend(
-            [ep.record.rollout_id for ep in batch], inputs, tries, n_tokens, temperature, greedy, seed
-        )
+        gens = session.extend([ep.record.rollout_id for ep in batch], request)
     gen_s = (time.perf_counter() - t0) / len(batch)
     actions = []
     for ep, gen, trie in zip(batch, gens, tries):

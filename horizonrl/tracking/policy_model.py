@@ -35,12 +35,12 @@ class PolicyModel(mlflow.pyfunc.PythonModel):
         self.engine = TransformersEngine(self.model, tokenizer.pad_token_id, list(self.fmt.stop_ids))
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> list[str]:
-        from horizonrl.engines.base import TokenTrie
+        from horizonrl.engines.base import SampleRequest, TokenTrie
 
         prompts, tries = [], []
         for _, row in model_input.iterrows():
             prompts.append(self.fmt.system(row["goal"]) + self.fmt.user(row["observation"]))
             cmds = row.get("admissible")
             tries.append(TokenTrie([self.fmt.command(c) for c in cmds]) if cmds is not None and len(cmds) else None)
-        gens = self.engine.generate(prompts, tries, 32, 1.0, True, 0)
+        gens = self.engine.generate(SampleRequest(prompts, tries, 32, 1.0, True, 0))
         return [self.fmt.parse_action(g.token_ids, g.finished)[0] for g in gens]
