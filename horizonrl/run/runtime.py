@@ -20,7 +20,7 @@ from horizonrl.engines.hf import TransformersEngine
 from horizonrl.envs import EnvSuite, corpus_digest, make_suite, suite_corpus, suite_ref
 from horizonrl.envs.batch import EpisodeBatch, InProcess
 from horizonrl.envs.pool import EnvPool
-from horizonrl.models import lora
+from horizonrl.models import lora, pretrained
 from horizonrl.models.loading import (
     initial_adapter_dir,
     load_policy,
@@ -221,8 +221,8 @@ class PolicyRuntime:
         ``model.lora``, a directory of fresh adapters over that base."""
         if cfg.model.path is not None and cfg.model.path.startswith(MODEL_URI_PREFIXES):  # a logged policy
             base = Path(policy_from_store(cfg).path)
-        elif cfg.model.path is not None:
-            base = Path(cfg.model.path)
+        elif cfg.model.path is not None:  # a pretrained model's name is fetched on first use
+            base = Path(pretrained.resolve(cfg.model.path, cfg.data_dir))
         else:
             corpus = functools.partial(suite_corpus, self.suite(cfg), cfg.env.tier)  # played only when needed
             digest = None
