@@ -12,26 +12,24 @@ end-to-end run goes last and leaves its own checkpoint served. Marked slow (``ma
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from flowkit import free_port
-from test_vllm_live import REQUESTS, TOL, VLLM_CACHE, VLLM_PYTHON, _learner_logprobs, _prompts, _same
+from test_vllm_live import LORA_RANK, REQUESTS, TOL, _learner_logprobs, _prompts, _same, start_engine
 
 from horizonrl.config import LoraConfig
 from horizonrl.engines.base import TokenTrie
 from horizonrl.engines.hf import TransformersEngine
-from horizonrl.engines.vllm import VLLMEngine, probe_of
-from horizonrl.engines.vllm_server import SERVED_NAME, ServerSpec, VLLMServer, serving_copy
-from horizonrl.engines.vllm_wire import VLLMClient
+from horizonrl.engines.vllm import probe_of
+from horizonrl.engines.vllm_server import SERVED_NAME
 from horizonrl.models import pretrained
 from horizonrl.models.loading import initial_adapter_dir, load_policy
 from horizonrl.rollout.prompting import ChatFormat
 
 pytestmark = pytest.mark.slow
 DATA = Path(__file__).resolve().parents[1] / "data"  # the cache `make setup-test` fills
-LORA_RANK = 8
 TOP_LOGPROBS = 64  # engine.vllm.top_logprobs' default: admissible entropies exact up to 64 allowed ids
 
 
@@ -50,31 +48,7 @@ def real(smollm2, tmp_path_factory):
     """An engine owning a real server on SmolLM2 (saved untied: its serving copy only links the files)."""
     path, _, _, fmt, hf = smollm2
     root = tmp_path_factory.mktemp("vllm-real")
-    spec = ServerSpec(
-        python=str(VLLM_PYTHON),
-        model=str(serving_copy(path, root / "weights" / "w000000")),
-        port=free_port(),
-        gpu_memory_utilization=0.2,
-        max_logprobs=TOP_LOGPROBS,
-        max_lora_rank=LORA_RANK,
-        dtype="float32",
-        device="cuda" if torch.cuda.is_available() else "cpu",
-        cache_root=str(VLLM_CACHE),
-        dev_mode=True,
-        max_model_len=2048,
-        trie_processor=True,
-    )
-    server = VLLMServer(spec, root / "server.log", startup_timeout_s=600, source=str(path))
-    server.start()
-    engine = VLLMEngine(
-        VLLMClient(server.url),
-        hf.end_ids,
-        TOP_LOGPROBS,
-        max_concurrency=8,
-        server=server,
-        weights_dir=root / "weights",
-        one_request=True,
-    )
+    engine = start_engine(path, root, hf.end_ids, TOP_LOGPROBS, 2048)
     try:
         engine.generate([fmt.user("warm up.")], [None], 2, 1.0, True, 0)  # the first request initialises lazily
         yield engine
@@ -100,17 +74,12 @@ def test_greedy_window_generations_equal_transformers(real, smollm2, household_s
     gens = real.generate(prompts, tries, budget, temperature, True, 0)
     assert real.client.metrics()[REQUESTS] - before == len(prompts)
     for v, h, cs in zip(gens, hf.generate(prompts, tries, budget, temperature, True, 0), commands):
-        assert (v.token_ids, v.policy_mask, v.allowed, v.finished) == (
-            h.token_ids,
-            h.policy_mask,
-            h.allowed,
-            h.finished,
-        )
-        assert v.logprobs == pytest.approx(h.logprobs, abs=TOL)
         if admissible:
-            assert v.entropy == pytest.approx(h.entropy, abs=TOL) and v.token_ids in [fmt.command(c) for c in cs]
-        else:
+            assert v.token_ids in [fmt.command(c) for c in cs]
+        else:  # free: vLLM's entropy is over its top 64 ids, a lower bound of the whole vocabulary's
             assert all(a <= b + TOL for a, b in zip(v.entropy, h.entropy))
+            h = replace(h, entropy=v.entropy)
+        _same(v, h)
 
 
 def test_full_context_session_equals_the_transformers_session(real, smollm2, household_suite):
