@@ -98,12 +98,14 @@ def test_full_context_session_equals_the_transformers_session(real, smollm2, hou
 
 
 def test_sampled_free_actions_carry_the_learners_logprobs_over_the_whole_vocabulary(real, smollm2, household_suite):
-    """Seeded sampling at T = 1 over all 49,152 ids: the same seed reproduces, and every sampled token's
+    """Seeded sampling at T = 1 over all 49,152 ids: the same seed reproduces the tokens (log-probs to float
+    rounding: concurrent requests batch differently, measured 1.4e-6), and every sampled token's
     log-prob (what a run stores as the behaviour log-prob) equals the learner's teacher-forced one within 1e-4."""
     _, model, _, fmt, _ = smollm2
     prompts, _ = _prompts(fmt, household_suite)
     a, b = (real.generate(prompts, [None] * 3, 5, 1.0, False, 7) for _ in range(2))
-    assert [(g.token_ids, g.logprobs) for g in a] == [(g.token_ids, g.logprobs) for g in b]
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]  # log-probs: to float rounding (batching)
+    assert [lp for g in a for lp in g.logprobs] == pytest.approx([lp for g in b for lp in g.logprobs], abs=1e-5)
     for p, g in zip(prompts, a):
         assert g.logprobs == pytest.approx(_learner_logprobs(model, p, g, 1.0), abs=TOL)
 
