@@ -172,10 +172,12 @@ def test_a_lora_adapter_hot_loads_and_serves_the_learners_logprobs(real, smollm2
 
 
 def test_a_train_run_on_smollm2_end_to_end(real, smollm2, prefect_harness, tmp_path):
-    """One iteration of the real train flow on SmolLM2 (2 tasks x 2 rollouts, 2 turns, window context) played
-    on this server: the run finishes, its update found the learner's recomputed log-probs of the sampled
-    actions within 1e-4 of the sampler's (``update/pi_old_max_diff``, 49k-id vocabulary), and evaluated
-    before and after."""
+    """One iteration of the real train flow on SmolLM2 with LoRA adapters (2 tasks x 2 rollouts, 2 turns,
+    window context) played on this server, the adapters hot-loaded: the run finishes, its update found the
+    learner's recomputed log-probs of the sampled actions within 1e-4 of the sampler's
+    (``update/pi_old_max_diff``, 49k-id vocabulary), and it evaluated before and after. LoRA keeps the
+    run's checkpoints and logged model to megabytes (full weights: 1.7 GB each with AdamW's state, about a
+    minute of the suite's time); the full-weight reload is the test above's."""
     from flowkit import run_of, tiny_config
 
     from flows.train import train
@@ -184,10 +186,10 @@ def test_a_train_run_on_smollm2_end_to_end(real, smollm2, prefect_harness, tmp_p
     path = smollm2[0]
     cfg = tiny_config(tmp_path, f"sqlite:///{tmp_path}/mlflow.db", "smollm2", iterations=1)
     cfg.update(
-        model={"path": str(path)},
+        model={"path": str(path), "lora": {"rank": LORA_RANK}},  # adapters: checkpoints of MBs, not 1.7 GB
         env={"name": "household", "tier": "easy", "max_turns": 2, "train_pool": 50},
         advantage_params={"kl_lambda": 0.5},  # a constant advantage: the update has rows to train on
-        update={"minibatch_size": 4, "epochs": 1, "lr": 1e-5},
+        update={"minibatch_size": 4, "epochs": 1, "lr": 1e-4},
         engine={"name": "vllm", "vllm": {"url": real.client.base_url, "top_logprobs": TOP_LOGPROBS}},
         eval={"every": 10, "n_tasks": 1},
     )
