@@ -200,6 +200,7 @@ SIMULATORS = ("textworld", "scienceworld")  # games made by tw-make, a JVM per S
 # The files with minutes of work (a local stack each, kill-and-resume runs, a vLLM server, games), longest first.
 LONGEST = (
     "test_vllm_live.py",
+    "test_vllm_real.py",
     "test_faults_round3.py",
     "test_stack.py",
     "test_reliability.py",
