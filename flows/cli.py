@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"horizonrl: bad configuration: {err}", file=sys.stderr)
         return 2
+    if (err := _fetch_pretrained(cfg.model.path, cfg.data_dir)) is not None:
+        print(f"horizonrl: bad configuration: model.path = {cfg.model.path!r}: {err}", file=sys.stderr)
+        return 2
     if args.command == "train":
         import psutil
 
@@ -276,6 +279,20 @@ def _recompute(args: argparse.Namespace) -> int:
     for it, path in sorted(written.items()):
         print(f"iteration {it}: {path}")
     return 0
+
+
+def _fetch_pretrained(path: str | None, data_dir: str) -> str | None:
+    """A pretrained model named by ``model.path`` fetched (first use) or verified before any flow starts;
+    why not, in one line (unknown to the registry is the config's check, so only fetch errors come here)."""
+    from horizonrl.models import pretrained
+
+    if path not in pretrained.KNOWN:
+        return None
+    try:
+        pretrained.fetch(path, data_dir)
+    except (ValueError, RuntimeError) as err:
+        return str(err)
+    return None
 
 
 def _models(args: argparse.Namespace) -> int:

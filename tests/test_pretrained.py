@@ -89,10 +89,10 @@ def test_an_unknown_name_is_refused_in_one_line_listing_the_known_ones(capsys):
     assert "\n" not in out and out.startswith("horizonrl: unknown pretrained model 'smollm-135m'; known: gemma3-270m,")
 
 
-def test_a_damaged_cached_model_is_named_in_one_line(smollm2, tmp_path):
+def test_a_damaged_cached_model_is_named_in_one_line(smollm2, tmp_path, capsys):
     """A cache whose config.json was edited after conversion (the weights linked from the real cache), or
     whose provenance is missing (an interrupted copy): ``fetch`` names the folder and file and how to
-    recover, and converts nothing."""
+    recover, and converts nothing; ``horizonrl train`` says so in one line before it starts a flow."""
     damaged = pretrained.model_dir(SMOLLM2, tmp_path)
     damaged.mkdir(parents=True)
     for f in smollm2.iterdir():
@@ -101,6 +101,9 @@ def test_a_damaged_cached_model_is_named_in_one_line(smollm2, tmp_path):
     (damaged / "config.json").write_text((smollm2 / "config.json").read_text().replace('"rms_norm_eps"', '"rms_eps"'))
     with pytest.raises(ValueError, match=rf"^cached model {damaged} is damaged: config.json .* delete the folder"):
         pretrained.fetch(SMOLLM2, tmp_path)
+    assert cli(["train", f"--set=model.path={SMOLLM2}", f"--set=data_dir={tmp_path}"]) == 2  # before any flow
+    out = capsys.readouterr().err.strip()
+    assert "\n" not in out and out.startswith(f"horizonrl: bad configuration: model.path = '{SMOLLM2}': cached model")
     (damaged / pretrained.PROVENANCE).unlink()
     with pytest.raises(ValueError, match=rf"^cached model {damaged} is damaged: no {pretrained.PROVENANCE}"):
         pretrained.fetch(SMOLLM2, tmp_path)
