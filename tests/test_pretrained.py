@@ -105,6 +105,12 @@ def test_a_damaged_cached_model_is_named_in_one_line(smollm2, tmp_path, capsys):
     out = capsys.readouterr().err.strip()
     assert "\n" not in out and out.startswith(f"horizonrl: bad configuration: model.path = '{SMOLLM2}': cached model")
     (damaged / pretrained.PROVENANCE).unlink()
+    (damaged / pretrained.PROVENANCE).write_text('{"files": ')  # cut short
+    with pytest.raises(
+        ValueError, match=rf"^cached model {damaged} is damaged: its {pretrained.PROVENANCE} is unreadable"
+    ):
+        pretrained.fetch(SMOLLM2, tmp_path)
+    (damaged / pretrained.PROVENANCE).unlink()
     with pytest.raises(ValueError, match=rf"^cached model {damaged} is damaged: no {pretrained.PROVENANCE}"):
         pretrained.fetch(SMOLLM2, tmp_path)
 

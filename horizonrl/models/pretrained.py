@@ -86,7 +86,13 @@ def verify(folder: str | Path) -> None:
 
 @functools.cache
 def _verify(folder: Path, stamps: tuple[tuple[str, int, int], ...]) -> None:
-    listed = json.loads((folder / PROVENANCE).read_text())["files"]
+    try:
+        listed = json.loads((folder / PROVENANCE).read_text())["files"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(
+            f"cached model {folder} is damaged: its {PROVENANCE} is unreadable ({err}); "
+            "delete the folder to fetch it again"
+        ) from err
     for fname, want in sorted(listed.items()):
         path = folder / fname
         if not path.is_file() or path.stat().st_size != want["size"] or file_digest(path) != want["sha256"]:
