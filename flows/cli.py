@@ -164,7 +164,15 @@ def main(argv: list[str] | None = None) -> int:
         "<store>/postgres",
     )
     st.add_argument("--postgres-port", type=int, default=5432)
+    md = sub.add_parser(
+        "models", help="the pretrained models model.path can name: list them, or fetch and convert them"
+    )
+    md.add_argument("action", choices=["fetch", "list"])
+    md.add_argument("names", nargs="*", help="models to fetch (horizonrl models list names them)")
+    md.add_argument("--data-dir", default="data", help="the cache is <data-dir>/models/<name> (default data/)")
     args = parser.parse_args(argv)
+    if args.command == "models":
+        return _models(args)
     if args.command not in ("stack", "show"):
         _choose_prefect_api()
     if args.command == "recompute":
@@ -180,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.set)
     except ValueError as err:
         print(f"horizonrl: bad configuration: {err}", file=sys.stderr)
+        return 2
+    if (err := _fetch_pretrained(cfg.model.path, cfg.data_dir)) is not None:
+        print(f"horizonrl: bad configuration: model.path = {cfg.model.path!r}: {err}", file=sys.stderr)
         return 2
     if args.command == "train":
         import psutil
@@ -271,6 +282,43 @@ def _recompute(args: argparse.Namespace) -> int:
         return 1
     for it, path in sorted(written.items()):
         print(f"iteration {it}: {path}")
+    return 0
+
+
+def _fetch_pretrained(path: str | None, data_dir: str) -> str | None:
+    """A pretrained model named by ``model.path`` fetched (first use) or verified before any flow starts;
+    why not, in one line (unknown to the registry is the config's check, so only fetch errors come here)."""
+    from horizonrl.models import pretrained
+
+    if path not in pretrained.KNOWN:
+        return None
+    try:
+        pretrained.fetch(path, data_dir)
+    except (ValueError, RuntimeError) as err:
+        return str(err)
+    return None
+
+
+def _models(args: argparse.Namespace) -> int:
+    """Fetch (once; afterwards a digest check) or list the known pretrained models, without Prefect."""
+    from horizonrl.models import pretrained
+
+    if args.action == "list":
+        for name, spec in sorted(pretrained.KNOWN.items()):
+            cached = "cached" if pretrained.model_dir(name, args.data_dir).is_dir() else "not fetched"
+            print(f"{name}\t{cached}\t{spec.about}")
+        return 0
+    if not args.names:
+        print(
+            "horizonrl: models fetch needs a model name; known: " + ", ".join(sorted(pretrained.KNOWN)), file=sys.stderr
+        )
+        return 2
+    for name in args.names:
+        try:
+            print(pretrained.fetch(name, args.data_dir))
+        except (ValueError, RuntimeError, OSError) as err:
+            print(f"horizonrl: {err}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -201,6 +201,7 @@ EXTRA_FIXTURES = {"chat_tokenizer_cache", "tw_root"}  # npm's tokenizers, TextWo
 # The files with minutes of work (a local stack each, kill-and-resume runs, a vLLM server, games), longest first.
 LONGEST = (
     "test_vllm_live.py",
+    "test_vllm_real.py",
     "test_faults_round3.py",
     "test_stack.py",
     "test_reliability.py",

@@ -44,36 +44,44 @@ LORA_RANK = 8
 VLLM_CACHE = Path(__file__).resolve().parents[1] / "data" / "cache" / "vllm"  # kept across sessions, as the flow's
 
 
-@pytest.fixture(scope="module")
-def live(tiny_policy, tiny_policy_dir, tmp_path_factory):
-    """An engine owning a real server on the tiny policy's untied serving copy, warmed up."""
-    model, tokenizer, fmt, hf = tiny_policy
-    root = tmp_path_factory.mktemp("vllm")
+def start_engine(
+    source: Path, root: Path, end_ids: list[int], top_logprobs: int, max_model_len: int | None
+) -> VLLMEngine:
+    """An engine owning a real server (trie processor, in-place reloads, runtime LoRA) on ``source``'s
+    untied serving copy, its weight copies under ``root``."""
     spec = ServerSpec(
         python=str(VLLM_PYTHON),
-        model=str(serving_copy(tiny_policy_dir, root / "weights" / "w000000")),
+        model=str(serving_copy(source, root / "weights" / "w000000")),
         port=free_port(),
         gpu_memory_utilization=0.2,
-        max_logprobs=len(tokenizer),
+        max_logprobs=top_logprobs,
         max_lora_rank=LORA_RANK,  # runtime adapter loading on (start-up cost within the noise: measured)
         dtype="float32",
         device="cuda" if torch.cuda.is_available() else "cpu",
         cache_root=str(VLLM_CACHE),
         dev_mode=True,
-        max_model_len=max_positions(tiny_policy_dir),
+        max_model_len=max_model_len,
         trie_processor=True,
     )
-    server = VLLMServer(spec, root / "server.log", startup_timeout_s=600, source=str(tiny_policy_dir))
+    server = VLLMServer(spec, root / "server.log", startup_timeout_s=600, source=str(source))
     server.start()
-    engine = VLLMEngine(
+    return VLLMEngine(
         VLLMClient(server.url),
-        hf.end_ids,
-        len(tokenizer),
+        end_ids,
+        top_logprobs,
         max_concurrency=8,
         server=server,
         weights_dir=root / "weights",
         one_request=True,
     )
+
+
+@pytest.fixture(scope="module")
+def live(tiny_policy, tiny_policy_dir, tmp_path_factory):
+    """An engine owning a real server on the tiny policy's untied serving copy, warmed up."""
+    model, tokenizer, fmt, hf = tiny_policy
+    root = tmp_path_factory.mktemp("vllm")
+    engine = start_engine(tiny_policy_dir, root, hf.end_ids, len(tokenizer), max_positions(tiny_policy_dir))
     try:
         engine.generate(
             SampleRequest([fmt.user("warm up .")], [None], 2, 1.0, True, 0)

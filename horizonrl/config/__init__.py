@@ -4,6 +4,7 @@ Importers take names from here (``from horizonrl.config import TrainConfig, load
 
 from horizonrl.config.loader import CONFIG_FILE, apply_overrides, load_config, override_keys, train_config
 from horizonrl.config.schema import (
+    CPU_HEAD_DIMS,
     MODEL_URI_PREFIXES,
     NAME_PATTERN,
     EngineConfig,
@@ -20,10 +21,13 @@ from horizonrl.config.schema import (
     UpdateConfig,
     VLLMConfig,
     WarmStartConfig,
+    model_head_dim,
     run_dir,
 )
 
 __all__ = [
+    "CPU_HEAD_DIMS",
+    "model_head_dim",
     "CONFIG_FILE",
     "apply_overrides",
     "override_keys",

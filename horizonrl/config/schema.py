@@ -28,6 +28,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 import methods
+from horizonrl.config.pretrained import KNOWN, unknown_model
 from methods.appo import BranchingParams
 from methods.presets import METHODS, MethodPreset
 from methods.registry import LossParams
@@ -101,7 +102,9 @@ class LoraConfig(Strict):
 
 class ModelConfig(Strict):
     path: str | None = None
-    """Local directory or hub id of a causal LM; None builds a tiny random-weight model from ``tiny``."""
+    """A pretrained model's name (``horizonrl.config.pretrained.KNOWN``: fetched and converted once into
+    ``<data_dir>/models/<name>``), a local directory or hub id of a causal LM; None builds a tiny
+    random-weight model from ``tiny``."""
     tiny: TinyModelConfig = TinyModelConfig()
     tokenizer: Literal["word", "qwen3", "llama3"] = "word"
     """Tokenizer of the tiny model, which sets its architecture: word = a word-level tokenizer trained on the
@@ -136,6 +139,10 @@ class ModelConfig(Strict):
             if v.startswith("runs:/") and not re.fullmatch(r"runs:/[0-9a-f]+/?", v):
                 raise ValueError(f"model path {v!r}: give runs:/<run id>")
             return v
+        if v in KNOWN:
+            return v
+        if "/" not in v and not Path(v).expanduser().exists():
+            raise ValueError(unknown_model(v))
         looks_local = v.startswith((".", "/", "~")) or Path(v).expanduser().exists() or v.count("/") != 1
         if looks_local and not Path(v).expanduser().is_dir():
             raise ValueError(f"model path {v!r} does not exist (give a local model directory or a hub id 'org/name')")
@@ -284,6 +291,13 @@ class WarmStartConfig(Strict):
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Head sizes vLLM 0.32's CPU attention kernel serves (another starts, reports healthy, then dies at the first
 request)."""
+
+
+def model_head_dim(folder: str | Path) -> int:
+    """The attention head size of the transformers model folder ``folder`` (its ``config.json``)."""
+    c = json.loads((Path(folder) / "config.json").read_text())
+    c = c.get("text_config", c)
+    return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
 
 
 class VLLMConfig(Strict):
@@ -493,10 +507,10 @@ class TrainConfig(Strict):
         if self.model.path is None:
             t, field = self.model.tiny, "model.tiny.hidden_size / model.tiny.num_heads"
             head_dim = t.hidden_size // t.num_heads
+        elif self.model.path in KNOWN:
+            head_dim, field = KNOWN[self.model.path].head_dim, f"model.path = {self.model.path!r}"
         elif (Path(self.model.path).expanduser() / "config.json").is_file():
-            c = json.loads((Path(self.model.path).expanduser() / "config.json").read_text())
-            c = c.get("text_config", c)
-            head_dim, field = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"], "model.path"
+            head_dim, field = model_head_dim(Path(self.model.path).expanduser()), "model.path"
         else:
             return self  # a hub id or logged model: the server's first request names it
         if head_dim not in CPU_HEAD_DIMS:

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from horizonrl.config import CPU_HEAD_DIMS, model_head_dim
 from horizonrl.engines.vllm_wire import VLLMClient, VLLMError
 
 TRIE_PROCESSOR = "horizonrl_trie:TrieLogitsProcessor"  # server-side module in vllm_server_side/ (its docstring)
@@ -184,6 +185,19 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
     return env
 
 
+def check_head_dim(spec: ServerSpec) -> None:
+    """Refuse, before a start-up that would cost a minute, a model the CPU build cannot serve: it starts,
+    reports healthy, then dies at the first request on a head size its attention kernel lacks."""
+    if spec.device != "cpu" or not (Path(spec.model) / "config.json").is_file():
+        return
+    head_dim = model_head_dim(spec.model)
+    if head_dim not in CPU_HEAD_DIMS:
+        raise VLLMError(
+            f"model {spec.model}: head_dim {head_dim} is not served by vLLM's CPU attention kernel; "
+            f"supported head_dim: {', '.join(map(str, CPU_HEAD_DIMS))}"
+        )
+
+
 class VLLMServer:
     """A server process this engine owns: started in its own session, stopped (its whole process group:
     vLLM spawns engine-core workers) on ``stop`` or at interpreter exit."""
@@ -202,6 +216,7 @@ class VLLMServer:
             raise VLLMError(
                 f"no vLLM environment at {self.spec.python}: create it with `make vllm-venv` or set engine.vllm.url"
             )
+        check_head_dim(self.spec)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(

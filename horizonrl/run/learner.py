@@ -16,6 +16,7 @@ import torch
 
 from horizonrl.config import MODEL_URI_PREFIXES, TrainConfig
 from horizonrl.envs import EnvSuite, corpus_digest, suite_corpus
+from horizonrl.models import pretrained
 from horizonrl.models.loading import initial_adapter_dir, load_policy, resolve_device, resolve_dtype, tiny_model_dir
 from horizonrl.tracking import mlflow_runs
 from horizonrl.training.checkpoint import CheckpointRef, checkpoint_dir, load_optimizer_state
@@ -128,8 +129,8 @@ def initial_model_dir(cfg: TrainConfig, suite: EnvSuite) -> Path:
     ``model.lora``, a directory of fresh adapters over that base."""
     if cfg.model.path is not None and cfg.model.path.startswith(MODEL_URI_PREFIXES):  # a logged policy
         base = Path(policy_from_store(cfg).path)
-    elif cfg.model.path is not None:
-        base = Path(cfg.model.path)
+    elif cfg.model.path is not None:  # a pretrained model's name is fetched on first use
+        base = Path(pretrained.resolve(cfg.model.path, cfg.data_dir))
     else:
         corpus = functools.partial(suite_corpus, suite, cfg.env.tier)  # played only when needed
         digest = None
