@@ -169,8 +169,9 @@ def main() -> int:
 
     from benchmarks.real import model_dir
 
-    out = Path(__file__).resolve().parents[1] / "data" / "gpu-check"
-    real_dir = args.real_model or model_dir(out)
+    data = Path(__file__).resolve().parents[1] / "data"
+    out = data / "gpu-check"
+    real_dir = args.real_model or model_dir(data)
     if real_dir is None:
         print("no real model: give --real-model DIR or set HORIZONRL_REAL_MODEL", file=sys.stderr)
         return 1
