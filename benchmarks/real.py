@@ -31,7 +31,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -105,8 +104,14 @@ def _child(args: list[str], env: dict[str, str]) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: kB
+def _peak_rss_mb(pid: int | str = "self") -> float:
+    """A process's peak RSS (VmHWM). Not ``getrusage``'s ``ru_maxrss``: Linux carries that over ``exec`` from
+    the forked parent, so a child started by a large process reports at least the parent's size."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:  # the process has gone
+        return 0.0
+    return next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0) / 1024
 
 
 def step_memory(cfg_file: str, path: str) -> dict:
@@ -147,15 +152,8 @@ def step_memory(cfg_file: str, path: str) -> dict:
 
 def _tree_peak_mb(pid: int) -> float:
     """The sum of the peak RSS (VmHWM) over ``pid`` and its descendants."""
-    total = 0.0
     proc = psutil.Process(pid)
-    for p in [proc, *proc.children(recursive=True)]:
-        try:
-            status = Path(f"/proc/{p.pid}/status").read_text()
-        except OSError:
-            continue
-        total += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
-    return total / 1024
+    return sum(_peak_rss_mb(p.pid) for p in [proc, *proc.children(recursive=True)])
 
 
 def lagged_run(cfg: TrainConfig, k: int, path: Path, engine, out: Path) -> dict[str, float]:
@@ -171,7 +169,7 @@ def lagged_run(cfg: TrainConfig, k: int, path: Path, engine, out: Path) -> dict[
     versions = {0: (str(path), probe_of(model.eval(), vocab))}  # version -> (weights folder, probe)
     engine.sync(*versions[0])
     published = threading.Condition()
-    busy = {"generate_s": 0.0, "update_s": 0.0, "sync_s": 0.0}
+    busy = {"generate_s": 0.0, "update_s": 0.0, "sync_s": 0.0, "ppo_s": 0.0, "save_s": 0.0}
 
     def play(j: int) -> tuple:
         v = max(j - 1 - k, 0)
@@ -194,8 +192,10 @@ def lagged_run(cfg: TrainConfig, k: int, path: Path, engine, out: Path) -> dict[
             records, v = futures[it].result()
             t0 = time.perf_counter()
             ppo_update(model, optimizer, random_advantage_rows(records, cfg.rollout.context), s, seed=it)
+            busy["ppo_s"] += time.perf_counter() - t0
             saved = out / f"k{k}-v{it}"
             model.save_pretrained(saved, safe_serialization=True)  # the flow's update writes its checkpoint
+            busy["save_s"] += time.perf_counter() - t0
             probe = probe_of(model.eval(), vocab)
             model.train()
             with published:
@@ -205,6 +205,7 @@ def lagged_run(cfg: TrainConfig, k: int, path: Path, engine, out: Path) -> dict[
         wall = time.perf_counter() - t_start
     for it in range(1, cfg.iterations):  # the server may still serve the last one
         shutil.rmtree(out / f"k{k}-v{it}", ignore_errors=True)
+    busy["save_s"] -= busy["ppo_s"]
     return {"wall_s": wall, **busy}
 
 
@@ -377,7 +378,16 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, iterations: int, out: Path) 
             None,
             f"per iteration, k=0 (in-place syncs incl.: {sync['sync_s'] / iterations:.1f} s; last {v['last_sync']})",
         ),
-        Figure("real/async_update_s", sync["update_s"] / iterations, "s", "", None, "per iteration, k=0"),
+        Figure(
+            "real/async_update_s",
+            sync["update_s"] / iterations,
+            "s",
+            "",
+            None,
+            f"per iteration, k=0: ppo_update {sync['ppo_s'] / iterations:.1f} s (pi_old recomputed), checkpoint "
+            f"{sync['save_s'] / iterations:.1f} s, the rest the probe; k=1: generate "
+            f"{lag['generate_s'] / iterations:.1f} s, update {lag['update_s'] / iterations:.1f} s",
+        ),
     ]
 
 
