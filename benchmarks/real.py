@@ -45,7 +45,7 @@ import torch
 
 from benchmarks.report import Figure
 from benchmarks.update import _rows, bare_loop, random_advantage_rows
-from benchmarks.vllm_server import VLLM_PYTHON, _free_port
+from benchmarks.vllm_server import VLLM_PYTHON, served_config
 from horizonrl.config import TrainConfig
 from horizonrl.engines.vllm import engine_from_config, probe_of
 from horizonrl.models.loading import load_policy
@@ -218,17 +218,7 @@ def vllm_loop(cfg_file: str, path: str, out_dir: str) -> dict:
     model, tokenizer = load_policy(path)
     fmt = ChatFormat.for_tokenizer(tokenizer)
     suite = rt.suite(cfg)
-    vcfg = cfg.model_copy(
-        update={
-            "engine": cfg.engine.model_copy(
-                update={
-                    "name": "vllm",
-                    "vllm": cfg.engine.vllm.model_copy(update={"python": str(VLLM_PYTHON), "port": _free_port()}),
-                }
-            ),
-            "data_dir": str(out),
-        }
-    )
+    vcfg = served_config(cfg, out)
     t0 = time.perf_counter()
     engine = engine_from_config(vcfg, path, list(fmt.stop_ids))
     startup_s = time.perf_counter() - t0
