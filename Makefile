@@ -94,9 +94,10 @@ endif
 vllm-venv: $(VLLM_VENV)/.vllm-$(VLLM_VERSION)-$(VLLM_BUILD)  ## vLLM's own environment (.venv-vllm): CUDA build with a GPU, else CPU
 	@echo "vllm-venv: $(VLLM_VENV) has the $(VLLM_BUILD) build of vLLM $(VLLM_VERSION)"
 
-# One CUDA GPU: transformers engine + one PPO update on a ~0.5 B model, throughput printed (< 8 min); then the
+# One CUDA GPU: transformers engine + one PPO update on a ~0.5 B model, throughput printed; SmolLM2 in bfloat16
+# served by vLLM's CUDA build beside the learner (parity, one iteration, an in-place sync); < 8 min. Then the
 # update's nccl ranks against one process (tests marked gpu: 2 ranks with 2 GPUs, 1 rank with one).
-gpu-check: setup  ## CUDA GPU(s): the GPU path's short check
+gpu-check: setup vllm-venv  ## CUDA GPU(s): the GPU path's short check
 	$(BIN)/python scripts/gpu_check.py $(ARGS)
 	$(BIN)/python -m pytest -q -m gpu tests/test_distributed_update.py
 

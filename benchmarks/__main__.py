@@ -17,13 +17,15 @@ import os
 import time
 from pathlib import Path
 
-from benchmarks import advantages, async_rollouts, pipeline, rollout, store, update, vllm_server
+from benchmarks import advantages, async_rollouts, pipeline, real, rollout, store, update, vllm_server
 from benchmarks.report import Figure, log_mlflow, publish, save, table
 from horizonrl.config import load_config
 
 CONFIG = "configs/loop_household_easy.yaml"
-SECTIONS = ("advantages", "store", "rollout", "update", "pipeline", "async") + (
-    ("vllm",) if vllm_server.available() else ()
+SECTIONS = (
+    ("advantages", "store", "rollout", "update", "pipeline", "async")
+    + (("vllm",) if vllm_server.available() else ())
+    + (("real",) if real.available() else ())
 )
 SIZES = {  # full, quick
     "adv_rows": (1_000_000, 20_000),
@@ -40,6 +42,9 @@ SIZES = {  # full, quick
     "async_group": (8, 2),
     "vllm_tasks": (8, 2),
     "vllm_group": (8, 2),
+    "real_tasks": (2, 1),
+    "real_group": (2, 2),
+    "real_iterations": (3, 2),
 }
 QUICK_RUN = [
     "env.max_turns=3",
@@ -97,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         elif section == "vllm":
             figures += vllm_server.run(cfg, n["vllm_tasks"], n["vllm_group"], out / "vllm")
+        elif section == "real":
+            figures += real.run(cfg, n["real_tasks"], n["real_group"], n["real_iterations"], out / "real")
         else:
             figures += pipeline.run(CONFIG, [*extra, f"iterations={n['pipeline_iterations']}"], out / "pipeline")
         print(f"[{section}: {time.perf_counter() - t0:.0f} s]", flush=True)

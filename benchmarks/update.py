@@ -34,6 +34,7 @@ from horizonrl.models.loading import load_policy
 from horizonrl.rollout.branching import collect_branches, plan_branches
 from horizonrl.rollout.loop import SamplingSettings, collect
 from horizonrl.rollout.prompting import ChatFormat
+from horizonrl.rollout.records import EpisodeRecord
 from horizonrl.run.learner import Learner, initial_model_dir
 from horizonrl.run.player import Player
 from horizonrl.training.checkpoint import CheckpointRef
@@ -55,6 +56,12 @@ def _rows(
     if branches:
         starts, _, _ = plan_branches(records, group, cfg.branching(), tokenizer)
         records += collect_branches(rt.suite(cfg), starts, engine, fmt, sampling, first_rollout_id=len(records))
+    return random_advantage_rows(records, cfg.rollout.context)
+
+
+def random_advantage_rows(records: list[EpisodeRecord], context: str) -> list[TrainRow]:
+    """Played ``records`` as training rows with fixed random advantages, every turn kept: the update's cost
+    does not depend on the values, and an untrained policy's own advantages would filter most rows out."""
     turns = store.turns_table(records)
     n = turns.num_rows
     adv = pa.table(
@@ -67,7 +74,7 @@ def _rows(
         },
         schema=store.ADVANTAGES,
     )
-    return attach_advantages(train_rows(turns, cfg.rollout.context), adv)
+    return attach_advantages(train_rows(turns, context), adv)
 
 
 def bare_loop(

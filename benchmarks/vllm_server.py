@@ -43,6 +43,14 @@ def available() -> bool:
     return VLLM_PYTHON.is_file()
 
 
+def served_config(cfg: TrainConfig, out: Path) -> TrainConfig:
+    """``cfg`` with the vLLM engine: a server of ``.venv-vllm`` on a free port, its files under ``out``."""
+    vllm = cfg.engine.vllm.model_copy(update={"python": str(VLLM_PYTHON), "port": _free_port()})
+    return cfg.model_copy(
+        update={"engine": cfg.engine.model_copy(update={"name": "vllm", "vllm": vllm}), "data_dir": str(out)}
+    )
+
+
 def run(cfg: TrainConfig, tasks_n: int, group: int, out: Path, seed: int = 0) -> list[Figure]:
     rt = Player(Learner())
     model_dir = initial_model_dir(cfg, rt.suite(cfg))
@@ -53,17 +61,7 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, out: Path, seed: int = 0) ->
     suite = rt.suite(cfg)
     sampling = SamplingSettings.from_config(cfg, suite, seed)
     tasks = rt.task_pool(cfg, "train", tasks_n)
-    vcfg = cfg.model_copy(
-        update={
-            "engine": cfg.engine.model_copy(
-                update={
-                    "name": "vllm",
-                    "vllm": cfg.engine.vllm.model_copy(update={"python": str(VLLM_PYTHON), "port": _free_port()}),
-                }
-            ),
-            "data_dir": str(out),
-        }
-    )
+    vcfg = served_config(cfg, out)
     t0 = time.perf_counter()
     engine = engine_from_config(vcfg, str(model_dir), end_ids)
     startup_s = time.perf_counter() - t0

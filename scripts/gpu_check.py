@@ -1,13 +1,18 @@
 """GPU check: a ~0.5 B-parameter Qwen2 (Qwen2.5-0.5B's shape, random weights built from a config, no
 download) runs rollouts through the transformers engine and one PPO update on one CUDA GPU, and prints
-generation and training throughput. Sized to finish within 8 minutes on one recent GPU.
+generation and training throughput; then the real model, SmolLM2-135M-Instruct in bfloat16, is served by
+vLLM's CUDA build beside the learner (``real_model_check``). Sized to finish within 8 minutes on one recent GPU.
 
-    .venv/bin/python scripts/gpu_check.py [--episodes 64] [--lora-rank 0]
+    .venv/bin/python scripts/gpu_check.py [--episodes 64] [--lora-rank 0] [--real-model DIR]
 
 It checks the path the CPU tests cannot: bf16 weights, SDPA attention, the engine's KV cache and
-sampling on the device, and the learner's forward/backward there. On a machine without CUDA it stops
-with a message and exit status 2. The numbers are for random weights (actions are constrained to
-admissible commands, so episodes and token counts are realistic in shape, not in success).
+sampling on the device, the learner's forward/backward there, and a vLLM server on the same GPU: its
+sampling log-probs against the learner's (parity), one training iteration on its episodes, the new weights
+reloaded into it in place (verified by the probe), and parity again on the new weights. On a machine
+without CUDA it stops with a message and exit status 2. The first part's numbers are for random weights
+(actions are constrained to admissible commands, so episodes and token counts are realistic in shape, not
+in success). The real model is ``--real-model``, else as the benchmark's ``real`` section finds it
+(``benchmarks.real.model_dir``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ def main() -> int:
     ap.add_argument(
         "--lora-rank", type=int, default=0, help="train LoRA adapters of this rank instead of all weights (0: full)"
     )
+    ap.add_argument("--real-model", help="SmolLM2's converted folder (default: as benchmarks/real.py finds it)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print(
@@ -159,9 +165,113 @@ def main() -> int:
         f"{t_upd:.1f} s, trainer-reported {stats['tokens_per_s']:.0f} tokens/s, peak GPU memory "
         f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
     )
+    del model, optimizer, engine
+    torch.cuda.empty_cache()
+
+    from benchmarks.real import model_dir
+
+    data = Path(__file__).resolve().parents[1] / "data"
+    out = data / "gpu-check"
+    real_dir = args.real_model or model_dir(data)
+    if real_dir is None:
+        print("no real model: give --real-model DIR or set HORIZONRL_REAL_MODEL", file=sys.stderr)
+        return 1
+    found = real_model_check(Path(real_dir), out, "cuda", BF16_TOLERANCE)
     total = time.perf_counter() - t_start
     print(f"total {total:.0f} s (budget {DEADLINE_S} s)")
-    return 0 if total < DEADLINE_S else 1
+    return 0 if total < DEADLINE_S and found["passed"] else 1
+
+
+BF16_TOLERANCE = 0.1  # nats: bfloat16 sampler vs learner (engine.vllm.sync_tolerance's advice for bf16)
+
+
+def real_model_check(path: Path, out: Path, device: str, tolerance: float, tasks: int = 2, group: int = 2) -> dict:
+    """A real model served by vLLM (the build for ``device``; the run's dtype: bfloat16 on CUDA, float32 on the
+    CPU) beside the learner, on household easy in admissible mode: ``tasks`` x ``group`` episodes played by the
+    server, one iteration of the flow's stages (LOOP advantages, the PPO update with pi_old recomputed), the
+    new weights saved and reloaded into the server in place, and ``tasks`` x ``group`` more episodes. Passed
+    when the sampler-learner gap (max |stored - recomputed log-prob|) is within ``tolerance`` before and
+    after the sync and the sync was in place. Returns the figures; prints them."""
+    from benchmarks.pipeline import learn
+    from horizonrl.config import load_config
+    from horizonrl.engines.vllm import engine_from_config, probe_of
+    from horizonrl.models.loading import load_policy, resolve_device, resolve_dtype
+    from horizonrl.rollout.loop import SamplingSettings, collect
+    from horizonrl.rollout.prompting import ChatFormat
+    from horizonrl.run.learner import Learner
+    from horizonrl.run.player import Player
+    from horizonrl.training.trainer import UpdateSettings
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(
+        str(root / "configs" / "loop_household_easy.yaml"),
+        [
+            f"model.path={path}",
+            f"model.device={device}",
+            "engine.name=vllm",
+            f"engine.vllm.python={root / '.venv-vllm' / 'bin' / 'python'}",
+            f"engine.vllm.device={device}",
+            f"engine.vllm.sync_tolerance={tolerance}",
+            f"rollout.tasks_per_iteration={tasks}",
+            f"rollout.group_size={group}",
+            "env.max_turns=4",
+            "update.epochs=1",
+            f"data_dir={out}",
+        ],
+    )
+    dtype = resolve_dtype(cfg.model.dtype, resolve_device(device))
+    model, tokenizer = load_policy(path, dtype)
+    model.to(device)
+    fmt = ChatFormat.for_tokenizer(tokenizer)
+    rt = Player(Learner())
+    suite, pool = rt.suite(cfg), rt.task_pool(cfg, "train", tasks)
+    t0 = time.perf_counter()
+    engine = engine_from_config(cfg, str(path), list(fmt.stop_ids))
+    print(f"{path.name}: {dtype}, vLLM ({device} build) up in {time.perf_counter() - t0:.0f} s")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.update.lr)
+    s = UpdateSettings.from_config(cfg, tokenizer.pad_token_id, sampled_here=True)
+    name, params = cfg.advantage_spec()
+    try:
+        records = collect(suite, pool, group, engine, fmt, SamplingSettings.from_config(cfg, suite, 1))
+        before = _sampler_gap(model, records, s, cfg.rollout.context)
+        t0 = time.perf_counter()
+        learn(records, cfg, 1, 0, (name, params, None), model, optimizer, s)  # advantages and the PPO update
+        saved = out / "real-model-v1"
+        model.save_pretrained(saved, safe_serialization=True)
+        update_s = time.perf_counter() - t0
+        engine.sync(str(saved), probe_of(model.eval(), len(tokenizer)))
+        sync = engine.last_sync
+        again = collect(suite, pool, group, engine, fmt, SamplingSettings.from_config(cfg, suite, 2))
+        after = _sampler_gap(model, again, s, cfg.rollout.context)
+    finally:
+        engine.close()
+    passed = sync.path == "in_place" and before <= tolerance and after <= tolerance
+    print(
+        f"parity: max |vLLM - learner| log-prob {before:.3g} before the update, {after:.3g} after the sync "
+        f"(tolerance {tolerance:g}); iteration (advantages, update, checkpoint) {update_s:.1f} s; sync {sync.path} "
+        f"in {sync.seconds:.2f} s, probe {sync.probe_max_diff:.3g}"
+        + ("" if sync.reason is None else f" ({sync.reason})")
+    )
+    print(f"real model check: {'passed' if passed else 'FAILED'}")
+    return {
+        "gap_before": before,
+        "gap_after": after,
+        "sync_path": sync.path,
+        "sync_s": sync.seconds,
+        "update_s": update_s,
+        "passed": passed,
+    }
+
+
+def _sampler_gap(model: torch.nn.Module, records: list, s, context: str) -> float:
+    """Max |stored sampling log-prob - the learner's recompute| over the policy tokens of ``records``."""
+    from horizonrl import store
+    from horizonrl.training.sequences import train_rows
+    from horizonrl.training.trainer import recompute_old_logprobs
+
+    rows = [r for r in train_rows(store.turns_table(records), context) if r.positions]
+    got = recompute_old_logprobs(model, rows, s)
+    return max(abs(a - b) for r, c in zip(rows, got) for a, b in zip(r.sample_logp, c))
 
 
 if __name__ == "__main__":

@@ -411,3 +411,69 @@ def test_packed_layouts_give_the_padded_gradient(tiny_policy_dir, packing, micro
     assert packing == "packed" or c_k["computed_tokens"] < c_p["real_tokens"] - 30  # prefixes really shared
     assert abs(out_k["loss"] - out_p["loss"]) <= 1e-6 and out_k["clip_frac"] > 0
     assert max(float((a - b).abs().max()) for a, b in zip(packed, padded)) <= 1e-5
+
+
+def allowed_rows(vocab: int) -> list[TrainRow]:
+    """``shared_prefix_rows`` with every other policy token sampled from an allowed set (its own id and 3
+    others): admissible mode's renormalisation beside full-vocabulary tokens."""
+    rng = random.Random(3)
+    rows = shared_prefix_rows(vocab)
+    for r in rows:
+        r.allowed = [
+            sorted({r.input_ids[p], *rng.sample(range(4, vocab), 3)}) if j % 2 else []
+            for j, p in enumerate(r.positions)
+        ]
+    return rows
+
+
+@pytest.mark.parametrize("packing", ["off", "packed", "tree"])
+def test_chunked_logprobs_give_the_values_and_gradients_of_one_chunk(tiny_policy_dir, packing):
+    """The output head in chunks of 3 positions (checkpointed: recomputed in backward) gives the log-probs,
+        entropies and gradients of one chunk over every position, within 1e-6 (absolute and relative: the
+    matmul's float rounding depends on how many rows it gets), under a temperature and with
+        allowed-set renormalisation, in each decoder layout."""
+    model, tokenizer = load_policy(tiny_policy_dir)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    rows = allowed_rows(vocab)
+    n = sum(len(r.positions) for r in rows)
+    weights = torch.linspace(-1.0, 1.0, n)
+    results = {}
+    for chunk in (n * vocab, 3 * vocab):
+        model.zero_grad(set_to_none=True)
+        logp, ent = policy_logprobs(model, rows, 0.7, tokenizer.pad_token_id, packing=packing, logit_chunk=chunk)
+        (logp * weights).sum().backward()
+        results[chunk] = logp.detach(), ent, [p.grad.clone() for p in model.parameters()]
+    (whole_lp, whole_ent, whole_g), (lp, ent, g) = results.values()
+    assert lp.shape == (n,) and torch.isfinite(lp).all() and (lp < 0).all()
+    assert not ent.requires_grad and float(ent.min()) > 0
+    torch.testing.assert_close(lp, whole_lp, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ent, whole_ent, rtol=1e-6, atol=1e-6)
+    scale = max(float(x.abs().max()) for x in whole_g)
+    drift = max(float((a - b).abs().max()) for a, b in zip(g, whole_g))
+    assert scale > 1e-3 and drift <= 1e-6 * scale
+    allowed_at = torch.tensor([bool(a) for r in rows for a in r.allowed])
+    free, _ = policy_logprobs(model, [dataclasses.replace(r, allowed=[[]] * len(r.allowed)) for r in rows], 0.7, 0)
+    assert (lp[allowed_at] > free.detach()[allowed_at] + 1e-3).all()  # renormalised over 4 ids, not V
+
+
+def test_chunked_logprobs_keep_no_full_logits_for_backward(tiny_policy_dir):
+    """What autograd keeps from forward to backward outside the checkpointed chunks holds no (m, V) tensor
+    of more positions than a chunk; one chunk over every position keeps the (n, V) log-softmax."""
+    model, tokenizer = load_policy(tiny_policy_dir)
+    head = model.get_output_embeddings().weight
+    vocab = head.shape[0]
+    rows = allowed_rows(vocab)
+    n = sum(len(r.positions) for r in rows)
+    widest = {}
+    for chunk in (n * vocab, 3 * vocab):
+        saved: list[tuple[int, ...]] = []
+
+        def keep(t: torch.Tensor, saved=saved) -> torch.Tensor:
+            if t.data_ptr() != head.data_ptr():  # the head's (V, H) weight is kept by any path
+                saved.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            policy_logprobs(model, rows, 1.0, tokenizer.pad_token_id, logit_chunk=chunk)
+        widest[chunk] = max((s[0] for s in saved if len(s) == 2 and s[1] == vocab), default=0)
+    assert widest[n * vocab] == n and widest[3 * vocab] == 0

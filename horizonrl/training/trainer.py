@@ -15,7 +15,9 @@ The loss is computed per *unit*: a trajectory. In full context a trajectory is o
 it is several rows (one per turn) whose policy tokens are concatenated before the loss, so LOOP's
 "every trajectory weighs the same" and per-turn / per-trajectory ratios mean the same in both layouts.
 Log-probs are computed only at policy positions: the decoder's hidden states are gathered there before
-the output head, and in admissible mode renormalised over the allowed ids, exactly as sampled. The loss
+the output head, and in admissible mode renormalised over the allowed ids, exactly as sampled; the head
+runs over chunks of positions, each recomputed in backward (``head_logprobs``), so no full-vocabulary
+float32 tensor of a whole micro-batch exists (a 49,152-id vocabulary made them the update's largest). The loss
 also gets each policy token's response position (``response_positions``), so a discount over token
 distance (APPO's future KL) counts the observation tokens between two turns.
 
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
+from torch.utils.checkpoint import checkpoint
 
 import methods
 from horizonrl.config import TrainConfig
@@ -134,6 +137,7 @@ class UpdateResult:
     nonfinite_steps: int = 0
 
 
+LOGIT_CHUNK = 1 << 23  # logits (positions x vocabulary) computed at once: 32 MB in float32, 170 positions of SmolLM2
 MAX_PAD = 0.08  # padding share allowed in one decoder batch (the issue's budget is 10% overall)
 PI_OLD_CHECK_ROWS = 4  # rows recomputed per update to check the stored sampling log-probs
 
@@ -160,12 +164,14 @@ def policy_logprobs(
     pad_id: int,
     counts: Counter | None = None,
     packing: str = "off",
+    logit_chunk: int = LOGIT_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(a_t | s_t) and the entropy of pi(. | s_t) at every policy token of ``rows``, flat (n,)
     in row order. Each row is cut after its last policy token. ``packing`` (``update.packing``): ``off``,
     padded length buckets; ``packed``, the rows concatenated; ``tree``, concatenated with shared prefixes
     once (``horizonrl.training.packing``). ``counts`` (if given) adds the real, the computed and the unique
-    (shared prefixes once) decoder positions."""
+    (shared prefixes once) decoder positions. ``logit_chunk``: the most logits held at once
+    (``head_logprobs``)."""
     lengths = [r.positions[-1] + 1 if r.positions else len(r.input_ids) for r in rows]
     needs_seqs = packing != "off" or counts is not None  # each row as computed, for packing or the unique count
     seqs = [np.asarray(r.input_ids[:n], dtype=np.int64) for r, n in zip(rows, lengths)] if needs_seqs else []
@@ -175,13 +181,51 @@ def policy_logprobs(
         states = _padded_states(model, rows, lengths, pad_id, counts)
     else:
         states = _packed_states(model, rows, seqs, packing == "tree", counts)
-    device = states.device
-    targets = torch.tensor([r.input_ids[p] for r in rows for p in r.positions], dtype=torch.long, device=device)
-    logits = model.get_output_embeddings()(states).float() / temperature  # (n, V), row order
-    logp_all = allowed_log_softmax(logits, [a for r in rows for a in r.allowed])  # (n, V)
-    logp = logp_all.gather(1, targets[:, None]).squeeze(1)  # (n,)
-    entropy = -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)  # (n,)
-    return logp, entropy.detach()
+    targets = torch.tensor([r.input_ids[p] for r in rows for p in r.positions], dtype=torch.long, device=states.device)
+    allowed = [a for r in rows for a in r.allowed]
+    return head_logprobs(model.get_output_embeddings(), states, targets, allowed, temperature, logit_chunk)
+
+
+def head_logprobs(
+    head: torch.nn.Module,
+    states: torch.Tensor,
+    targets: torch.Tensor,
+    allowed: list[list[int]],
+    temperature: float,
+    logit_chunk: int = LOGIT_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi of ``targets`` (n,) and the (detached) entropy, (n,) each, from the decoder states (n, H)
+    before them: the output head, the temperature and, where ``allowed[i]`` is non-empty, the
+    renormalisation over those ids.
+
+    The positions run in chunks of at most ``logit_chunk`` logits (positions x vocabulary), and with
+    gradients each chunk is checkpointed: its backward recomputes the chunk's logits instead of keeping
+    (n, V) float32 tensors alive from forward to backward (4 x 512 policy tokens of a 49,152-id
+    vocabulary held 8 GB). Where one chunk covers every position, it runs as a plain forward."""
+    rows = max(1, logit_chunk // head.weight.shape[0])
+    n = states.shape[0]
+    if n <= rows:
+        return _chunk_logprobs(head, states, targets, allowed, temperature)
+    parts = []
+    for start in range(0, n, rows):
+        args = (head, states[start : start + rows], targets[start : start + rows], allowed[start : start + rows])
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(_chunk_logprobs, *args, temperature, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(*args, temperature))
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _chunk_logprobs(
+    head: torch.nn.Module, states: torch.Tensor, targets: torch.Tensor, allowed: list[list[int]], temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``head_logprobs`` of one chunk of positions: (c, H) states -> (c,) log-probs and (c,) entropies."""
+    logits = head(states).float() / temperature  # (c, V)
+    logp_all = allowed_log_softmax(logits, allowed)  # (c, V)
+    logp = logp_all.gather(1, targets[:, None]).squeeze(1)  # (c,)
+    with torch.no_grad():  # a figure, never differentiated: no (c, V) tensor kept for it
+        entropy = -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)  # (c,)
+    return logp, entropy
 
 
 def _padded_states(
