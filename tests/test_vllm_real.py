@@ -20,7 +20,7 @@ import torch
 from test_vllm_live import LORA_RANK, REQUESTS, TOL, _learner_logprobs, _prompts, _same, start_engine
 
 from horizonrl.config import LoraConfig
-from horizonrl.engines.base import TokenTrie
+from horizonrl.engines.base import SampleRequest, TokenTrie
 from horizonrl.engines.hf import TransformersEngine
 from horizonrl.engines.vllm import probe_of
 from horizonrl.engines.vllm_server import SERVED_NAME
@@ -50,7 +50,9 @@ def real(smollm2, tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-real")
     engine = start_engine(path, root, hf.end_ids, TOP_LOGPROBS, 2048)
     try:
-        engine.generate([fmt.user("warm up.")], [None], 2, 1.0, True, 0)  # the first request initialises lazily
+        engine.generate(
+            SampleRequest([fmt.user("warm up.")], [None], 2, 1.0, True, 0)
+        )  # the first request initialises lazily
         yield engine
     finally:
         engine.close()
@@ -71,9 +73,9 @@ def test_greedy_window_generations_equal_transformers(real, smollm2, household_s
     tries = _tries(fmt, commands, admissible)
     temperature, budget = (0.7, 12) if admissible else (1.0, 6)
     before = real.client.metrics()[REQUESTS]
-    gens = real.generate(prompts, tries, budget, temperature, True, 0)
+    gens = real.generate(SampleRequest(prompts, tries, budget, temperature, True, 0))
     assert real.client.metrics()[REQUESTS] - before == len(prompts)
-    for v, h, cs in zip(gens, hf.generate(prompts, tries, budget, temperature, True, 0), commands):
+    for v, h, cs in zip(gens, hf.generate(SampleRequest(prompts, tries, budget, temperature, True, 0)), commands):
         if admissible:
             assert v.token_ids in [fmt.command(c) for c in cs]
         else:  # free: vLLM's entropy is over its top 64 ids, a lower bound of the whole vocabulary's
@@ -92,7 +94,8 @@ def test_full_context_session_equals_the_transformers_session(real, smollm2, hou
     for slots, new_ids in schedule:
         tries = _tries(fmt, [commands[s] for s in slots])
         for v, h in zip(
-            vs.extend(slots, new_ids, tries, 12, 0.7, True, 0), hs.extend(slots, new_ids, tries, 12, 0.7, True, 0)
+            vs.extend(slots, SampleRequest(new_ids, tries, 12, 0.7, True, 0)),
+            hs.extend(slots, SampleRequest(new_ids, tries, 12, 0.7, True, 0)),
         ):
             _same(v, h)
 
@@ -103,7 +106,7 @@ def test_sampled_free_actions_carry_the_learners_logprobs_over_the_whole_vocabul
     log-prob (what a run stores as the behaviour log-prob) equals the learner's teacher-forced one within 1e-4."""
     _, model, _, fmt, _ = smollm2
     prompts, _ = _prompts(fmt, household_suite)
-    a, b = (real.generate(prompts, [None] * 3, 5, 1.0, False, 7) for _ in range(2))
+    a, b = (real.generate(SampleRequest(prompts, [None] * 3, 5, 1.0, False, 7)) for _ in range(2))
     assert [g.token_ids for g in a] == [g.token_ids for g in b]  # log-probs: to float rounding (batching)
     assert [lp for g in a for lp in g.logprobs] == pytest.approx([lp for g in b for lp in g.logprobs], abs=1e-5)
     for p, g in zip(prompts, a):
@@ -131,7 +134,8 @@ def test_full_weights_reload_in_place_verified_by_the_probe(real, smollm2, house
         tries = _tries(fmt, commands)
         moved_hf = TransformersEngine(moved, tokenizer.pad_token_id, hf.end_ids)
         for v, h in zip(
-            real.generate(prompts, tries, 12, 0.7, True, 0), moved_hf.generate(prompts, tries, 12, 0.7, True, 0)
+            real.generate(SampleRequest(prompts, tries, 12, 0.7, True, 0)),
+            moved_hf.generate(SampleRequest(prompts, tries, 12, 0.7, True, 0)),
         ):
             _same(v, h)
     finally:
@@ -160,9 +164,9 @@ def test_a_lora_adapter_hot_loads_and_serves_the_learners_logprobs(real, smollm2
         assert real.last_sync.path == "adapter" and real.server.proc.pid == pid
         with torch.no_grad():
             merged = load_policy(tmp_path / "iter=1")[0].merge_and_unload().eval()
-        gens = real.generate(prompts, tries, 12, 0.7, True, 0)
+        gens = real.generate(SampleRequest(prompts, tries, 12, 0.7, True, 0))
         merged_hf = TransformersEngine(merged, tokenizer.pad_token_id, hf.end_ids)
-        for p, v, h in zip(prompts, gens, merged_hf.generate(prompts, tries, 12, 0.7, True, 0)):
+        for p, v, h in zip(prompts, gens, merged_hf.generate(SampleRequest(prompts, tries, 12, 0.7, True, 0))):
             _same(v, h)
             assert v.logprobs == pytest.approx(_learner_logprobs(learner.eval(), p, v, 0.7), abs=TOL)
     finally:
