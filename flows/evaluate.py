@@ -24,7 +24,9 @@ from pydantic import ValidationError
 import mlflow
 from horizonrl.config import CONFIG_FILE, TrainConfig, apply_overrides, load_config, override_keys
 from horizonrl.envs import make_suite
+from horizonrl.run import preflight
 from horizonrl.tracking import mlflow_runs
+from horizonrl.training.checkpoint import CheckpointRef
 from mlflow import MlflowClient
 from tasks.context import RunContext
 from tasks.evaluate import evaluate, evaluator
@@ -112,6 +114,24 @@ def evaluation_config(
     return source_run_id, model_uri, cfg
 
 
+def checked_evaluation(
+    c: MlflowClient,
+    source: str,
+    split: str = "test",
+    n_tasks: int | None = None,
+    samples: int | None = None,
+    overrides: list[str] | None = None,
+) -> tuple[str, str, TrainConfig, CheckpointRef]:
+    """``evaluation_config``'s (source run id, policy URI, config) and the downloaded policy, checked with what
+    it plays (``preflight``: its folder, the environment, the engine, and that its tokenizer tells the
+    split's commands apart), so a policy that cannot play there is refused before the run exists."""
+    source_run_id, model_uri, cfg = evaluation_config(c, source, split, n_tasks, samples, overrides)
+    policy = mlflow_runs.download_policy(model_uri, Path(cfg.data_dir) / "policies")
+    preflight.check_run(cfg, policy.path)
+    preflight.check_commands(cfg, policy.path, split)
+    return source_run_id, model_uri, cfg, policy
+
+
 def one_line(err: Exception) -> str:
     """An error's message on one line (pydantic's spans several)."""
     return "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
@@ -152,10 +172,9 @@ def evaluate_policy(
     with the cause (tag ``horizonrl.failure``) and is raised."""
     c = mlflow_runs.client(mlflow_runs.tracking_uri(tracking_uri))
     mlflow.set_tracking_uri(c.tracking_uri)  # the fluent API (logged models, downloads) reads the global URI
-    source_run_id, model_uri, cfg = evaluation_config(c, source, split, n_tasks, samples, overrides)
+    source_run_id, model_uri, cfg, policy = checked_evaluation(c, source, split, n_tasks, samples, overrides)
     for name in mark_killed_evaluations(c, cfg.experiment):
         print(f"evaluation run {name} was left RUNNING by a killed process; marked KILLED")
-    policy = mlflow_runs.download_policy(model_uri, Path(cfg.data_dir) / "policies")
     tags = {
         SOURCE_TAG: source_run_id,
         "horizonrl.kind": "evaluation",

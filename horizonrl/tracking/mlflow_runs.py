@@ -362,6 +362,26 @@ def download_policy(model_uri: str, cache: Path) -> CheckpointRef:
     return CheckpointRef(str(path), int(json.loads((path / STATE_FILE).read_text())["iteration"]))
 
 
+POLICY_ITERATION_TAG = "horizonrl.iteration"  # on a logged policy model: the checkpoint it packs
+
+
+def log_policy(c: MlflowClient, run_id: str, checkpoint: str | Path, iteration: int) -> None:
+    """Log a checkpoint as the run's ``policy`` pyfunc model, from code (``policy_model.py``, the file the
+    project ships), so the model holds no pickle; the checkpoint folder is its ``policy`` artifact."""
+    from horizonrl.tracking import policy_model
+
+    mlflow.set_tracking_uri(c.tracking_uri)  # the fluent API (logged models) reads the global URI
+    with mlflow.start_run(run_id=run_id):
+        mlflow.pyfunc.log_model(
+            name="policy",
+            python_model=policy_model.__file__,
+            artifacts={"policy": str(checkpoint)},
+            signature=policy_model.SIGNATURE,
+            pip_requirements=["torch", "transformers", "safetensors"],
+            tags={POLICY_ITERATION_TAG: str(iteration)},
+        )
+
+
 def register_policy(c: MlflowClient, run_id: str, model_name: str) -> str:
     """Register the policy logged by run ``run_id`` under ``model_name``; returns the version (the existing
     one if this run's policy is already registered under that name, so a rerun registers nothing new)."""
