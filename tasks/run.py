@@ -15,6 +15,7 @@ from prefect.settings import PREFECT_HOME
 
 from horizonrl import store
 from horizonrl.config import CONFIG_FILE, TrainConfig, run_dir, train_config
+from horizonrl.models.loading import in_memory
 from horizonrl.models.tokenizers import describe_tokenizer
 from horizonrl.rollout.loop import turn_horizon
 from horizonrl.run import config_history, runlock
@@ -112,6 +113,7 @@ def start_run(
     ctx = RunContext(cfg, str(d), uri, run_id)
     if policy is None:
         model, tokenizer = RUNTIME.load(cfg, RUNTIME.initial_model_dir(cfg))
+        in_memory(model)  # the run plays its own checkpoint 0, not the folder it came from (changed or not)
         policy = save_checkpoint(
             d,
             0,

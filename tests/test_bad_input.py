@@ -184,9 +184,10 @@ def test_recompute_checks_every_input_before_writing(prefect_harness, tmp_path, 
     bad = store.iteration_dir(tmp_path / "data", "test", "r", 2) / "episodes.parquet"
     table = pq.read_table(bad)
     pq.write_table(table.drop_columns(["status"]).replace_schema_metadata(table.schema.metadata), bad)
-    assert main(["recompute", "--run-dir", str(run), "--method", "grpo"]) == 1
+    assert main(["recompute", "--run-dir", str(run), "--method", "grpo"]) == 2  # before its flow and run
     err = capsys.readouterr().err
     assert f"{bad}: the 'episodes' table lacks column status" in err and "nothing was written" in err, err
+    assert len(err.strip().splitlines()) == 1 and not list(tmp_path.rglob("*.db")), err
     assert not list(run.rglob("advantages-*")), "an iteration's advantages were written before the bad one was found"
     bad.unlink()
     assert main(["recompute", "--run-dir", str(run), "--method", "grpo"]) == 0
