@@ -138,6 +138,7 @@ def test_a_policy_is_scored_on_an_outside_game_and_the_records_are_true(world, m
     ],
     ids=["no-dev-split", "unknown-split", "method", "update", "zero-tasks", "no-equals", "missing-games", "tier", "n0"],
 )
+@pytest.mark.refuses_input
 def test_bad_evaluate_input_is_one_line_and_creates_no_run(world, monkeypatch, capsys, args, names):
     c = MlflowClient(world["uri"])
     monkeypatch.setenv("MLFLOW_TRACKING_URI", world["uri"])
