@@ -59,8 +59,13 @@ def test_weights_without_a_tokenizer_are_named(tiny_policy_dir, tmp_path, monkey
 
 
 def test_a_whole_model_folder_passes_and_headers_are_read_exactly(tiny_policy_dir, tmp_path):
-    """The check itself: a whole folder passes; one byte more or less in the weights is named."""
+    """The check itself: a whole folder passes, and a LoRA policy's (adapters and tokenizer, the model in its
+    base folder); one byte more or less in the weights is named."""
+    from horizonrl.config import LoraConfig
+    from horizonrl.models.loading import initial_adapter_dir
+
     preflight.check_model_folder(tiny_policy_dir, "model.path")
+    preflight.check_model_folder(initial_adapter_dir(tmp_path, tiny_policy_dir, LoraConfig(), 0), "the policy")
     weights = _model_copy(Path(tiny_policy_dir), tmp_path / "m") / "model.safetensors"
     assert preflight.safetensors_problem(weights) is None
     weights.write_bytes(weights.read_bytes() + b"\0")

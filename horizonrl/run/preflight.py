@@ -39,10 +39,12 @@ class PreflightError(ValueError):
 
 def check_start(cfg: TrainConfig, allowed: Sequence[str] = ()) -> list[config_history.Change]:
     """Before a train or warm-start run starts or resumes: the settings it resumes with
-    (``config_history.resume_changes``, returned) and what it plays (``check_run``)."""
+    (``config_history.resume_changes``, returned), what it plays (``check_run``) and whether its rollout
+    batch fits in memory."""
     config_history.check_allowed(cfg, allowed)
     changes = config_history.resume_changes(run_dir(cfg), cfg, allowed)
     check_run(cfg, resuming=has_checkpoint(run_dir(cfg)))
+    check_rollout_memory(cfg)
     return changes
 
 
@@ -57,7 +59,6 @@ def check_run(cfg: TrainConfig, model_dir: str | Path | None = None, resuming: b
         check_model(cfg)
     check_environment(cfg)
     check_engine(cfg)
-    check_rollout_memory(cfg, model_dir)
 
 
 def check_model(cfg: TrainConfig) -> None:
@@ -71,8 +72,11 @@ def check_model_folder(folder: str | Path, field: str) -> None:
     """A transformers model folder that will load: ``config.json`` readable, every safetensors file's header
     consistent with its size (a truncated download), the tokenizer loadable and a chat template or an end
     token to close a turn with."""
+    from horizonrl.models import lora
+
     folder = Path(folder)
-    config = folder / "config.json"
+    adapter = lora.is_adapter_dir(folder)  # a LoRA policy: adapters and tokenizer here, the model in its base
+    config = folder / (lora.ADAPTER_CONFIG if adapter else "config.json")
     try:
         if not isinstance(json.loads(config.read_text()), dict):
             raise ValueError("not a JSON object")
@@ -95,6 +99,8 @@ def check_model_folder(folder: str | Path, field: str) -> None:
         if problem:
             raise PreflightError(f"{field}: {file}: {problem}; download or save the model again")
     check_tokenizer(folder, field)
+    if adapter and Path(lora.base_model_path(folder)).is_dir():
+        check_model_folder(lora.base_model_path(folder), f"{field} (the base model of its adapters)")
 
 
 def safetensors_problem(file: Path) -> str | None:
@@ -263,14 +269,14 @@ def vllm_version(python: str) -> str:
     return f"vLLM {done.stdout.strip()}" if done.stdout.strip() != VLLM_VERSION else VLLM_VERSION
 
 
-def check_rollout_memory(cfg: TrainConfig, model_dir: str | Path | None = None) -> None:
+def check_rollout_memory(cfg: TrainConfig) -> None:
     """The transformers engine plays an iteration's ``rollout.tasks_per_iteration`` x ``rollout.group_size``
     episodes as one batch, its KV cache one slab: estimate it and the last-token logits against the memory
     free now, so a batch too large is refused naming the setting instead of ending in the OOM killer's
     silence. The estimate assumes ``TURN_TOKENS`` per turn; a vLLM server manages its own cache."""
     if cfg.engine.name != "transformers":
         return
-    need = rollout_bytes(cfg, model_dir)
+    need = rollout_bytes(cfg)
     free = free_memory(cfg.model.device)
     if need > free:
         rows = cfg.rollout.tasks_per_iteration * cfg.rollout.group_size
@@ -282,11 +288,11 @@ def check_rollout_memory(cfg: TrainConfig, model_dir: str | Path | None = None) 
         )
 
 
-def rollout_bytes(cfg: TrainConfig, model_dir: str | Path | None = None) -> int:
+def rollout_bytes(cfg: TrainConfig) -> int:
     """Estimated bytes of one rollout batch: KV cache of every row over its context, plus three float32
     copies of each row's last-token logits (logits, log-softmax, probabilities)."""
-    folder = model_dir
-    if folder is None and cfg.model.path is not None and Path(cfg.model.path).expanduser().is_dir():
+    folder = None
+    if cfg.model.path is not None and Path(cfg.model.path).expanduser().is_dir():
         folder = Path(cfg.model.path).expanduser()
     if folder is not None and (Path(folder) / "config.json").is_file():
         c = json.loads((Path(folder) / "config.json").read_text())
