@@ -360,11 +360,11 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from flows.evaluate import checked_evaluation, evaluate_policy, one_line
+    from flows.evaluate import checked_policy, evaluate_policy, evaluation_config, one_line
     from horizonrl.tracking import mlflow_runs
 
     try:  # before the flow, so that bad input is one line, not a flow's traceback, and no run is created
-        checked_evaluation(
+        _, model_uri, cfg = evaluation_config(
             mlflow_runs.client(mlflow_runs.tracking_uri()),
             args.source,
             args.split,
@@ -372,6 +372,7 @@ def _evaluate(args: argparse.Namespace) -> int:
             args.samples,
             args.set,
         )
+        checked_policy(cfg, model_uri, args.split)
     except ValueError as err:
         print(f"horizonrl: evaluate: {one_line(err)}", file=sys.stderr)
         return 2

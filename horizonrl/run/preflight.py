@@ -33,6 +33,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 """The files a saved tokenizer's vocabulary is in (fast, SentencePiece, BPE, WordPiece): one must be there."""
 
 
+EXTRAS = {"textworld-": ("textworld", "textworld"), "scienceworld-": ("scienceworld", "scienceworld")}
+"""Suite name prefix -> (the package its environments import, the project's extra that installs it)."""
+
+
 class PreflightError(ValueError):
     """Something the user brings cannot serve the run; the message names it and the way out, on one line."""
 
@@ -193,24 +197,17 @@ def check_environment(cfg: TrainConfig) -> None:
             make_suite(name, cfg.env.suite_seed)
         except MissingBenchmark as err:
             raise PreflightError(f"env.name = {name!r}: {_first_line(err)}") from err
-    elif name.startswith("textworld-"):
-        if importlib.util.find_spec("textworld") is None:
-            raise PreflightError(
-                f"env.name = {name!r}: TextWorld is not installed: pip install -e '.[textworld]' (textworld==1.7.0)"
-            )
-        if cfg.env.games is None:
-            from horizonrl.envs.textworld_env import tw_make_path
+    for prefix, (package, extra) in EXTRAS.items():
+        if name.startswith(prefix) and importlib.util.find_spec(package) is None:
+            raise PreflightError(f"env.name = {name!r}: {package} is not installed: pip install -e '.[{extra}]'")
+    if name.startswith("textworld-") and cfg.env.games is None:
+        from horizonrl.envs.textworld_env import tw_make_path
 
-            try:
-                tw_make_path()
-            except RuntimeError as err:
-                raise PreflightError(f"env.name = {name!r} generates its games: {err}") from err
+        try:
+            tw_make_path()
+        except RuntimeError as err:
+            raise PreflightError(f"env.name = {name!r} generates its games: {err}") from err
     elif name.startswith("scienceworld-"):
-        if importlib.util.find_spec("scienceworld") is None:
-            raise PreflightError(
-                f"env.name = {name!r}: ScienceWorld is not installed: pip install -e '.[scienceworld]' "
-                "(scienceworld==1.2.3)"
-            )
         if shutil.which("java") is None:
             raise PreflightError(f"env.name = {name!r}: ScienceWorld's simulator needs Java 17: no `java` on PATH")
 

@@ -347,6 +347,21 @@ def lineage_tags(c: MlflowClient, model_path: str | None) -> dict[str, str]:
     return {INIT_MODEL_TAG: model_path, INIT_SOURCE_TAG: source_run_id}
 
 
+@contextlib.contextmanager
+def no_progress_bar() -> Iterator[None]:
+    """MLflow's artifact progress bar off for the block: a download before a command's work (a run's config,
+    the policy an evaluation checks) would print a dozen bar lines on the terminal of a one-line refusal."""
+    bar = os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")
+    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
+    try:
+        yield
+    finally:
+        if bar is None:
+            os.environ.pop("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", None)
+        else:
+            os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = bar
+
+
 def download_policy(model_uri: str, cache: Path) -> CheckpointRef:
     """The checkpoint packed in the pyfunc model (artifact ``policy``), downloaded once per model."""
     from mlflow.models import Model
@@ -357,7 +372,8 @@ def download_policy(model_uri: str, cache: Path) -> CheckpointRef:
     dest = cache / model_uri.removeprefix("models:/").replace("/", "-")
     if not (dest / MLMODEL_FILE_NAME).is_file():
         dest.mkdir(parents=True, exist_ok=True)
-        mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dest))
+        with no_progress_bar():
+            mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dest))
     path = dest / Model.load(dest / MLMODEL_FILE_NAME).flavors["python_function"]["artifacts"]["policy"]["path"]
     return CheckpointRef(str(path), int(json.loads((path / STATE_FILE).read_text())["iteration"]))
 
