@@ -88,10 +88,12 @@ def config_changes(before: TrainConfig, after: TrainConfig) -> list[Change]:
 
 def record(run_folder: str | Path, before: dict[str, Any], changes: list[Change], iteration: int) -> Path:
     """Add ``changes``, taking effect at ``iteration``, to the run folder's history (created with ``before``,
-    the config of the run's first start, at its first change); returns the history file."""
+    the config of the run's first start, at its first change); returns the history file. An entry already
+    there (a retried start) is not added twice."""
     path = Path(run_folder) / HISTORY_FILE
     history = json.loads(path.read_text()) if path.is_file() else {"first": before, "changes": []}
-    history["changes"] += [{"iteration": iteration, **asdict(c)} for c in changes]
+    new = [{"iteration": iteration, **asdict(c)} for c in changes]
+    history["changes"] += [entry for entry in new if entry not in history["changes"]]
     write_json(history, path)
     return path
 
