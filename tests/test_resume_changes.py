@@ -91,3 +91,25 @@ def test_a_resume_with_changed_settings_is_refused_then_recorded(
     row = _household_row()
     [action] = mlflow.pyfunc.load_model(str(local)).predict(pd.DataFrame([row]))
     assert action in row["admissible"]
+
+
+def test_changes_are_named_by_field_sections_allow_them_and_a_retry_records_once(tmp_path):
+    """An added key under an empty section is one field (not the section too); ``--allow-change update``
+    allows every field under it; recording the same change twice (a retried start) keeps one entry."""
+    from horizonrl.config import TrainConfig
+
+    before = TrainConfig(run_name="r")
+    after = TrainConfig(run_name="r", advantage_params={"normalize_std": True}, update={"lr": 0.5, "epochs": 2})
+    changes = config_history.config_changes(before, after)
+    assert [str(c) for c in changes] == [
+        "advantage_params.normalize_std (unset) -> True",
+        "update.epochs None -> 2",
+        "update.lr 0.001 -> 0.5",
+    ]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(before.model_dump()))
+    with pytest.raises(config_history.ConfigChangeRefused, match="advantage_params.normalize_std"):
+        config_history.resume_changes(tmp_path, after, ["update"])
+    assert config_history.resume_changes(tmp_path, after, ["update", "advantage_params"]) == changes
+    for _ in range(2):
+        history = config_history.record(tmp_path, before.model_dump(), changes, 3)
+    assert len(json.loads(history.read_text())["changes"]) == 3
