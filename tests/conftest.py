@@ -203,7 +203,7 @@ _REFUSALS: list[tuple[str, int, int]] = []  # (test, start ms, end ms) of the te
 
 
 @pytest.fixture(autouse=True)
-def _note_leaves_running(request):
+def _note_marked_tests(request):
     if request.node.get_closest_marker("leaves_run_running"):
         _LEAVES_RUNNING.add(request.getfixturevalue("tmp_path").name)
     begin = int(time.time() * 1000)
