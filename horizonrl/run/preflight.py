@@ -29,6 +29,10 @@ TURN_TOKENS = 256
 environments' observations, so the estimate errs towards refusing a batch that would barely fit."""
 
 
+FULL_CONTEXT_TURNS = 50
+"""Turns a full-context episode is assumed to reach when ``env.max_turns`` leaves the horizon to the tier
+(the estimate does not build the suite to ask it; the model's positions cap the context anyway)."""
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 """The files a saved tokenizer's vocabulary is in (fast, SentencePiece, BPE, WordPiece): one must be there."""
 
@@ -304,7 +308,7 @@ def rollout_bytes(cfg: TrainConfig) -> int:
         positions = t.max_positions
     width = 2 if cfg.model.dtype in ("bfloat16", "float16") else 4
     r = cfg.rollout
-    turns = cfg.env.max_turns or 50
+    turns = cfg.env.max_turns or FULL_CONTEXT_TURNS
     context = (r.history_turns + 2) * TURN_TOKENS if r.context == "window" else turns * TURN_TOKENS
     context = min(context, positions)
     rows = r.tasks_per_iteration * r.group_size
@@ -314,14 +318,10 @@ def rollout_bytes(cfg: TrainConfig) -> int:
 def free_memory(device: str) -> int:
     """Bytes free where the policy plays: the CUDA device's free memory, else the machine's available memory."""
     import psutil
+    import torch
 
-    gpu_machine = any(Path(p).exists() for p in ("/dev/nvidiactl", "/dev/kfd"))  # torch's import costs seconds
-    if device != "cpu" and gpu_machine:
-        import torch
-
-        if torch.cuda.is_available():
-            index = int(device.partition(":")[2] or 0)
-            return int(torch.cuda.mem_get_info(index)[0])
+    if device != "cpu" and torch.cuda.is_available():
+        return int(torch.cuda.mem_get_info(int(device.partition(":")[2] or 0))[0])
     return int(psutil.virtual_memory().available)
 
 
