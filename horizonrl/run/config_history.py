@@ -54,8 +54,8 @@ def resume_changes(run_folder: str | Path, cfg: TrainConfig, allowed: Sequence[s
         before = load_config(path, read_files=False)
     except ValueError as err:
         raise ConfigChangeRefused(
-            f"run folder {run_folder}: its {CONFIG_FILE} no longer reads as a config ({err}), so a resume "
-            "cannot be compared with it; move the folder away to start the run over"
+            f"run folder {run_folder}: its {CONFIG_FILE} no longer reads as a config ({' '.join(str(err).split())}), "
+            "so a resume cannot be compared with it; move the folder away to start the run over"
         ) from err
     changes = config_changes(before, cfg)
     refused = [c for c in changes if not _covered(c.field, (*EXTENDING, *allowed))]
