@@ -102,6 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="override a config field, e.g. warmstart.epochs=3",
     )
+    for p in (tr, ws):
+        p.add_argument(
+            "--allow-change",
+            action="append",
+            default=[],
+            metavar="FIELD",
+            help="resume the run with this field (or section) changed; the change is recorded (docs/reliability.md)",
+        )
     rc = sub.add_parser("recompute", help="compute a method's advantages over a stored run, without new rollouts")
     rc.add_argument("--run-dir", required=True, help="data/<experiment>/<run_name>")
     rc.add_argument(
@@ -189,8 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"horizonrl: bad configuration: {err}", file=sys.stderr)
         return 2
-    if (err := _fetch_pretrained(cfg.model.path, cfg.data_dir)) is not None:
-        print(f"horizonrl: bad configuration: model.path = {cfg.model.path!r}: {err}", file=sys.stderr)
+    from horizonrl.run import preflight
+
+    try:  # what the user brings (model folder, environment, engine) and what a resume changes: before any run
+        preflight.check_start(cfg, args.allow_change)
+    except ValueError as err:
+        print(f"horizonrl: run {cfg.run_name!r} not started: {err}", file=sys.stderr)
         return 2
     if args.command == "train":
         import psutil
@@ -208,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             refused = (RunInUse, CheckpointDamaged, StoreError, ArtifactStoreUnwritable)
             with _OneLineErrors(lambda err: isinstance(err, refused) or _disk_error(err)):  # reported below
-                summary = train(config=cfg.model_dump())
+                summary = train(config=cfg.model_dump(), allow_change=args.allow_change)
         except refused as err:
             print(f"horizonrl: run {cfg.run_name!r} not started: {err}", file=sys.stderr)
             return 1
@@ -236,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "warmstart":
         from flows.warmstart import warmstart
 
-        summary = warmstart(config=cfg.model_dump())
+        summary = warmstart(config=cfg.model_dump(), allow_change=args.allow_change)
         print("\n== horizonrl: warm start finished ==")
         print(
             f"held-out success (sampled, {cfg.eval.tasks_at(end=True)} tasks): {summary['initial_success_rate']:.3f} "
@@ -256,6 +268,7 @@ def _recompute(args: argparse.Namespace) -> int:
 
     import methods
     from flows.recompute import recompute_advantages
+    from horizonrl.run import preflight
     from horizonrl.run.runlock import RunInUse
     from horizonrl.store import StoreError
     from methods.presets import estimator_of
@@ -275,6 +288,11 @@ def _recompute(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as err:
         print(f"horizonrl: --param for estimator {name!r}: {err}", file=sys.stderr)
         return 2
+    try:  # every stored table before the flow: a bad one is named and nothing is created
+        preflight.check_recompute(args.run_dir)
+    except (StoreError, ValueError) as err:
+        print(f"horizonrl: recompute: {err}; nothing was written", file=sys.stderr)
+        return 2
     try:
         written = recompute_advantages(args.run_dir, args.method, params)
     except (StoreError, RunInUse, ValueError) as err:
@@ -283,20 +301,6 @@ def _recompute(args: argparse.Namespace) -> int:
     for it, path in sorted(written.items()):
         print(f"iteration {it}: {path}")
     return 0
-
-
-def _fetch_pretrained(path: str | None, data_dir: str) -> str | None:
-    """A pretrained model named by ``model.path`` fetched (first use) or verified before any flow starts;
-    why not, in one line (unknown to the registry is the config's check, so only fetch errors come here)."""
-    from horizonrl.models import pretrained
-
-    if path not in pretrained.KNOWN:
-        return None
-    try:
-        pretrained.fetch(path, data_dir)
-    except (ValueError, RuntimeError) as err:
-        return str(err)
-    return None
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -353,11 +357,18 @@ def _show(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     from flows.sweep import sweep
     from horizonrl.config.sweep import load_sweep
+    from horizonrl.run import preflight
 
     try:
-        load_sweep(args.sweep_file, args.instance)
+        _, cells = load_sweep(args.sweep_file, args.instance)
     except ValueError as err:
         print(f"horizonrl: bad sweep: {err}", file=sys.stderr)
+        return 2
+    try:  # every cell before the first starts
+        for cell in cells:
+            preflight.check_start(cell.config)
+    except ValueError as err:
+        print(f"horizonrl: sweep not started: cell {cell.run_name!r}: {err}", file=sys.stderr)
         return 2
     sweep(args.sweep_file, in_process=args.here, instance=args.instance, out=args.out)
     return 0
@@ -384,11 +395,11 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from flows.evaluate import evaluate_policy, evaluation_config, one_line
+    from flows.evaluate import checked_policy, evaluate_policy, evaluation_config, one_line
     from horizonrl.tracking import mlflow_runs
 
     try:  # before the flow, so that bad input is one line, not a flow's traceback, and no run is created
-        evaluation_config(
+        _, model_uri, cfg = evaluation_config(
             mlflow_runs.client(mlflow_runs.tracking_uri()),
             args.source,
             args.split,
@@ -396,6 +407,7 @@ def _evaluate(args: argparse.Namespace) -> int:
             args.samples,
             args.set,
         )
+        checked_policy(cfg, model_uri, args.split)
     except ValueError as err:
         print(f"horizonrl: evaluate: {one_line(err)}", file=sys.stderr)
         return 2

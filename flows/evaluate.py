@@ -24,7 +24,9 @@ from pydantic import ValidationError
 import mlflow
 from horizonrl.config import CONFIG_FILE, TrainConfig, apply_overrides, load_config, override_keys
 from horizonrl.envs import make_suite
+from horizonrl.run import preflight
 from horizonrl.tracking import mlflow_runs
+from horizonrl.training.checkpoint import CheckpointRef
 from mlflow import MlflowClient
 from tasks.context import RunContext
 from tasks.evaluate import evaluate, evaluator
@@ -112,6 +114,16 @@ def evaluation_config(
     return source_run_id, model_uri, cfg
 
 
+def checked_policy(cfg: TrainConfig, model_uri: str, split: str) -> CheckpointRef:
+    """The policy of an evaluation (``evaluation_config``), downloaded and checked with what it plays
+    (``preflight``: its folder, the environment, the engine, and that its tokenizer tells the split's
+    commands apart), so a policy that cannot play there is refused before the run exists."""
+    policy = mlflow_runs.download_policy(model_uri, Path(cfg.data_dir) / "policies")
+    preflight.check_run(cfg, policy.path)
+    preflight.check_commands(cfg, policy.path, split)
+    return policy
+
+
 def one_line(err: Exception) -> str:
     """An error's message on one line (pydantic's spans several)."""
     return "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
@@ -153,9 +165,9 @@ def evaluate_policy(
     c = mlflow_runs.client(mlflow_runs.tracking_uri(tracking_uri))
     mlflow.set_tracking_uri(c.tracking_uri)  # the fluent API (logged models, downloads) reads the global URI
     source_run_id, model_uri, cfg = evaluation_config(c, source, split, n_tasks, samples, overrides)
+    policy = checked_policy(cfg, model_uri, split)
     for name in mark_killed_evaluations(c, cfg.experiment):
         print(f"evaluation run {name} was left RUNNING by a killed process; marked KILLED")
-    policy = mlflow_runs.download_policy(model_uri, Path(cfg.data_dir) / "policies")
     tags = {
         SOURCE_TAG: source_run_id,
         "horizonrl.kind": "evaluation",
@@ -188,18 +200,11 @@ def evaluate_policy(
 
 def config_of_run(c: MlflowClient, run_id: str) -> TrainConfig:
     """The config run ``run_id`` ran with: its ``config.yaml`` artifact, logged when the run starts."""
-    bar = os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")
-    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"  # one small file: no bar on the terminal
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, mlflow_runs.no_progress_bar():  # one small file: no bar
         try:
             path = c.download_artifacts(run_id, CONFIG_FILE, tmp)
         except (MlflowException, OSError) as err:
             raise ValueError(
                 f"run {run_id} has no {CONFIG_FILE} artifact (a train run logs it when it starts): {err}"
             ) from err
-        finally:
-            if bar is None:
-                os.environ.pop("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", None)
-            else:
-                os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = bar
         return load_config(path)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from prefect import flow
 
-from horizonrl import faults, store
+from horizonrl import faults
 from horizonrl.config import load_config
-from horizonrl.run import runlock
+from horizonrl.run import preflight, runlock
 from horizonrl.tracking import mlflow_runs
 from tasks.advantage import recompute_iteration, shared_names
 
@@ -24,12 +24,7 @@ from tasks.advantage import recompute_iteration, shared_names
 def recompute_advantages(run_dir: str, method: str, params: dict | None = None) -> dict[int, str]:
     """Write ``advantages-<method>.parquet`` into every complete ``iter=<n>`` folder of ``run_dir``, once
     every iteration's tables have passed the store's checks (nothing is written if one fails)."""
-    iterations = sorted(p for p in Path(run_dir).glob("iter=*") if (p / "episodes.parquet").is_file())
-    if not iterations:
-        raise ValueError(f"run_dir {run_dir!r} holds no stored iteration (iter=<n>/episodes.parquet)")
-    for d in iterations:  # every input first: a bad later iteration must not leave earlier ones rewritten
-        for kind in ("episodes", "turns"):
-            store.check_table(d / f"{kind}.parquet", kind)
+    iterations = preflight.check_recompute(run_dir)  # every input first: no earlier iteration rewritten
     written, state = {}, None
     with runlock.hold(run_dir):  # not while a train process writes the run
         c, run_id = _recompute_run(Path(run_dir), method, params or {})

@@ -16,6 +16,7 @@ from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from horizonrl.config.sweep import Cell, instance_name, load_sweep
+from horizonrl.run import preflight
 from horizonrl.tracking import mlflow_runs, sweep_runs
 from tasks.sweep import Link, close_sweep, link_cell, open_sweep, publish_report, register_best, run_cell
 
@@ -42,6 +43,8 @@ def sweep(
     uri = mlflow_runs.tracking_uri(cfg0.tracking_uri)
     c = mlflow_runs.client(uri)
     todo = [cell for cell in cells if not sweep_runs.finished(c, cell)]
+    for cell in todo:  # and what each brings (model, environment, engine) before the first starts
+        preflight.check_start(cell.config)
     deployment = None if in_process else spec.deployment
     log.info(
         "sweep %s: %d cells, %d finished, %d to run (%s)",

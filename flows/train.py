@@ -27,7 +27,7 @@ from prefect.runtime import flow_run
 
 from horizonrl import store
 from horizonrl.config import TrainConfig, run_dir, train_config
-from horizonrl.run import runlock
+from horizonrl.run import preflight, runlock
 from horizonrl.tracking import mlflow_runs
 from horizonrl.training.checkpoint import CheckpointRef, checkpoint_dir
 from tasks.advantage import advantages
@@ -43,13 +43,18 @@ STARTED_AT = "HORIZONRL_STARTED_AT"  # set by `horizonrl train`: when its proces
 
 @flow(name="train", log_prints=True, on_failure=[end_failed_run], on_crashed=[end_failed_run])
 def train(
-    config_path: str | None = None, overrides: list[str] | None = None, config: dict[str, Any] | None = None
+    config_path: str | None = None,
+    overrides: list[str] | None = None,
+    config: dict[str, Any] | None = None,
+    allow_change: list[str] | None = None,
 ) -> dict[str, float]:
-    """Train one method on one environment; returns the summary figures (held-out success before/after)."""
+    """Train one method on one environment; returns the summary figures (held-out success before/after).
+    ``allow_change``: fields a resume may change beyond those that only extend the run (``--allow-change``)."""
     cfg = train_config(config_path, overrides, config)
     with runlock.hold(run_dir(cfg)) as lock:
         lock.record(flow_run_id=flow_run.get_id())
-        run = start_run(cfg, lock.previous)
+        changes = preflight.check_start(cfg, allow_change or [])  # a deployment's run too, before its MLflow run
+        run = start_run(cfg, lock.previous, changes)
         ctx, policy, elapsed = run.ctx, run.policy, run.elapsed_s
         CLUSTER.join(cfg)  # a run on Ray: left by finish_run (or the failure hook)
         started = os.environ.pop(STARTED_AT, None)  # set by `horizonrl train`: absent for sweep cells and deployments

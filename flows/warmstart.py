@@ -17,7 +17,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from horizonrl.config import run_dir, train_config
-from horizonrl.run import runlock
+from horizonrl.run import preflight, runlock
 from horizonrl.tracking import mlflow_runs
 from tasks.evaluate import evaluate
 from tasks.run import end_failed_run, finish_run, start_run
@@ -27,14 +27,18 @@ from tasks.warmstart import clone, log_losses, record_demonstrations
 
 @flow(name="warmstart", log_prints=True, on_failure=[end_failed_run], on_crashed=[end_failed_run])
 def warmstart(
-    config_path: str | None = None, overrides: list[str] | None = None, config: dict[str, Any] | None = None
+    config_path: str | None = None,
+    overrides: list[str] | None = None,
+    config: dict[str, Any] | None = None,
+    allow_change: list[str] | None = None,
 ) -> dict[str, Any]:
     """Clone the walkthroughs; returns the summary (held-out success before and after) and the registered
-    model's URI under ``model_uri``."""
+    model's URI under ``model_uri``. ``allow_change``: as for ``train``."""
     cfg = train_config(config_path, overrides, config)
     with runlock.hold(run_dir(cfg)) as lock:  # one process per run name, as for train
         lock.record(flow_run_id=flow_run.get_id())
-        run = start_run(cfg, lock.previous)
+        changes = preflight.check_start(cfg, allow_change or [])
+        run = start_run(cfg, lock.previous, changes)
         ctx, policy = run.ctx, run.policy
         mlflow_runs.set_tags(ctx.mlflow(), ctx.mlflow_run_id, {"horizonrl.kind": "warmstart"})
         log_losses(ctx, policy)  # a resumed run whose last epoch crashed before its log

@@ -15,9 +15,10 @@ from prefect.settings import PREFECT_HOME
 
 from horizonrl import store
 from horizonrl.config import CONFIG_FILE, TrainConfig, run_dir, train_config
+from horizonrl.models.loading import in_memory
 from horizonrl.models.tokenizers import describe_tokenizer
 from horizonrl.rollout.loop import turn_horizon
-from horizonrl.run import runlock
+from horizonrl.run import config_history, runlock
 from horizonrl.run.learner import initial_model_dir
 from horizonrl.store import StoreError, remove_stale_temporaries
 from horizonrl.tracking import mlflow_runs
@@ -31,8 +32,6 @@ from horizonrl.training.checkpoint import (
 from tasks.context import CLUSTER, LEARNER, PLAYER, RunContext
 from tasks.tracking import log_stage
 
-ITERATION_TAG = "horizonrl.iteration"  # on the logged policy model: the checkpoint it packs
-
 
 @dataclass(frozen=True)
 class RunStart:
@@ -43,12 +42,15 @@ class RunStart:
 
 
 @task(name="start-run", retries=1, retry_delay_seconds=2, cache_policy=NONE)
-def start_run(cfg: TrainConfig, killed_holder: dict[str, Any] | None = None) -> RunStart:
+def start_run(
+    cfg: TrainConfig, killed_holder: dict[str, Any] | None = None, changes: list[config_history.Change] | None = None
+) -> RunStart:
     """Resume from the newest checkpoint that verifies if this run name has one, else start fresh.
 
     Called under the run folder's lock (``horizonrl.run.runlock``). ``killed_holder`` is what a previous
     process that died holding the lock recorded: its Prefect flow run is marked crashed. Temporary Prefect
-    servers left by killed processes, of this run or another, are stopped."""
+    servers left by killed processes, of this run or another, are stopped. ``changes``: the settings this
+    resume changes (``preflight.check_start``), recorded beside the run's config and in MLflow."""
     log = get_run_logger()
     for pid in runlock.stop_orphaned_prefect_servers(PREFECT_HOME.value()):
         log.warning("stopped Prefect's temporary API server (pid %d) left running by a killed process", pid)
@@ -96,11 +98,23 @@ def start_run(cfg: TrainConfig, killed_holder: dict[str, Any] | None = None) -> 
         mlflow_runs.record_commit(c, run_id, commit)
     else:
         mlflow_runs.log_params(c, run_id, run_params(cfg))
+    if changes:  # before config.yaml is replaced: the history keeps the first start's config
+        start = policy.iteration + 1 if policy is not None else 1
+        history = config_history.record(d, config_history.current_config(d), changes, start)
+        mlflow_runs.set_tags(c, run_id, config_history.tags(history))
+        c.log_artifact(run_id, str(history))
+        log.warning(
+            "run %s resumes at iteration %d with changed settings: %s",
+            cfg.run_name,
+            start,
+            "; ".join(map(str, changes)),
+        )
     (d / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=True))
-    c.log_artifact(run_id, str(d / CONFIG_FILE))  # the run's config as it ran: the evaluate flow reloads it
+    c.log_artifact(run_id, str(d / CONFIG_FILE))  # the run's current config: the evaluate flow reloads it
     ctx = RunContext(cfg, str(d), uri, run_id)
     if policy is None:
         model, tokenizer = LEARNER.load(cfg, initial_model_dir(cfg, PLAYER.suite(cfg)))
+        in_memory(model)  # the run plays its own checkpoint 0, not the folder it came from (changed or not)
         policy = save_checkpoint(
             d,
             0,
@@ -201,9 +215,6 @@ def _mark_crashed(holder: dict[str, Any]) -> None:
 def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
     """Stop the environment workers and leave the Ray cluster; log the final policy as an MLflow model and
     the headline numbers; close the run."""
-    import mlflow
-    from horizonrl.tracking.policy_model import SIGNATURE, PolicyModel
-
     PLAYER.close_episodes()
     CLUSTER.leave()
     LEARNER.close_update_ranks()
@@ -219,20 +230,13 @@ def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
     }
     log_stage(ctx, "summary", summary, policy.iteration)  # once: a finished run run again logs nothing twice
     logged = mlflow_runs.policy_models(c, ctx.mlflow_run_id)
-    if not any(m.name == "policy" and m.tags.get(ITERATION_TAG) == str(policy.iteration) for m in logged):
-        mlflow.set_tracking_uri(ctx.tracking_uri)
-        with mlflow.start_run(run_id=ctx.mlflow_run_id):
-            state_file = Path(policy.path) / "estimator_state.json"
-            if state_file.is_file():  # BLPO memory: load with methods.state_from_json, inspect with .records()
-                mlflow.log_artifact(str(state_file), artifact_path="estimator_state")
-            mlflow.pyfunc.log_model(
-                name="policy",
-                python_model=PolicyModel(),
-                artifacts={"policy": policy.path},
-                signature=SIGNATURE,
-                pip_requirements=["torch", "transformers", "safetensors"],
-                tags={ITERATION_TAG: str(policy.iteration)},
-            )
+    if not any(
+        m.name == "policy" and m.tags.get(mlflow_runs.POLICY_ITERATION_TAG) == str(policy.iteration) for m in logged
+    ):
+        state_file = Path(policy.path) / "estimator_state.json"
+        if state_file.is_file():  # BLPO memory: load with methods.state_from_json, inspect with .records()
+            c.log_artifact(ctx.mlflow_run_id, str(state_file), artifact_path="estimator_state")
+        mlflow_runs.log_policy(c, ctx.mlflow_run_id, policy.path, policy.iteration)
     c.set_terminated(ctx.mlflow_run_id, "FINISHED")
     get_run_logger().info("run %s finished: held-out success %.3f -> %.3f", ctx.cfg.run_name, first, last)
     return summary

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
+import time
 
 import pytest
 
@@ -162,6 +163,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "leaves_run_running: kills a process on purpose and leaves its MLflow run RUNNING (exempt below)"
     )
+    config.addinivalue_line(
+        "markers", "refuses_input: every command of the test is refused: no MLflow run may start while it runs"
+    )
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -169,29 +173,43 @@ def no_run_left_running(tmp_path_factory):
     """After the session (on each xdist worker, over its own temporary folders): no MLflow run in any of
     the tests' SQLite stores is still RUNNING, unless its test is marked ``leaves_run_running`` (it kills
     a process on purpose and checks what the next command finds). A command that stops, fails or is
-    refused must end its run; one left RUNNING shows in the UI as a run that never ends."""
+    refused must end its run; one left RUNNING shows in the UI as a run that never ends. And no run of
+    any of them started while a test marked ``refuses_input`` ran (a worker runs one test at a time): a
+    refused input creates no run."""
     yield
-    left = []
+    left, refused = [], []
     for db in tmp_path_factory.getbasetemp().rglob("*.db"):
-        if any(part in _LEAVES_RUNNING for part in db.parts):
-            continue
         try:
             with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
-                rows = con.execute("SELECT name, run_uuid FROM runs WHERE status = 'RUNNING'").fetchall()
+                rows = con.execute("SELECT name, run_uuid, status, start_time FROM runs").fetchall()
         except sqlite3.DatabaseError:  # not an MLflow store (no runs table)
             continue
-        left += [f"{db}: run {name!r} ({uuid})" for name, uuid in rows]
+        if not any(part in _LEAVES_RUNNING for part in db.parts):
+            left += [f"{db}: run {name!r} ({uuid})" for name, uuid, status, _ in rows if status == "RUNNING"]
+        refused += [
+            f"{db}: run {name!r} ({uuid}) started during {test}"
+            for name, uuid, _, started in rows
+            for test, begin, end in _REFUSALS
+            if started is not None and begin <= started <= end
+        ]
     assert not left, "MLflow runs left RUNNING by tests that did not kill their process:\n" + "\n".join(left)
+    assert not refused, "MLflow runs created by refused input (tests marked refuses_input):\n" + "\n".join(refused)
 
 
 _LEAVES_RUNNING: set[str] = set()  # temporary folder names of the tests marked leaves_run_running
 
 
+_REFUSALS: list[tuple[str, int, int]] = []  # (test, start ms, end ms) of the tests marked refuses_input
+
+
 @pytest.fixture(autouse=True)
-def _note_leaves_running(request):
+def _note_marked_tests(request):
     if request.node.get_closest_marker("leaves_run_running"):
         _LEAVES_RUNNING.add(request.getfixturevalue("tmp_path").name)
+    begin = int(time.time() * 1000)
     yield
+    if request.node.get_closest_marker("refuses_input"):
+        _REFUSALS.append((request.node.nodeid, begin, int(time.time() * 1000)))
 
 
 END_TO_END = {"prefect_harness", "api_url"}  # fixtures of tests that run a flow

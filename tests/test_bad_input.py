@@ -64,6 +64,7 @@ CONFIG = "config.yaml"
         "float-int",
     ],
 )
+@pytest.mark.refuses_input
 def test_bad_config_names_the_problem_and_writes_nothing(tmp_path, monkeypatch, capsys, text, sets, names):
     """Run from an empty folder, so a ``data/`` or ``mlflow/`` created by mistake would show."""
     monkeypatch.chdir(tmp_path)
@@ -76,6 +77,7 @@ def test_bad_config_names_the_problem_and_writes_nothing(tmp_path, monkeypatch, 
     assert [p.name for p in tmp_path.iterdir()] == [CONFIG]
 
 
+@pytest.mark.refuses_input
 def test_model_folder_without_config_json_is_named(tmp_path, monkeypatch, capsys):
     """A folder that is not a transformers model used to fail inside the tokenizer loader, naming neither."""
     monkeypatch.chdir(tmp_path)
@@ -86,6 +88,7 @@ def test_model_folder_without_config_json_is_named(tmp_path, monkeypatch, capsys
     assert sorted(p.name for p in tmp_path.iterdir()) == ["weights"]
 
 
+@pytest.mark.refuses_input
 def test_recompute_param_without_equals_is_refused(tmp_path, capsys):
     assert main(["recompute", "--run-dir", str(tmp_path), "--method", "loop", "--param", "gamma"]) == 2
     assert "--param 'gamma': expected KEY=VALUE" in capsys.readouterr().err
@@ -94,6 +97,7 @@ def test_recompute_param_without_equals_is_refused(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.refuses_input
 def test_evaluate_unknown_source_is_one_line(tmp_path, monkeypatch, capsys):
     """An unknown run id or registered model is named in one line, before any flow starts or run is made."""
     from horizonrl.tracking.mlflow_runs import client
@@ -118,6 +122,7 @@ def test_evaluate_unknown_source_is_one_line(tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db", "mlflow.db.lock"]
 
 
+@pytest.mark.refuses_input
 def test_empty_sweep_grid_names_the_grid_and_writes_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     Path(CONFIG).write_text("iterations: 1\n")
@@ -184,9 +189,10 @@ def test_recompute_checks_every_input_before_writing(prefect_harness, tmp_path, 
     bad = store.iteration_dir(tmp_path / "data", "test", "r", 2) / "episodes.parquet"
     table = pq.read_table(bad)
     pq.write_table(table.drop_columns(["status"]).replace_schema_metadata(table.schema.metadata), bad)
-    assert main(["recompute", "--run-dir", str(run), "--method", "grpo"]) == 1
+    assert main(["recompute", "--run-dir", str(run), "--method", "grpo"]) == 2  # before its flow and run
     err = capsys.readouterr().err
     assert f"{bad}: the 'episodes' table lacks column status" in err and "nothing was written" in err, err
+    assert len(err.strip().splitlines()) == 1 and not list(tmp_path.rglob("*.db")), err
     assert not list(run.rglob("advantages-*")), "an iteration's advantages were written before the bad one was found"
     bad.unlink()
     assert main(["recompute", "--run-dir", str(run), "--method", "grpo"]) == 0

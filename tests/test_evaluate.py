@@ -137,6 +137,7 @@ def test_a_policy_is_scored_on_an_outside_game_and_the_records_are_true(world, m
     ],
     ids=["no-dev-split", "unknown-split", "method", "update", "zero-tasks", "no-equals", "missing-games", "tier", "n0"],
 )
+@pytest.mark.refuses_input
 def test_bad_evaluate_input_is_one_line_and_creates_no_run(world, monkeypatch, capsys, args, names):
     c = MlflowClient(world["uri"])
     monkeypatch.setenv("MLFLOW_TRACKING_URI", world["uri"])
@@ -151,10 +152,10 @@ def test_bad_evaluate_input_is_one_line_and_creates_no_run(world, monkeypatch, c
 
 
 @pytest.mark.slow
-def test_a_failure_after_the_run_exists_marks_it_failed_with_the_cause(world, tmp_path, monkeypatch, capsys):
+def test_a_policy_that_cannot_spell_the_games_is_refused_before_its_run(world, monkeypatch, capsys):
     """A household policy's tokenizer has no character fallback (household's text is closed), so on the
-    outside cooking game two commands get the same ids: the trie refuses them, the evaluation fails at run
-    time (exit 1, one line, no traceback) and its run is FAILED with the cause, naming both commands."""
+    outside cooking game two commands get the same ids. On main this failed after the run existed (exit 1,
+    a FAILED run); the preflight plays the split's first reset and refuses it in one line, exit 2, no run."""
     from flows.train import train
 
     c = MlflowClient(world["uri"])
@@ -170,11 +171,32 @@ def test_a_failure_after_the_run_exists_marks_it_failed_with_the_cause(world, tm
         + [f"--set=env.games={world['outside']}", "--set=eval.n_tasks=1", "--set=env.max_turns=3"]
     )
     err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err[-3000:]
+    assert err.startswith("horizonrl: evaluate: env.name = 'textworld-cooking': the policy's tokenizer cannot spell")
+    assert "have the same token ids" in err, err
+    assert {r.info.run_id for r in _evaluations(c)} == before
+    _no_run_left_running(c)
+
+
+@pytest.mark.slow
+def test_a_failure_after_the_run_exists_marks_it_failed_with_the_cause(world, tmp_path, monkeypatch, capsys):
+    """The evaluation's tables cannot be written (its experiment folder under ``data_dir`` is a file): the
+    run exists by then, so it fails at run time (exit 1, one line, no traceback) and its run is FAILED with
+    the cause."""
+    c = MlflowClient(world["uri"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", world["uri"])
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "test").write_text("a file where the experiment's folder goes\n")
+    before = {r.info.run_id for r in _evaluations(c)}
+    capsys.readouterr()
+    rc = main(["evaluate", "--source", world["source"].info.run_id, "--set=eval.n_tasks=1", f"--set=data_dir={data}"])
+    err = capsys.readouterr().err
     assert rc == 1 and "Traceback" not in err, err[-3000:]
     last = err.strip().splitlines()[-1]
-    assert last.startswith("horizonrl: evaluate failed: ") and "have the same token ids" in last, last
+    assert last.startswith("horizonrl: evaluate failed: ") and str(data / "test") in last, last
     [run] = [r for r in _evaluations(c) if r.info.run_id not in before]
-    assert run.info.status == "FAILED" and "have the same token ids" in run.data.tags["horizonrl.failure"]
+    assert run.info.status == "FAILED" and str(data / "test") in run.data.tags["horizonrl.failure"]
     _no_run_left_running(c)
 
 

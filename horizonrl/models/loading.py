@@ -161,6 +161,16 @@ def load_policy(
     return model, tokenizer
 
 
+def in_memory(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every parameter and buffer copied into this process's memory. transformers maps a
+    safetensors file's tensors from the file, so a model folder changed or cut on disk while a run holds
+    them would change its weights or end the process with SIGBUS; the copy is bit-exact."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.data = tensor.data.clone()
+    return model
+
+
 def policy_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer of a policy directory (a LoRA directory holds its own), padding with eos if it has no
     pad token; without the weights, for a process that only plays on a server others keep in sync."""

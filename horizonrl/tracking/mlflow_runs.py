@@ -347,6 +347,21 @@ def lineage_tags(c: MlflowClient, model_path: str | None) -> dict[str, str]:
     return {INIT_MODEL_TAG: model_path, INIT_SOURCE_TAG: source_run_id}
 
 
+@contextlib.contextmanager
+def no_progress_bar() -> Iterator[None]:
+    """MLflow's artifact progress bar off for the block: a download before a command's work (a run's config,
+    the policy an evaluation checks) would print a dozen bar lines on the terminal of a one-line refusal."""
+    bar = os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")
+    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
+    try:
+        yield
+    finally:
+        if bar is None:
+            os.environ.pop("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", None)
+        else:
+            os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = bar
+
+
 def download_policy(model_uri: str, cache: Path) -> CheckpointRef:
     """The checkpoint packed in the pyfunc model (artifact ``policy``), downloaded once per model."""
     from mlflow.models import Model
@@ -357,9 +372,30 @@ def download_policy(model_uri: str, cache: Path) -> CheckpointRef:
     dest = cache / model_uri.removeprefix("models:/").replace("/", "-")
     if not (dest / MLMODEL_FILE_NAME).is_file():
         dest.mkdir(parents=True, exist_ok=True)
-        mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dest))
+        with no_progress_bar():
+            mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dest))
     path = dest / Model.load(dest / MLMODEL_FILE_NAME).flavors["python_function"]["artifacts"]["policy"]["path"]
     return CheckpointRef(str(path), int(json.loads((path / STATE_FILE).read_text())["iteration"]))
+
+
+POLICY_ITERATION_TAG = "horizonrl.iteration"  # on a logged policy model: the checkpoint it packs
+
+
+def log_policy(c: MlflowClient, run_id: str, checkpoint: str | Path, iteration: int) -> None:
+    """Log a checkpoint as the run's ``policy`` pyfunc model, from code (``policy_model.py``, the file the
+    project ships), so the model holds no pickle; the checkpoint folder is its ``policy`` artifact."""
+    from horizonrl.tracking import policy_model
+
+    mlflow.set_tracking_uri(c.tracking_uri)  # the fluent API (logged models) reads the global URI
+    with mlflow.start_run(run_id=run_id):
+        mlflow.pyfunc.log_model(
+            name="policy",
+            python_model=policy_model.__file__,
+            artifacts={"policy": str(checkpoint)},
+            signature=policy_model.SIGNATURE,
+            pip_requirements=["torch", "transformers", "safetensors"],
+            tags={POLICY_ITERATION_TAG: str(iteration)},
+        )
 
 
 def register_policy(c: MlflowClient, run_id: str, model_name: str) -> str:

@@ -2,13 +2,18 @@
 
 ``predict`` takes rows with ``goal`` and ``observation`` (and optionally ``admissible``, a list of
 commands) and returns the greedy action of each, in window context with no history.
+
+The model is logged from this file (MLflow's "models from code", ``mlflow_runs.log_policy``): MLflow copies
+it into the model and runs it at load time, where ``set_model`` below names the model object. Logged as a
+Python object instead, the model would be a CloudPickle file, and loading a model from another's store would
+run whatever that pickle holds.
 """
 
 from __future__ import annotations
 
 import mlflow.pyfunc
 import pandas as pd
-from mlflow.models import ModelSignature
+from mlflow.models import ModelSignature, set_model
 from mlflow.types.schema import Array, ColSpec, Schema
 
 # Logged with the model, so MLflow checks inputs at serving time (and warns about no missing signature).
@@ -44,3 +49,6 @@ class PolicyModel(mlflow.pyfunc.PythonModel):
             tries.append(TokenTrie([self.fmt.command(c) for c in cmds]) if cmds is not None and len(cmds) else None)
         gens = self.engine.generate(SampleRequest(prompts, tries, 32, 1.0, True, 0))
         return [self.fmt.parse_action(g.token_ids, g.finished)[0] for g in gens]
+
+
+set_model(PolicyModel())
