@@ -54,6 +54,7 @@ EVAL_SETTABLE = (
             "history_turns",
             "max_action_tokens",
             "free_format",
+            "prompt",
             "format_penalty",
             "enable_thinking",
             "env_workers",

@@ -201,7 +201,11 @@ class PolicyRuntime:
     def _chat_format(self, cfg: TrainConfig, tokenizer: object) -> ChatFormat:
         r = cfg.rollout
         return ChatFormat.for_tokenizer(
-            tokenizer, enable_thinking=r.enable_thinking, free_format=r.free_format, format_penalty=r.format_penalty
+            tokenizer,
+            enable_thinking=r.enable_thinking,
+            free_format=r.free_format,
+            format_penalty=r.format_penalty,
+            prompt=r.prompt,
         )
 
     def play_branches(
