@@ -215,7 +215,7 @@ class UpdateConfig(Strict):
     max_nan_skips: int = Field(20, ge=0)
     """Abort the run after more non-finite steps than this."""
     micro_batch_tokens: int = Field(16_384, ge=64)
-    """Padded tokens per forward pass; bounds memory."""
+    """Padded tokens per forward pass, in the update and in the warm start's cloning; bounds memory."""
     packing: Literal["off", "packed", "tree"] = "off"
     """How a micro-batch's rows reach the decoder (docs/algorithms.md §1.6): ``off``, length buckets padded by
     at most 8%; ``packed``, concatenated into one sequence with per-row positions and attention (no padded
