@@ -159,3 +159,24 @@ def test_listed_episodes_show_each_turns_commands(chat_policy, household_suite, 
             penalised += not turn.format_valid
     if action_mode == "free":
         assert penalised > 0  # random weights break the ReAct format: the penalty is exercised
+
+
+def test_listed_branches_see_what_their_parent_saw(chat_policy, household_suite):
+    """APPO in window context: a branch's history is rebuilt from its parent's turns, each observation with
+    the commands offered at that turn, so the branch's prompt at its split turn is its parent's."""
+    from horizonrl.rollout.branching import collect_branches, plan_branches
+    from methods.appo import BranchingParams
+
+    _, _, tokenizer, _, engine = chat_policy
+    fmt = ChatFormat.for_tokenizer(tokenizer, prompt="listed")
+    settings = SamplingSettings("admissible", "window", 1, 4, 12, 1.0, 3)
+    initial = collect(household_suite, household_suite.tasks("train", "easy", 2), 3, engine, fmt, settings)
+    starts, _, _ = plan_branches(initial, 3, BranchingParams(), tokenizer)
+    branches = collect_branches(household_suite, starts, engine, fmt, settings, first_rollout_id=100)
+    split_turns = []
+    for branch, start in zip(branches, starts):
+        lengths = [len(t.gen.token_ids) for t in start.parent.turns]
+        turn = next(k for k in range(len(lengths)) if sum(lengths[: k + 1]) > start.split)
+        split_turns.append(turn)
+        assert branch.turns[turn].prompt_ids == start.parent.turns[turn].prompt_ids
+    assert max(split_turns) > 0  # some branch starts after a history
