@@ -82,7 +82,6 @@ def evaluation_config(
     the train command validates its config, and the split checked against the suite's (which it builds:
     the user's games are checked too). Every problem is a one-line ``ValueError`` naming the field, so
     it is raised before any run is created."""
-    _check_counts(n_tasks, samples)
     overrides = list(overrides or [])
     for key in override_keys(overrides):
         if not any(key == f or (f.endswith(".") and key.startswith(f)) for f in EVAL_SETTABLE):
@@ -109,9 +108,7 @@ def model_evaluation_config(
     logged policy) with no run behind it: ``config_path`` with ``overrides`` (any field: the config is the
     user's own) and the split, task count and samples applied, checked as ``evaluation_config`` checks its
     own. The run is named after the model."""
-    _check_counts(n_tasks, samples)
-    overrides = list(overrides or [])
-    keys = set(override_keys(overrides))
+    keys = set(override_keys(overrides or []))
     if "model.path" in keys:
         raise ValueError("--set model.path: the model evaluated is --model")
     raw = load_config(config_path, overrides).model_dump()
@@ -123,17 +120,14 @@ def model_evaluation_config(
     return _evaluation(c, raw, keys, split, n_tasks, samples)
 
 
-def _check_counts(n_tasks: int | None, samples: int | None) -> None:
-    for flag, value in (("--n-tasks", n_tasks), ("--samples", samples)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} {value}: must be at least 1")
-
-
 def _evaluation(
     c: MlflowClient, raw: dict[str, Any], keys: set[str], split: str, n_tasks: int | None, samples: int | None
 ) -> TrainConfig:
     """``raw`` (a config as a dict, ``--set`` keys ``keys`` applied) made an evaluation's: the split, task
     count and samples set, a run name with the time, validated, and the split checked against the suite's."""
+    for flag, value in (("--n-tasks", n_tasks), ("--samples", samples)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: must be at least 1")
     if "eval.n_tasks" in keys and "eval.n_tasks_ends" not in keys:
         raw["eval"]["n_tasks_ends"] = None  # the tasks asked for, not the source's count at a run's ends
     raw["eval"]["split"] = split
