@@ -133,8 +133,17 @@ def main(argv: list[str] | None = None) -> int:
             "--instance", help="an instance of a scheduled sweep (<time>-<commit>, the parent run's name after '--')"
         )
         p.add_argument("--out", help="also write the results page here, figures beside it (e.g. docs/results.md)")
-    ev = sub.add_parser("evaluate", help="evaluate a logged policy on a split, in a new MLflow run")
-    ev.add_argument("--source", required=True, help="MLflow run id, runs:/<run id>, or models:/<name>/<version>")
+    ev = sub.add_parser(
+        "evaluate", help="evaluate a logged policy, or a model with no run behind it, on a split, in a new MLflow run"
+    )
+    what = ev.add_mutually_exclusive_group(required=True)
+    what.add_argument("--source", help="MLflow run id, runs:/<run id>, or models:/<name>/<version>")
+    what.add_argument(
+        "--model",
+        help="a model folder or a pretrained model's name (model.path), evaluated as --config says (a prompted "
+        "baseline); its run is tagged with the model's lineage",
+    )
+    ev.add_argument("--config", help="with --model: the config (environment, prompt, decoding, eval.*) to play it with")
     ev.add_argument("--split", default="test", help="environment split (default test)")
     ev.add_argument(
         "--n-tasks", type=int, help="tasks evaluated (default: the source run's eval.n_tasks_ends, else eval.n_tasks)"
@@ -146,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="KEY=VALUE",
         help="override a field of the source run's config that evaluation uses (env.*, eval.*, seed, ...), "
-        "e.g. env.games=~/tw/held-out",
+        "e.g. env.games=~/tw/held-out; with --model, any field of --config",
     )
     sh = sub.add_parser("show", help="print a stored iteration's episodes, or one episode turn by turn (Parquet store)")
     sh.add_argument("run", help="run folder (data/<experiment>/<run_name>) or a run name under data/")
@@ -395,25 +404,35 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from flows.evaluate import checked_policy, evaluate_policy, evaluation_config, one_line
+    from flows.evaluate import checked_policy, evaluate_policy, evaluation_config, model_evaluation_config, one_line
     from horizonrl.tracking import mlflow_runs
 
     try:  # before the flow, so that bad input is one line, not a flow's traceback, and no run is created
-        _, model_uri, cfg = evaluation_config(
-            mlflow_runs.client(mlflow_runs.tracking_uri()),
-            args.source,
-            args.split,
-            args.n_tasks,
-            args.samples,
-            args.set,
-        )
+        c = mlflow_runs.client(mlflow_runs.tracking_uri())
+        if args.model is not None:
+            if args.config is None:
+                raise ValueError("--model needs --config: the environment, prompt and decoding to evaluate it with")
+            model_uri = None
+            cfg = model_evaluation_config(c, args.model, args.config, args.split, args.n_tasks, args.samples, args.set)
+        elif args.config is not None:
+            raise ValueError("--config goes with --model; a --source plays with its own run's config")
+        else:
+            _, model_uri, cfg = evaluation_config(c, args.source, args.split, args.n_tasks, args.samples, args.set)
         checked_policy(cfg, model_uri, args.split)
     except ValueError as err:
         print(f"horizonrl: evaluate: {one_line(err)}", file=sys.stderr)
         return 2
     try:
         with _OneLineErrors():
-            evaluate_policy(args.source, args.split, args.n_tasks, args.samples, overrides=args.set)
+            evaluate_policy(
+                args.source,
+                args.split,
+                args.n_tasks,
+                args.samples,
+                overrides=args.set,
+                model=args.model,
+                config_path=args.config,
+            )
     except Exception as err:  # noqa: BLE001 - a run-time failure: one line; the MLflow run is marked FAILED
         print(f"horizonrl: evaluate failed: {one_line(err)} (its MLflow run is marked FAILED)", file=sys.stderr)
         return 1

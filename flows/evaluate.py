@@ -1,10 +1,12 @@
 """The ``evaluate`` flow: a logged policy, found by MLflow run id or registered model name and version,
 evaluated on any split of its environment or, with ``--set env.games=...``, on other games, in a new
-MLflow run tagged with the source run.
+MLflow run tagged with the source run; or a model with no run behind it (``--model``: a model folder or a
+pretrained model's name, played as a config file says: a prompted baseline), tagged with its lineage.
 
     resolve the policy (download its checkpoint) -> the source run's config (its config.yaml artifact),
     eval settings and ``--set`` overrides applied, validated, split checked (all before any run exists)
-    -> new run (tags: source run, policy URI) -> evaluate (the train flow's task) -> close the run
+    -> new run (tags: source run or model lineage, policy URI) -> evaluate (the train flow's task)
+    -> the success rate's 95% Wilson interval -> close the run
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ from prefect import flow
 from pydantic import ValidationError
 
 import mlflow
-from horizonrl.config import CONFIG_FILE, TrainConfig, apply_overrides, load_config, override_keys
+from horizonrl.config import CONFIG_FILE, MODEL_URI_PREFIXES, TrainConfig, apply_overrides, load_config, override_keys
 from horizonrl.envs import make_suite
 from horizonrl.run import preflight
+from horizonrl.run.learner import initial_model_dir
 from horizonrl.tracking import mlflow_runs
+from horizonrl.tracking.stats import wilson
 from horizonrl.training.checkpoint import CheckpointRef
 from mlflow import MlflowClient
-from tasks.context import RunContext
+from tasks.context import PLAYER, RunContext
 from tasks.evaluate import evaluate, evaluator
 from tasks.run import run_params
 
@@ -56,6 +60,7 @@ EVAL_SETTABLE = (
             "history_turns",
             "max_action_tokens",
             "free_format",
+            "prompt",
             "format_penalty",
             "enable_thinking",
             "env_workers",
@@ -79,9 +84,6 @@ def evaluation_config(
     the train command validates its config, and the split checked against the suite's (which it builds:
     the user's games are checked too). Every problem is a one-line ``ValueError`` naming the field, so
     it is raised before any run is created."""
-    for flag, value in (("--n-tasks", n_tasks), ("--samples", samples)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} {value}: must be at least 1")
     overrides = list(overrides or [])
     for key in override_keys(overrides):
         if not any(key == f or (f.endswith(".") and key.startswith(f)) for f in EVAL_SETTABLE):
@@ -92,7 +94,42 @@ def evaluation_config(
     source_run_id, model_uri = mlflow_runs.resolve_policy(c, source)
     raw = config_of_run(c, source_run_id).model_dump()
     apply_overrides(raw, overrides)
-    keys = set(override_keys(overrides))
+    return source_run_id, model_uri, _evaluation(c, raw, set(override_keys(overrides)), split, n_tasks, samples)
+
+
+def model_evaluation_config(
+    c: MlflowClient,
+    model: str,
+    config_path: str,
+    split: str = "test",
+    n_tasks: int | None = None,
+    samples: int | None = None,
+    overrides: list[str] | None = None,
+) -> TrainConfig:
+    """The config of evaluating ``model`` (``model.path``: a model folder, a pretrained model's name, or a
+    logged policy) with no run behind it: ``config_path`` with ``overrides`` (any field: the config is the
+    user's own) and the split, task count and samples applied, checked as ``evaluation_config`` checks its
+    own. The run is named after the model."""
+    keys = set(override_keys(overrides or []))
+    if "model.path" in keys:
+        raise ValueError("--set model.path: the model evaluated is --model")
+    raw = load_config(config_path, overrides).model_dump()
+    if raw["model"]["lora"] is not None:
+        raise ValueError("model.lora: --model evaluates the model's own weights; fresh adapters do not apply")
+    raw["model"]["path"] = model
+    logged = model.startswith(MODEL_URI_PREFIXES)
+    raw["run_name"] = model.partition(":/")[2].strip("/").replace("/", "-") if logged else Path(model).name
+    return _evaluation(c, raw, keys, split, n_tasks, samples)
+
+
+def _evaluation(
+    c: MlflowClient, raw: dict[str, Any], keys: set[str], split: str, n_tasks: int | None, samples: int | None
+) -> TrainConfig:
+    """``raw`` (a config as a dict, ``--set`` keys ``keys`` applied) made an evaluation's: the split, task
+    count and samples set, a run name with the time, validated, and the split checked against the suite's."""
+    for flag, value in (("--n-tasks", n_tasks), ("--samples", samples)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: must be at least 1")
     if "eval.n_tasks" in keys and "eval.n_tasks_ends" not in keys:
         raw["eval"]["n_tasks_ends"] = None  # the tasks asked for, not the source's count at a run's ends
     raw["eval"]["split"] = split
@@ -111,14 +148,18 @@ def evaluation_config(
         suite.tasks(split, cfg.env.tier, 1)
     except ValueError as err:
         raise ValueError(f"--split {split!r}: {one_line(err)}") from err
-    return source_run_id, model_uri, cfg
+    return cfg
 
 
-def checked_policy(cfg: TrainConfig, model_uri: str, split: str) -> CheckpointRef:
-    """The policy of an evaluation (``evaluation_config``), downloaded and checked with what it plays
-    (``preflight``: its folder, the environment, the engine, and that its tokenizer tells the split's
-    commands apart), so a policy that cannot play there is refused before the run exists."""
-    policy = mlflow_runs.download_policy(model_uri, Path(cfg.data_dir) / "policies")
+def checked_policy(cfg: TrainConfig, model_uri: str | None, split: str) -> CheckpointRef:
+    """The policy of an evaluation: ``model_uri`` downloaded (``evaluation_config``), or with None the model
+    of ``model.path`` (``model_evaluation_config``: a folder or a pretrained model, fetched on first use);
+    checked with what it plays (``preflight``: its folder, the environment, the engine, and that its tokenizer
+    tells the split's commands apart), so a policy that cannot play there is refused before the run exists."""
+    if model_uri is None:
+        policy = CheckpointRef(str(initial_model_dir(cfg, PLAYER.suite(cfg))), 0)
+    else:
+        policy = mlflow_runs.download_policy(model_uri, Path(cfg.data_dir) / "policies")
     preflight.check_run(cfg, policy.path)
     preflight.check_commands(cfg, policy.path, split)
     return policy
@@ -150,26 +191,40 @@ def mark_killed_evaluations(c: MlflowClient, experiment: str) -> list[str]:
 
 @flow(name="evaluate", log_prints=True)
 def evaluate_policy(
-    source: str,
+    source: str | None = None,
     split: str = "test",
     n_tasks: int | None = None,
     samples: int | None = None,
     tracking_uri: str | None = None,
     overrides: list[str] | None = None,
+    model: str | None = None,
+    config_path: str | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``source`` (a run id, ``runs:/<run id>``, or ``models:/<name>/<version>``) on ``split``;
-    returns the figures and the new run's id. The environment, decoding and seed are the source run's,
-    but for ``overrides`` (``--set``: ``EVAL_SETTABLE`` fields, e.g. ``env.games`` to score the policy
-    on other games). Everything is checked before the run is created; a failure after marks it FAILED
-    with the cause (tag ``horizonrl.failure``) and is raised."""
+    returns the figures (with the success rate's 95% Wilson interval) and the new run's id. The environment,
+    decoding and seed are the source run's, but for ``overrides`` (``--set``: ``EVAL_SETTABLE`` fields, e.g.
+    ``env.games`` to score the policy on other games). Or, with ``model`` and ``config_path`` instead of
+    ``source``, evaluate that model as the config says (``model_evaluation_config``), its run tagged with the
+    model's lineage. Everything is checked before the run is created; a failure after marks it FAILED with
+    the cause (tag ``horizonrl.failure``) and is raised."""
     c = mlflow_runs.client(mlflow_runs.tracking_uri(tracking_uri))
     mlflow.set_tracking_uri(c.tracking_uri)  # the fluent API (logged models, downloads) reads the global URI
-    source_run_id, model_uri, cfg = evaluation_config(c, source, split, n_tasks, samples, overrides)
-    policy = checked_policy(cfg, model_uri, split)
+    if (source is None) == (model is None):
+        raise ValueError("evaluate: give a source run or model (--source), or a model with a config (--model)")
+    if model is None:
+        source_run_id, model_uri, cfg = evaluation_config(c, source, split, n_tasks, samples, overrides)
+        policy = checked_policy(cfg, model_uri, split)
+        origin = {SOURCE_TAG: source_run_id}
+    else:
+        if config_path is None:
+            raise ValueError("--model needs --config: the environment, prompt and decoding to evaluate it with")
+        cfg = model_evaluation_config(c, model, config_path, split, n_tasks, samples, overrides)
+        policy = checked_policy(cfg, None, split)
+        model_uri, origin = model, mlflow_runs.lineage_tags(c, model, policy.path)
     for name in mark_killed_evaluations(c, cfg.experiment):
         print(f"evaluation run {name} was left RUNNING by a killed process; marked KILLED")
     tags = {
-        SOURCE_TAG: source_run_id,
+        **origin,
         "horizonrl.kind": "evaluation",
         "horizonrl.policy_uri": model_uri,
         PROCESS_TAG: f"{socket.gethostname()}:{os.getpid()}",
@@ -184,6 +239,9 @@ def evaluate_policy(
         ctx = RunContext(cfg, str(Path(cfg.data_dir) / cfg.experiment / cfg.run_name), c.tracking_uri, run_id)
         # a finished policy: judged as a run's last evaluation; this run has no rollouts to count steps of
         metrics = evaluate(ctx, policy, policy.iteration, end=True)
+        low, high = wilson(metrics["success_rate"], int(metrics["episodes"]))
+        metrics.update(success_ci_low=low, success_ci_high=high)
+        mlflow_runs.log_metrics(c, run_id, "eval", {"success_ci_low": low, "success_ci_high": high}, policy.iteration)
     except BaseException as err:  # KeyboardInterrupt too: only a killed process leaves its run RUNNING
         mlflow_runs.set_tags(c, run_id, {mlflow_runs.FAILURE_TAG: one_line(err)[:4000] or type(err).__name__})
         c.set_terminated(run_id, "FAILED")
@@ -192,8 +250,8 @@ def evaluate_policy(
         evaluator(cfg).close_episodes()
     c.set_terminated(run_id, "FINISHED")
     print(
-        f"{model_uri} on {split} ({cfg.eval.tasks_at(end=True)} tasks): success {metrics['success_rate']:.3f}; MLflow "
-        f"run {run_id}"
+        f"{model_uri} on {split} ({cfg.eval.tasks_at(end=True)} tasks, {metrics['episodes']:.0f} episodes): success "
+        f"{metrics['success_rate']:.3f} (95% interval {low:.3f} to {high:.3f}); MLflow run {run_id}"
     )
     return {"run_id": run_id, "source_run_id": source_run_id, **metrics}
 

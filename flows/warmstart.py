@@ -45,6 +45,9 @@ def warmstart(
         demos = record_demonstrations(ctx, policy)  # 1. walkthroughs as Parquet
         if not logged(ctx, "eval/success_rate", 0):
             evaluate(ctx, policy, 0)  # the starting point (a warm start has no rollouts)
+        done, last = policy.iteration, cfg.warmstart.epochs
+        if done and (done % cfg.eval.every == 0 or done == last) and not logged(ctx, "eval/success_rate", done):
+            evaluate(ctx, policy, done, end=done == last)  # a run killed in the evaluation after its last epoch
         for epoch in range(policy.iteration + 1, cfg.warmstart.epochs + 1):
             policy = clone(ctx, epoch, demos, policy)  # 2. cross-entropy on action tokens
             if epoch % cfg.eval.every == 0 or epoch == cfg.warmstart.epochs:

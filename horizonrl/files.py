@@ -39,6 +39,16 @@ def file_digest(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def folder_digest(path: str | Path) -> str:
+    """The sha256 of a folder's contents: every file's relative path and sha256, in sorted order, so a
+    model folder named by its path is also named by what it holds."""
+    root = Path(path)
+    h = hashlib.sha256()
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(f"{f.relative_to(root).as_posix()}\t{file_digest(f)}\n".encode())
+    return h.hexdigest()
+
+
 def fsync_dir(path: Path) -> None:
     """Flush every file directly under ``path`` to disk (before the folder is renamed into place)."""
     for f in path.iterdir():

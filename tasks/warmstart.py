@@ -98,6 +98,7 @@ def clone(ctx: RunContext, epoch: int, demos: DemonstrationsRef, policy: Checkpo
             cfg.update.grad_clip,
             loaded.tokenizer.pad_token_id,
             derive_seed(cfg.seed, "clone", epoch),
+            cfg.update.micro_batch_tokens,
         )
         state = {
             "clone_losses": losses,

@@ -237,3 +237,72 @@ def test_evaluate_settable_fields_are_fields_of_the_config():
     flat = TrainConfig().flat()
     for entry in EVAL_SETTABLE:
         assert any(k == entry or k.startswith(entry) for k in flat) or entry in ("data_dir",), entry
+
+
+def _model_config(tmp_path, uri: str) -> str:
+    """A household config file for evaluating a model with no run behind it (the listed prompt)."""
+    import yaml
+
+    cfg = tiny_config(tmp_path, uri, "baseline")
+    cfg["rollout"].update(prompt="listed", context="window")
+    cfg["eval"].update(greedy=False)
+    path = tmp_path / "baseline.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_a_model_folder_is_evaluated_without_a_run_behind_it(
+    prefect_harness, chat_model_dir, tmp_path, tracking_uri, monkeypatch
+):
+    """``--model FOLDER --config FILE``: a FINISHED evaluation run named after the folder, tagged with its
+    lineage (the path as given, the folder and the digest of its files) and no source run; params hold the
+    config's prompt; the success rate's 95% Wilson interval is logged and brackets it."""
+    from horizonrl.files import folder_digest
+    from horizonrl.tracking.stats import wilson
+
+    folder = chat_model_dir("llama3")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
+    rc = main(["evaluate", "--model", str(folder), "--config", _model_config(tmp_path, tracking_uri), "--n-tasks", "3"])
+    assert rc == 0
+    c = MlflowClient(tracking_uri)
+    [run] = _evaluations(c)
+    tags, metrics = run.data.tags, run.data.metrics
+    assert run.info.status == "FINISHED" and run.info.run_name.startswith(f"{folder.name}--eval-test-")
+    assert "horizonrl.source_run_id" not in tags and tags["horizonrl.policy_uri"] == str(folder)
+    assert tags["horizonrl.init.model"] == str(folder) and tags["horizonrl.init.folder"] == str(folder.resolve())
+    assert tags["horizonrl.init.folder_digest"] == folder_digest(folder)
+    assert run.data.params["rollout.prompt"] == "listed" and run.data.params["model.path"] == str(folder)
+    assert metrics["eval/episodes"] == 3
+    low, high = wilson(metrics["eval/success_rate"], 3)
+    assert (metrics["eval/success_ci_low"], metrics["eval/success_ci_high"]) == pytest.approx((low, high))
+    assert low - 1e-9 <= metrics["eval/success_rate"] <= high and high - low > 0.3  # three episodes: wide
+    _no_run_left_running(c)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args,names",
+    [
+        (["--model", "FOLDER"], ["--model needs --config"]),
+        (["--source", "abc", "--config", "CONFIG"], ["--config goes with --model"]),
+        (["--model", "FOLDER", "--config", "CONFIG", "--set", "model.path=/x"], ["--set model.path"]),
+        (["--model", "FOLDER", "--config", "/no/such.yaml"], ["config file '/no/such.yaml' does not exist"]),
+        (["--model", "FOLDER", "--config", "CONFIG", "--set", "model.lora.rank=4"], ["model.lora"]),
+        (["--model", "/no/such/model", "--config", "CONFIG"], ["/no/such/model"]),
+    ],
+    ids=["no-config", "config-with-source", "model-path", "missing-config", "lora", "missing-folder"],
+)
+def test_bad_model_evaluation_input_is_one_line_and_creates_no_run(
+    chat_model_dir, tmp_path, tracking_uri, monkeypatch, capsys, args, names
+):
+    folder, config = str(chat_model_dir("llama3")), _model_config(tmp_path, tracking_uri)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
+    capsys.readouterr()
+    assert main(["evaluate", *[{"FOLDER": folder, "CONFIG": config}.get(a, a) for a in args]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("horizonrl: evaluate: ") and len(err.strip().splitlines()) == 1, err
+    for name in names:
+        assert name in err, err
+    c = MlflowClient(tracking_uri)
+    assert c.get_experiment_by_name("test") is None or _evaluations(c) == []

@@ -163,3 +163,62 @@ def test_unknown_registered_model_is_named(tmp_path, tracking_uri):
     c = mlflow_runs.client(tracking_uri)
     with pytest.raises(Exception, match="ws-absent"):
         mlflow_runs.resolve_policy(c, "models:/ws-absent/1")
+
+
+def test_cloning_in_micro_batches_takes_the_same_steps(household_suite, chat_model_dir):
+    """A minibatch cloned in micro-batches of a few hundred tokens (a real model's trajectories do not fit
+    in one pass) gives the losses and weights of one pass over it, up to float summation order; the listed
+    prompt's demonstrations (the commands in every observation) are what is cloned."""
+    import torch
+
+    from horizonrl.models.loading import load_policy
+    from horizonrl.training.cloning import clone_epoch
+
+    torch.set_num_threads(1)
+    _, tokenizer = load_policy(chat_model_dir("llama3"))
+    fmt = ChatFormat.for_tokenizer(tokenizer, prompt="listed")
+    tasks = household_suite.tasks("train", "easy", 4)
+    records = play_walkthroughs(
+        household_suite, tasks, fmt, action_mode="admissible", context="full", history_turns=2, max_turns=15
+    )
+    rows = train_rows(store.turns_table(records), "full")
+    longest = max(len(r.input_ids) for r in rows)
+    assert longest > 300  # whole listed trajectories: several micro-batches below
+    results = []
+    for micro_batch_tokens in (16_384, 300):
+        model, _ = load_policy(chat_model_dir("llama3"))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = clone_epoch(model, optimizer, rows, 4, 1.0, tokenizer.pad_token_id, 0, micro_batch_tokens)
+        results.append((losses, torch.cat([p.detach().flatten() for p in model.parameters()])))
+    (one_pass, w1), (micro, w2) = results
+    assert micro == pytest.approx(one_pass, abs=1e-5) and len(one_pass) == 1
+    assert torch.allclose(w1, w2, atol=1e-5)
+
+
+def test_a_warm_start_killed_in_its_last_evaluation_evaluates_on_resume(prefect_harness, tmp_path, tracking_uri):
+    """SIGKILL in the evaluation after the last epoch (``HORIZONRL_FAULT=evaluate:1``: the epoch's checkpoint
+    is written, its evaluation not logged): the same command run again evaluates that checkpoint before it
+    registers it, so the policy RL starts from has its held-out success."""
+    import os
+
+    import yaml
+    from flowkit import cli_run
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.cli import main
+    from horizonrl import faults
+
+    cfg = tiny_config(tmp_path, tracking_uri, run_name="ws-killed", iterations=1)
+    cfg["warmstart"] = {"demonstrations": 2, "epochs": 1, "minibatch_size": 2, "model_name": "ws-killed"}
+    cfg["eval"] = {"every": 1, "n_tasks": 2, "greedy": False}
+    path = tmp_path / "ws.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, faults.ENV: "evaluate:1", "PREFECT_API_URL": PREFECT_API_URL.value()}
+    done = cli_run(["warmstart", "--config", str(path)], env, tmp_path / "cli-logs")
+    assert done.returncode == -9, done.stderr[-3000:]
+    c = MlflowClient(tracking_uri)
+    run_id = run_of(c, "ws-killed").info.run_id
+    assert [m.step for m in c.get_metric_history(run_id, "eval/success_rate")] == [0]
+    assert main(["warmstart", "--config", str(path)]) == 0
+    assert sorted(m.step for m in c.get_metric_history(run_id, "eval/success_rate")) == [0, 1]
+    assert c.get_model_version("ws-killed", "1").run_id == run_id

@@ -172,6 +172,10 @@ class RolloutConfig(Strict):
     format_penalty: float = Field(0.0, ge=0)
     """Subtracted from the step reward of a turn whose reply is a format error (cut at the token budget,
     empty, or not in ``free_format``)."""
+    prompt: Literal["compact", "listed"] = "compact"
+    """What the policy reads each turn: compact = the goal as the system message and the bare observation;
+    listed = the project's system message (the game, the task, the reply format) and the observation with the
+    turn's admissible commands listed, for a pretrained chat model (docs/configuration.md)."""
     enable_thinking: bool = False
     """Chat templates with a thinking block (Qwen3): off renders the template's empty block into the prompt;
     on lets the policy write it, its tokens policy tokens like the rest of the reply. Free mode only."""
@@ -218,7 +222,7 @@ class UpdateConfig(Strict):
     max_nan_skips: int = Field(20, ge=0)
     """Abort the run after more non-finite steps than this."""
     micro_batch_tokens: int = Field(16_384, ge=64)
-    """Padded tokens per forward pass; bounds memory."""
+    """Padded tokens per forward pass, in the update and in the warm start's cloning; bounds memory."""
     packing: Literal["off", "packed", "tree"] = "off"
     """How a micro-batch's rows reach the decoder (docs/algorithms.md §1.6): ``off``, length buckets padded by
     at most 8%; ``packed``, concatenated into one sequence with per-row positions and attention (no padded

@@ -102,9 +102,11 @@ def collect_branches(
         split_turns = [_split_turn(b) for b in starts]
         resets = envs.reset_many([b.parent.task for b in starts])
         replayed: list[tuple[str, dict]] = []
+        offered: list[list[list[str]]] = []  # per branch: the admissible commands of each replayed turn
         for b, (obs, info) in zip(starts, resets):
             _check_replay(b.parent, 0, obs, info)
             replayed.append((obs, info))
+            offered.append([info.get("admissible_commands", [])])
         for t in range(max((turn for turn, _ in split_turns), default=0)):
             todo = {
                 i: b.parent.turns[t].action
@@ -114,11 +116,21 @@ def collect_branches(
             for i, (obs, _, _, info) in envs.step_many(todo).items():
                 _check_replay(starts[i].parent, t + 1, obs, info)
                 replayed[i] = (obs, info)
+                offered[i].append(info.get("admissible_commands", []))
         live = []
         for i, (b, (turn, offset)) in enumerate(zip(starts, split_turns)):
             live.append(
                 _branch_live(
-                    b, turn, offset, i, *replayed[i], fmt, settings.context, first_rollout_id + i, settings.seed
+                    b,
+                    turn,
+                    offset,
+                    i,
+                    *replayed[i],
+                    offered[i],
+                    fmt,
+                    settings.context,
+                    first_rollout_id + i,
+                    settings.seed,
                 )
             )
         return play(live, envs, engine, fmt, settings, derive_seed(settings.seed, "branches"))
@@ -148,11 +160,14 @@ def _branch_live(
     slot: int,
     obs: str,
     info: dict,
+    offered: list[list[str]],
     fmt: ChatFormat,
     context: str,
     rollout_id: int,
     seed: int,
 ) -> LiveEpisode:
+    """The branch as a live episode at its split turn; its window history is rebuilt from the parent's turns,
+    each observation with the commands ``offered`` at that turn (the ``listed`` prompt shows them)."""
     parent = b.parent
     rec = EpisodeRecord(
         rollout_id,
@@ -175,7 +190,7 @@ def _branch_live(
         obs,
         info,
         fmt.system(info.get("goal", "")),
-        [(fmt.user(t.observation), t.gen.token_ids) for t in rec.turns],
+        [(fmt.user(t.observation, cmds), t.gen.token_ids) for t, cmds in zip(rec.turns, offered)],
         pending=pending,
     )
     if context == "full":

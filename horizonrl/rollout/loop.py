@@ -274,7 +274,8 @@ def _generate(batch: list[LiveEpisode], sampling: _Sampling, session: Session | 
     rest)."""
     fmt, s = sampling.fmt, sampling.settings
     deltas, inputs, tries = [], [], []
-    for ep, obs_ids in zip(batch, fmt.users([ep.obs for ep in batch])):
+    observations = fmt.users([ep.obs for ep in batch], [ep.info["admissible_commands"] for ep in batch])
+    for ep, obs_ids in zip(batch, observations):
         if session is None:
             delta = window_prompt(fmt, ep.goal_ids, ep.history, obs_ids, s.history_turns)
         else:

@@ -25,6 +25,14 @@ sampler saw.
 
 Free-mode replies follow ``free_format`` (``parse_action``): ``plain``, the whole reply is the command;
 ``react``, a thought then one final line ``Action: <command>`` (the system message says so).
+
+Two prompts (config ``rollout.prompt``): ``compact``, the goal alone as the system message and the bare
+observation as each user message (a model trained from scratch in the project needs nothing else);
+``listed``, for a pretrained chat model: the project's system message (what the game is, the task, the
+reply format) and each observation followed by the admissible commands of that turn, listed one a line,
+since a model that has never seen the game cannot guess its command language. Every rendered conversation
+has a system message, so a template's default one (SmolLM2's "You are a helpful AI assistant named
+SmolLM...") never enters the context.
 """
 
 from __future__ import annotations
@@ -37,6 +45,13 @@ from transformers import PreTrainedTokenizerBase
 _GOAL, _OBS, _ACT, _NEXT = "GOALMARKER", "OBSMARKER", "ACTMARKER", "NEXTMARKER"
 ACTION_PREFIX = "Action:"
 REACT_INSTRUCTION = "Think about the situation, then reply with one final line: Action: <command>"
+PROMPTS = ("compact", "listed")
+LISTED_SYSTEM = (
+    "You are playing a text adventure game. Each turn you read what you observe and the admissible commands, "
+    "and choose one command to play."
+)
+LISTED_REPLY = "Reply with one admissible command only, written exactly as listed."
+COMMANDS_HEADER = "Admissible commands:"
 
 
 @dataclass(frozen=True)
@@ -62,6 +77,7 @@ class ChatFormat:
     enable_thinking: bool = False
     free_format: str = "plain"  # "plain" | "react"
     format_penalty: float = 0.0  # subtracted from the step reward of a format error
+    prompt: str = "compact"  # "compact" | "listed" (module docstring)
     _commands: dict[str, list[int]] = field(default_factory=dict, compare=False, repr=False)  # encode cache
 
     @classmethod
@@ -72,6 +88,7 @@ class ChatFormat:
         enable_thinking: bool = False,
         free_format: str = "plain",
         format_penalty: float = 0.0,
+        prompt: str = "compact",
     ) -> ChatFormat:
         """Read the pieces off the tokenizer's chat template. ``enable_thinking`` needs a template that has
         a thinking block (``<think>`` in the vocabulary)."""
@@ -81,7 +98,11 @@ class ChatFormat:
             )
         if free_format not in ("plain", "react"):
             raise ValueError(f"rollout.free_format = {free_format!r}: expected plain or react")
-        options = dict(enable_thinking=enable_thinking, free_format=free_format, format_penalty=format_penalty)
+        if prompt not in PROMPTS:
+            raise ValueError(f"rollout.prompt = {prompt!r}: expected {' or '.join(PROMPTS)}")
+        options = dict(
+            enable_thinking=enable_thinking, free_format=free_format, format_penalty=format_penalty, prompt=prompt
+        )
         eos = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
         if tokenizer.chat_template is None:
             after = tuple(tokenizer("\n", add_special_tokens=False).input_ids)
@@ -115,22 +136,34 @@ class ChatFormat:
         )
 
     def system(self, goal: str) -> list[int]:
-        """The goal as the system message (with the ReAct instruction in ``react`` format)."""
-        if self.free_format == "react":
+        """The system message: the goal (``compact``; with the ReAct instruction in ``react`` format), or the
+        project's instructions naming the task and the reply format (``listed``)."""
+        react = self.free_format == "react"
+        if self.prompt == "listed":
+            goal = f"{LISTED_SYSTEM}\nTask: {goal}\n{REACT_INSTRUCTION if react else LISTED_REPLY}"
+        elif react:
             goal = f"{goal}\n{REACT_INSTRUCTION}"
         if self.template is None:
-            return self.encode(f"Task: {goal}\n")
+            return self.encode(f"{goal}\n" if self.prompt == "listed" else f"Task: {goal}\n")
         if self.template.system_parts is not None:
             return self.encode(goal.join(self.template.system_parts))
         text = self._render(_reference(goal))
         return self.encode(_cut(text, "", self.template.after_system, "system message"))
 
-    def user(self, observation: str) -> list[int]:
-        """The observation message followed by the assistant header the action is generated after."""
-        return self.users([observation])[0]
+    def user(self, observation: str, commands: list[str] | None = None) -> list[int]:
+        """The observation message followed by the assistant header the action is generated after; with the
+        ``listed`` prompt the turn's admissible ``commands`` follow the observation."""
+        return self.users([observation], None if commands is None else [commands])[0]
 
-    def users(self, observations: list[str]) -> list[list[int]]:
-        """``user`` of each observation, tokenized in one call (a turn's batch of episodes)."""
+    def users(self, observations: list[str], commands: list[list[str]] | None = None) -> list[list[int]]:
+        """``user`` of each observation (with its admissible commands), tokenized in one call (a turn's batch
+        of episodes). The ``compact`` prompt ignores ``commands``; ``listed`` needs them."""
+        if self.prompt == "listed":
+            if commands is None or len(commands) != len(observations):
+                raise ValueError("rollout.prompt = 'listed': every observation needs its admissible commands")
+            observations = [
+                f"{o.rstrip()}\n\n{COMMANDS_HEADER}\n" + "\n".join(c) for o, c in zip(observations, commands)
+            ]
         return self.encode_many([self._user_text(o) for o in observations])
 
     def _user_text(self, observation: str) -> str:

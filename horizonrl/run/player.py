@@ -116,6 +116,7 @@ class Player:
                 enable_thinking=r.enable_thinking,
                 free_format=r.free_format,
                 format_penalty=r.format_penalty,
+                prompt=r.prompt,
             )
             self._format_for, self.engine = cfg.digest(), None  # the engine stops on the format's ids
         return self.fmt

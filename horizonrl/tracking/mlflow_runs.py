@@ -24,7 +24,7 @@ from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModel, Logged
 from mlflow.exceptions import MlflowException
 
 import mlflow
-from horizonrl.files import remove_temporary
+from horizonrl.files import folder_digest, remove_temporary
 from horizonrl.models import lora
 from mlflow import MlflowClient
 
@@ -336,15 +336,27 @@ def policy_models(c: MlflowClient, run_id: str) -> list[LoggedModel]:
 
 INIT_MODEL_TAG = "horizonrl.init.model"  # lineage of a run that starts from a logged policy
 INIT_SOURCE_TAG = "horizonrl.init.source_run_id"
+INIT_FOLDER_TAG = "horizonrl.init.folder"  # the model folder a model path or name resolved to
+INIT_DIGEST_TAG = "horizonrl.init.folder_digest"
 
 
-def lineage_tags(c: MlflowClient, model_path: str | None) -> dict[str, str]:
+def lineage_tags(c: MlflowClient, model_path: str | None, folder: str | Path | None = None) -> dict[str, str]:
     """Tags naming where a run's starting policy comes from (``models:/<name>/<version>`` or
-    ``runs:/<id>``, and the run that produced it); none for a local directory or hub id."""
-    if model_path is None or not model_path.startswith(("models:/", "runs:/")):
+    ``runs:/<id>``, and the run that produced it). A model folder or a pretrained model's name is named
+    by ``folder``, the local folder it resolved to, and that folder's digest (``files.folder_digest``),
+    when the caller gives it; else, for a directory or hub id, there are no tags."""
+    if model_path is None:
         return {}
-    source_run_id, _ = resolve_policy(c, model_path)
-    return {INIT_MODEL_TAG: model_path, INIT_SOURCE_TAG: source_run_id}
+    if model_path.startswith(("models:/", "runs:/")):
+        source_run_id, _ = resolve_policy(c, model_path)
+        return {INIT_MODEL_TAG: model_path, INIT_SOURCE_TAG: source_run_id}
+    if folder is None:
+        return {}
+    return {
+        INIT_MODEL_TAG: model_path,
+        INIT_FOLDER_TAG: str(Path(folder).resolve()),
+        INIT_DIGEST_TAG: folder_digest(folder),
+    }
 
 
 @contextlib.contextmanager

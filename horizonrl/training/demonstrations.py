@@ -89,7 +89,7 @@ def _play_one(
         if turn == swap:
             others = [c for c in commands if c != action]
             action = rng.choice(others) if others else action
-        obs_ids = fmt.user(obs)
+        obs_ids = fmt.user(obs, commands)
         if context == "full":
             delta = full_delta(fmt, goal_ids, obs_ids, history[-1][1] if history else None)
         else:
