@@ -220,7 +220,7 @@ def evaluate_policy(
             raise ValueError("--model needs --config: the environment, prompt and decoding to evaluate it with")
         cfg = model_evaluation_config(c, model, config_path, split, n_tasks, samples, overrides)
         policy = checked_policy(cfg, None, split)
-        model_uri, origin = model, mlflow_runs.lineage_tags(c, model, policy.path)
+        source_run_id, model_uri, origin = None, model, mlflow_runs.lineage_tags(c, model, policy.path)
     for name in mark_killed_evaluations(c, cfg.experiment):
         print(f"evaluation run {name} was left RUNNING by a killed process; marked KILLED")
     tags = {
