@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -104,7 +105,9 @@ def test_a_damaged_cached_model_is_named_in_one_line(smollm2, tmp_path, capsys):
         pretrained.fetch(SMOLLM2, tmp_path)
     assert cli(["train", f"--set=model.path={SMOLLM2}", f"--set=data_dir={tmp_path}"]) == 2  # before any flow
     out = capsys.readouterr().err.strip()
-    assert "\n" not in out and out.startswith(f"horizonrl: bad configuration: model.path = '{SMOLLM2}': cached model")
+    assert "\n" not in out and re.match(
+        rf"horizonrl: run '[^']+' not started: model.path = '{SMOLLM2}': cached model", out
+    )
     (damaged / pretrained.PROVENANCE).unlink()
     (damaged / pretrained.PROVENANCE).write_text('{"files": ')  # cut short
     with pytest.raises(
