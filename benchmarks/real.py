@@ -1,11 +1,13 @@
 """The ``real`` section (issue 39): the pipeline on a real pretrained model, SmolLM2-135M-Instruct (134.5 M
 parameters, a 49,152-id vocabulary, 30 layers), on household easy in admissible mode, full context, episodes
-of at most ``MAX_TURNS`` turns, one update epoch, ``update.micro_batch_tokens`` ``MICRO_BATCH_TOKENS``, one
-compute thread per process.
+of at most ``MAX_TURNS`` turns, ``update.micro_batch_tokens`` ``MICRO_BATCH_TOKENS``, one compute thread per
+process.
 
 * update: ``ppo_update`` over one iteration's rows (the transformers engine's episodes below, random
-  advantages) against ``benchmarks.update.bare_loop`` over the same tokens, alternated P B B P. The bare
-  loop computes the full-vocabulary logits at every position; the update only at policy tokens;
+  advantages, the method's epochs: LOOP's 4, so that the pi_old check's recompute of 4 rows weighs as in a
+  run's update rather than as a whole extra forward pass) against ``benchmarks.update.bare_loop`` over the
+  same tokens, alternated P B B P. The bare loop computes the full-vocabulary logits at every position, the
+  update only at policy tokens;
 * step memory: the peak RSS of a process that loads the model and runs two full fine-tuning steps
   (``ppo_update``: pi_old recomputed, one minibatch, AdamW; the second with the AdamW state in memory, as
   every step of a run after its first) over 4 rows of 512 token ids, every position after the first a
@@ -15,7 +17,7 @@ compute thread per process.
 * asynchronous loop: ``rollout.max_staleness`` k = 1 against k = 0 with the server generating beside the
   learner, as the train flow runs it: a generator thread syncs the server in place to version
   max(j-1-k, 0) (the learner's saved weights and probe) and plays iteration j while the learner (this
-  process's main thread) updates on its episodes and saves each version. The update takes random
+  process's main thread) updates on its episodes (one epoch) and saves each version. The update takes random
   advantages with every turn kept, as above: the untrained policy rarely wins, and LOOP filters out every
   row of a group without a win. The learner's peak RSS over the k = 0 iterations is the memory of a
   training iteration (the server's process tree is in the note).
@@ -63,7 +65,7 @@ STEP_ROWS, STEP_LENGTH = 4, 512  # the full fine-tuning step whose memory is mea
 STEP_LIMIT_MB = 5 * 1024
 MICRO_BATCH_TOKENS = STEP_LENGTH  # update.micro_batch_tokens: 2,048 tokens' activations at once held 7.3 GB
 ASYNC_TARGET = 1.5  # k=1 over k=0 where the two stages take similar time (issue 29, issue 39)
-MAX_TURNS = 4  # short episodes and one update epoch: the section fits in about 10 minutes on 2 cores
+MAX_TURNS = 4  # short episodes (and one update epoch per iteration of the loop): the section's time
 
 
 def model_dir(data_dir: str | Path) -> Path | None:
@@ -262,7 +264,7 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, iterations: int, out: Path) 
             "rollout": cfg.rollout.model_copy(update={"tasks_per_iteration": tasks_n, "group_size": group}),
             "model": cfg.model.model_copy(update={"path": str(path)}),
             "env": cfg.env.model_copy(update={"max_turns": MAX_TURNS}),
-            "update": cfg.update.model_copy(update={"epochs": 1, "micro_batch_tokens": MICRO_BATCH_TOKENS}),
+            "update": cfg.update.model_copy(update={"micro_batch_tokens": MICRO_BATCH_TOKENS}),
         }
     )
     threads = torch.get_num_threads()
@@ -296,8 +298,10 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, iterations: int, out: Path) 
     policy_tokens = sum(len(r.positions) for r in rows)
 
     env = dict(os.environ)
-    cfg_file = out / "config.json"
-    cfg_file.write_text(cfg.model_dump_json())
+    cfg_file = out / "config.json"  # the children's: one update epoch per iteration (time)
+    cfg_file.write_text(
+        cfg.model_copy(update={"update": cfg.update.model_copy(update={"epochs": 1})}).model_dump_json()
+    )
     memory = _child(["memory", str(cfg_file), str(path)], env)
     v = _child(["loop", str(cfg_file), str(path), str(out)], env)
     sync, lag = v["sync"], v["lag"]
@@ -312,7 +316,7 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, iterations: int, out: Path) 
             "tok/s",
             "",
             None,
-            f"SmolLM2-135M, {len(rows)} rows, {real:,} tokens ({policy_tokens} policy tokens) x {s.epochs} epoch x 2, "
+            f"SmolLM2-135M, {len(rows)} rows, {real:,} tokens ({policy_tokens} policy tokens) x {s.epochs} epochs x 2, "
             f"{ppo_s:.1f} s",
         ),
         Figure(
