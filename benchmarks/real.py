@@ -50,6 +50,7 @@ from benchmarks.update import _rows, bare_loop, random_advantage_rows
 from benchmarks.vllm_server import VLLM_PYTHON, served_config
 from horizonrl.config import TrainConfig
 from horizonrl.engines.vllm import engine_from_config, probe_of
+from horizonrl.models import pretrained
 from horizonrl.models.loading import load_policy
 from horizonrl.rollout.loop import SamplingSettings, collect, sample_tasks
 from horizonrl.rollout.prompting import ChatFormat
@@ -68,29 +69,17 @@ ASYNC_TARGET = 1.5  # k=1 over k=0 where the two stages take similar time (issue
 MAX_TURNS = 4  # short episodes (and one update epoch per iteration of the loop): the section's time
 
 
-def model_dir(data_dir: str | Path) -> Path | None:
-    """SmolLM2's converted folder: ``$HORIZONRL_REAL_MODEL``, else the cached known model of
-    ``horizonrl.models.pretrained`` (converted on first use) where that module exists, else None."""
+def model_dir(data_dir: str | Path) -> Path:
+    """SmolLM2's converted folder: ``$HORIZONRL_REAL_MODEL``, else the project's cached copy of the known
+    model (``horizonrl models fetch``; converted on first use)."""
     if os.environ.get(MODEL_ENV):
         return Path(os.environ[MODEL_ENV])
-    try:
-        from horizonrl.models import pretrained
-    except ImportError:
-        return None
-    return Path(pretrained.fetch(MODEL_NAME, data_dir))
+    return pretrained.fetch(MODEL_NAME, data_dir)
 
 
 def available() -> bool:
-    """The section runs where the model can be found and vLLM's environment exists."""
-    if not VLLM_PYTHON.is_file():
-        return False
-    if os.environ.get(MODEL_ENV):
-        return True
-    try:
-        from horizonrl.models import pretrained  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """The section runs where vLLM's environment exists (the model is fetched on first use)."""
+    return VLLM_PYTHON.is_file()
 
 
 def _child(args: list[str], env: dict[str, str]) -> dict:
