@@ -59,7 +59,7 @@ class RankActor:
 
 class RayRankGroup:
     """``world_size`` update ranks as Ray actors; the same interface as ``RankGroup`` (``update``,
-    ``advance``, ``stop``, ``alive``, ``rank_pids``). Ray must be initialised (``horizonrl.run.cluster.Cluster.join``)."""
+    ``advance``, ``stop``, ``alive``, ``rank_pids``). Ray must be initialised (``Cluster.join``)."""
 
     def __init__(self, world_size: int, backend: str) -> None:
         import ray
