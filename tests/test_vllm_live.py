@@ -113,6 +113,16 @@ def _prompts(fmt, suite, n: int = 3, history: int = 0) -> tuple[list[list[int]],
     return prompts, commands
 
 
+def _plays_like(served, hf, fmt, suite, budget: int) -> None:
+    """``served``'s greedy admissible actions and their log-probs equal the transformers engine ``hf``'s on
+    three household prompts (after a weight sync: the served weights are ``hf``'s model)."""
+    prompts, commands = _prompts(fmt, suite)
+    tries = [TokenTrie([fmt.command(c) for c in cs], cs) for cs in commands]
+    request = SampleRequest(prompts, tries, budget, 0.7, True, 0)
+    for v, h in zip(served.generate(request), hf.generate(request)):
+        _same(v, h)
+
+
 def _same(a, b) -> None:
     assert (a.token_ids, a.policy_mask, a.allowed, a.finished) == (b.token_ids, b.policy_mask, b.allowed, b.finished)
     assert a.logprobs == pytest.approx(b.logprobs, abs=TOL) and a.entropy == pytest.approx(b.entropy, abs=TOL)
@@ -264,14 +274,7 @@ def test_full_weights_reload_in_place_within_a_second_and_serve_the_new_policy(
         s = live.last_sync
         assert (s.path, s.reason) == ("in_place", None) and s.seconds < 1.0 and s.probe_max_diff <= TOL
         assert live.server.proc.pid == pid
-        prompts, commands = _prompts(fmt, household_suite)
-        tries = [TokenTrie([fmt.command(c) for c in cs], cs) for cs in commands]
-        moved_hf = TransformersEngine(moved, tokenizer.pad_token_id, hf.end_ids)
-        for v, h in zip(
-            live.generate(SampleRequest(prompts, tries, 6, 0.7, True, 0)),
-            moved_hf.generate(SampleRequest(prompts, tries, 6, 0.7, True, 0)),
-        ):
-            _same(v, h)
+        _plays_like(live, TransformersEngine(moved, tokenizer.pad_token_id, hf.end_ids), fmt, household_suite, 6)
     finally:
         live.sync(str(tiny_policy_dir), probe_of(tiny_policy[0], len(tokenizer)))
     assert live.last_sync.path == "in_place" and live.server.proc.pid == pid

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_vllm_live import LORA_RANK, REQUESTS, TOL, _learner_logprobs, _prompts, _same, start_engine
+from test_vllm_live import LORA_RANK, REQUESTS, TOL, _learner_logprobs, _plays_like, _prompts, _same, start_engine
 
 from horizonrl.config import LoraConfig
 from horizonrl.engines.base import SampleRequest, TokenTrie
@@ -130,14 +130,7 @@ def test_full_weights_reload_in_place_verified_by_the_probe(real, smollm2, house
         real.sync(str(tmp_path / "iter=1"), probe_of(moved.eval(), len(tokenizer)))
         s = real.last_sync
         assert (s.path, s.reason) == ("in_place", None) and s.probe_max_diff <= TOL and real.server.proc.pid == pid
-        prompts, commands = _prompts(fmt, household_suite)
-        tries = _tries(fmt, commands)
-        moved_hf = TransformersEngine(moved, tokenizer.pad_token_id, hf.end_ids)
-        for v, h in zip(
-            real.generate(SampleRequest(prompts, tries, 12, 0.7, True, 0)),
-            moved_hf.generate(SampleRequest(prompts, tries, 12, 0.7, True, 0)),
-        ):
-            _same(v, h)
+        _plays_like(real, TransformersEngine(moved, tokenizer.pad_token_id, hf.end_ids), fmt, household_suite, 12)
     finally:
         real.sync(str(path), probe_of(model, len(tokenizer)))
     assert real.last_sync.path == "in_place" and real.last_sync.probe_max_diff <= TOL and real.server.proc.pid == pid
