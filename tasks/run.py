@@ -236,7 +236,9 @@ def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
         state_file = Path(policy.path) / "estimator_state.json"
         if state_file.is_file():  # BLPO memory: load with methods.state_from_json, inspect with .records()
             c.log_artifact(ctx.mlflow_run_id, str(state_file), artifact_path="estimator_state")
-        mlflow_runs.log_policy(c, ctx.mlflow_run_id, policy.path, policy.iteration)
+        r = ctx.cfg.rollout
+        chat = {"prompt": r.prompt, "free_format": r.free_format, "enable_thinking": r.enable_thinking}
+        mlflow_runs.log_policy(c, ctx.mlflow_run_id, policy.path, policy.iteration, chat)
     c.set_terminated(ctx.mlflow_run_id, "FINISHED")
     get_run_logger().info("run %s finished: held-out success %.3f -> %.3f", ctx.cfg.run_name, first, last)
     return summary

@@ -180,3 +180,26 @@ def test_listed_branches_see_what_their_parent_saw(chat_policy, household_suite)
         split_turns.append(turn)
         assert branch.turns[turn].prompt_ids == start.parent.turns[turn].prompt_ids
     assert max(split_turns) > 0  # some branch starts after a history
+
+
+def test_a_logged_policy_is_prompted_as_its_run_was(tiny_policy_dir, household_suite, tmp_path):
+    """The policy logged from code carries its run's prompt settings as its model config: loaded with
+    ``mlflow.pyfunc.load_model``, a ``listed`` run's policy builds the listed prompt (the goal under the
+    project's system message, the commands after the observation) and picks an admissible command."""
+    import pandas as pd
+
+    import mlflow
+    from horizonrl.tracking import mlflow_runs
+    from mlflow import MlflowClient
+
+    c = MlflowClient(f"sqlite:///{tmp_path}/m.db")
+    run_id = c.create_run(c.create_experiment("p", artifact_location=str(tmp_path / "art"))).info.run_id
+    chat = {"prompt": "listed", "free_format": "plain", "enable_thinking": False}
+    mlflow_runs.log_policy(c, run_id, tiny_policy_dir, 0, chat)
+    model = mlflow.pyfunc.load_model(f"models:/{mlflow_runs.policy_models(c, run_id)[0].model_id}")
+    assert model.unwrap_python_model().fmt.prompt == "listed"
+    env = household_suite.make()
+    obs, info = env.reset(household_suite.tasks("test", "easy", 1)[0])
+    row = {"goal": env.goal(), "observation": obs, "admissible": list(info["admissible_commands"])}
+    [action] = model.predict(pd.DataFrame([row]))
+    assert action in row["admissible"]

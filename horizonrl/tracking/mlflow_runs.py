@@ -393,9 +393,12 @@ def download_policy(model_uri: str, cache: Path) -> CheckpointRef:
 POLICY_ITERATION_TAG = "horizonrl.iteration"  # on a logged policy model: the checkpoint it packs
 
 
-def log_policy(c: MlflowClient, run_id: str, checkpoint: str | Path, iteration: int) -> None:
+def log_policy(
+    c: MlflowClient, run_id: str, checkpoint: str | Path, iteration: int, chat: dict[str, object] | None = None
+) -> None:
     """Log a checkpoint as the run's ``policy`` pyfunc model, from code (``policy_model.py``, the file the
-    project ships), so the model holds no pickle; the checkpoint folder is its ``policy`` artifact."""
+    project ships), so the model holds no pickle; the checkpoint folder is its ``policy`` artifact and
+    ``chat`` (``ChatFormat.for_tokenizer``'s settings: the run's prompt) its model config."""
     from horizonrl.tracking import policy_model
 
     mlflow.set_tracking_uri(c.tracking_uri)  # the fluent API (logged models) reads the global URI
@@ -407,6 +410,7 @@ def log_policy(c: MlflowClient, run_id: str, checkpoint: str | Path, iteration: 
             signature=policy_model.SIGNATURE,
             pip_requirements=["torch", "transformers", "safetensors"],
             tags={POLICY_ITERATION_TAG: str(iteration)},
+            model_config=chat or {},
         )
 
 

@@ -1,7 +1,8 @@
 """The trained policy as an MLflow pyfunc model: safetensors weights plus tokenizer as artifacts.
 
 ``predict`` takes rows with ``goal`` and ``observation`` (and optionally ``admissible``, a list of
-commands) and returns the greedy action of each, in window context with no history.
+commands) and returns the greedy action of each, in window context with no history, prompted as the run
+that trained it was (its model config: ``rollout.prompt``, ``free_format``, ``enable_thinking``).
 
 The model is logged from this file (MLflow's "models from code", ``mlflow_runs.log_policy``): MLflow copies
 it into the model and runs it at load time, where ``set_model`` below names the model object. Logged as a
@@ -36,7 +37,7 @@ class PolicyModel(mlflow.pyfunc.PythonModel):
         from horizonrl.rollout.prompting import ChatFormat
 
         self.model, tokenizer = load_policy(context.artifacts["policy"])
-        self.fmt = ChatFormat.for_tokenizer(tokenizer)
+        self.fmt = ChatFormat.for_tokenizer(tokenizer, **(context.model_config or {}))
         self.engine = TransformersEngine(self.model, tokenizer.pad_token_id, list(self.fmt.stop_ids))
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> list[str]:
@@ -44,8 +45,9 @@ class PolicyModel(mlflow.pyfunc.PythonModel):
 
         prompts, tries = [], []
         for _, row in model_input.iterrows():
-            prompts.append(self.fmt.system(row["goal"]) + self.fmt.user(row["observation"]))
             cmds = row.get("admissible")
+            listed = [str(c) for c in cmds] if cmds is not None else []  # shown to the model by a listed prompt
+            prompts.append(self.fmt.system(row["goal"]) + self.fmt.user(row["observation"], listed))
             tries.append(TokenTrie([self.fmt.command(c) for c in cmds]) if cmds is not None and len(cmds) else None)
         gens = self.engine.generate(SampleRequest(prompts, tries, 32, 1.0, True, 0))
         return [self.fmt.parse_action(g.token_ids, g.finished)[0] for g in gens]
