@@ -10,6 +10,7 @@ mistake shows; the suite's after-session check also finds no MLflow run started 
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -157,3 +158,10 @@ def test_a_resume_with_changed_settings_is_refused_naming_each_change(tmp_path, 
     assert yaml.safe_load((run / "config.yaml").read_text()) == ran
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+def test_the_pinned_vllm_version_is_the_makefiles():
+    """The preflight expects the vLLM release `make vllm-venv` installs: the two pins are one decision."""
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    [pinned] = re.findall(r"^VLLM_VERSION \?= (\S+)$", makefile, flags=re.MULTILINE)
+    assert preflight.VLLM_VERSION == pinned
