@@ -410,8 +410,6 @@ def _evaluate(args: argparse.Namespace) -> int:
     try:  # before the flow, so that bad input is one line, not a flow's traceback, and no run is created
         c = mlflow_runs.client(mlflow_runs.tracking_uri())
         if args.model is not None:
-            if args.config is None:
-                raise ValueError("--model needs --config: the environment, prompt and decoding to evaluate it with")
             model_uri = None
             cfg = model_evaluation_config(c, args.model, args.config, args.split, args.n_tasks, args.samples, args.set)
         elif args.config is not None:

@@ -100,7 +100,7 @@ def evaluation_config(
 def model_evaluation_config(
     c: MlflowClient,
     model: str,
-    config_path: str,
+    config_path: str | None,
     split: str = "test",
     n_tasks: int | None = None,
     samples: int | None = None,
@@ -110,6 +110,8 @@ def model_evaluation_config(
     logged policy) with no run behind it: ``config_path`` with ``overrides`` (any field: the config is the
     user's own) and the split, task count and samples applied, checked as ``evaluation_config`` checks its
     own. The run is named after the model."""
+    if config_path is None:
+        raise ValueError("--model needs --config: the environment, prompt and decoding to evaluate it with")
     keys = set(override_keys(overrides or []))
     if "model.path" in keys:
         raise ValueError("--set model.path: the model evaluated is --model")
@@ -216,8 +218,6 @@ def evaluate_policy(
         policy = checked_policy(cfg, model_uri, split)
         origin = {SOURCE_TAG: source_run_id}
     else:
-        if config_path is None:
-            raise ValueError("--model needs --config: the environment, prompt and decoding to evaluate it with")
         cfg = model_evaluation_config(c, model, config_path, split, n_tasks, samples, overrides)
         policy = checked_policy(cfg, None, split)
         source_run_id, model_uri, origin = None, model, mlflow_runs.lineage_tags(c, model, policy.path)

@@ -83,11 +83,8 @@ class Learner:
     def reference(self, cfg: TrainConfig, run_dir: Path) -> torch.nn.Module:
         """The frozen initial policy (checkpoint 0) for KL-to-reference losses; loaded once."""
         if self._reference is None:
-            device = resolve_device(cfg.model.device)
-            model, _ = load_policy(
-                checkpoint_dir(run_dir, 0), resolve_dtype(cfg.model.dtype, device), cfg.model.attn_implementation
-            )
-            self._reference = model.to(device).eval().requires_grad_(False)
+            model, _ = self.load(cfg, checkpoint_dir(run_dir, 0))
+            self._reference = model.to(resolve_device(cfg.model.device)).eval().requires_grad_(False)
         return self._reference
 
     def update_ranks(self, cfg: TrainConfig, run_dir: Path) -> RankGroup | RayRankGroup:

@@ -356,10 +356,11 @@ def check_recompute(run_folder: str | Path) -> list[Path]:
 
 
 def has_checkpoint(run_folder: str | Path) -> bool:
-    """Whether the run folder holds a written checkpoint (its manifest is written last): a start there resumes."""
-    from horizonrl.training.checkpoint import MANIFEST, checkpoint_dir
+    """Whether the run folder holds a checkpoint (a folder appears only once written whole): a start there
+    resumes."""
+    from horizonrl.training.checkpoint import checkpoints
 
-    return any(checkpoint_dir(Path(run_folder), 0).parent.glob(f"iter=*/{MANIFEST}"))
+    return bool(checkpoints(Path(run_folder)))
 
 
 def _first_line(err: BaseException) -> str:
