@@ -25,8 +25,9 @@ from prefect import flow
 from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
 
+from flows.warmstart import warmstart
 from horizonrl import store
-from horizonrl.config import TrainConfig, run_dir, train_config
+from horizonrl.config import TrainConfig, run_dir, train_config, warm_start_config
 from horizonrl.run import preflight, runlock
 from horizonrl.tracking import mlflow_runs
 from horizonrl.training.checkpoint import CheckpointRef, checkpoint_dir
@@ -54,7 +55,11 @@ def train(
     with runlock.hold(run_dir(cfg)) as lock:
         lock.record(flow_run_id=flow_run.get_id())
         changes = preflight.check_start(cfg, allow_change or [])  # a deployment's run too, before its MLflow run
-        run = start_run(cfg, lock.previous, changes)
+        initial = None
+        if cfg.warmstart.before_rl and not preflight.has_checkpoint(run_dir(cfg)):  # 0. the recipe's warm start
+            ws = warmstart(config=warm_start_config(cfg).model_dump(), allow_change=allow_change, held_out=False)
+            initial = ws["model_uri"]  # a finished warm start run again registers nothing new
+        run = start_run(cfg, lock.previous, changes, initial)
         ctx, policy, elapsed = run.ctx, run.policy, run.elapsed_s
         CLUSTER.join(cfg)  # a run on Ray: left by finish_run (or the failure hook)
         started = os.environ.pop(STARTED_AT, None)  # set by `horizonrl train`: absent for sweep cells and deployments

@@ -31,9 +31,11 @@ def warmstart(
     overrides: list[str] | None = None,
     config: dict[str, Any] | None = None,
     allow_change: list[str] | None = None,
+    held_out: bool = True,
 ) -> dict[str, Any]:
     """Clone the walkthroughs; returns the summary (held-out success before and after) and the registered
-    model's URI under ``model_uri``. ``allow_change``: as for ``train``."""
+    model's URI under ``model_uri``. ``allow_change``: as for ``train``. ``held_out`` off evaluates nothing:
+    the warm start of a train run's recipe (``warmstart.before_rl``), whose RL run evaluates its policy."""
     cfg = train_config(config_path, overrides, config)
     with runlock.hold(run_dir(cfg)) as lock:  # one process per run name, as for train
         lock.record(flow_run_id=flow_run.get_id())
@@ -43,14 +45,15 @@ def warmstart(
         mlflow_runs.set_tags(ctx.mlflow(), ctx.mlflow_run_id, {"horizonrl.kind": "warmstart"})
         log_losses(ctx, policy)  # a resumed run whose last epoch crashed before its log
         demos = record_demonstrations(ctx, policy)  # 1. walkthroughs as Parquet
-        if not logged(ctx, "eval/success_rate", 0):
+        if held_out and not logged(ctx, "eval/success_rate", 0):
             evaluate(ctx, policy, 0)  # the starting point (a warm start has no rollouts)
         done, last = policy.iteration, cfg.warmstart.epochs
-        if done and (done % cfg.eval.every == 0 or done == last) and not logged(ctx, "eval/success_rate", done):
+        due = held_out and done and (done % cfg.eval.every == 0 or done == last)
+        if due and not logged(ctx, "eval/success_rate", done):
             evaluate(ctx, policy, done, end=done == last)  # a run killed in the evaluation after its last epoch
         for epoch in range(policy.iteration + 1, cfg.warmstart.epochs + 1):
             policy = clone(ctx, epoch, demos, policy)  # 2. cross-entropy on action tokens
-            if epoch % cfg.eval.every == 0 or epoch == cfg.warmstart.epochs:
+            if held_out and (epoch % cfg.eval.every == 0 or epoch == cfg.warmstart.epochs):
                 evaluate(ctx, policy, epoch, end=epoch == cfg.warmstart.epochs)  # 3. held-out
         summary: dict[str, Any] = dict(finish_run(ctx, policy))  # 4. logged as an MLflow model
     c = ctx.mlflow()

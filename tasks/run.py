@@ -43,14 +43,19 @@ class RunStart:
 
 @task(name="start-run", retries=1, retry_delay_seconds=2, cache_policy=NONE)
 def start_run(
-    cfg: TrainConfig, killed_holder: dict[str, Any] | None = None, changes: list[config_history.Change] | None = None
+    cfg: TrainConfig,
+    killed_holder: dict[str, Any] | None = None,
+    changes: list[config_history.Change] | None = None,
+    initial: str | None = None,
 ) -> RunStart:
     """Resume from the newest checkpoint that verifies if this run name has one, else start fresh.
 
     Called under the run folder's lock (``horizonrl.run.runlock``). ``killed_holder`` is what a previous
     process that died holding the lock recorded: its Prefect flow run is marked crashed. Temporary Prefect
     servers left by killed processes, of this run or another, are stopped. ``changes``: the settings this
-    resume changes (``preflight.check_start``), recorded beside the run's config and in MLflow."""
+    resume changes (``preflight.check_start``), recorded beside the run's config and in MLflow. ``initial``:
+    the model a new run starts from instead of ``model.path`` (its warm start's ``models:/`` URI), tagged as
+    its lineage; the run's config keeps ``model.path`` as written, so a resume compares like with like."""
     log = get_run_logger()
     for pid in runlock.stop_orphaned_prefect_servers(PREFECT_HOME.value()):
         log.warning("stopped Prefect's temporary API server (pid %d) left running by a killed process", pid)
@@ -86,7 +91,7 @@ def start_run(
         "context": cfg.rollout.context,
         "git_commit": commit,
         mlflow_runs.COMMITS_TAG: commit,
-        **mlflow_runs.lineage_tags(c, cfg.model.path),
+        **mlflow_runs.lineage_tags(c, initial or cfg.model.path),
     }
     mlflow_runs.check_artifact_store(c, cfg.experiment)  # a read-only or full disk: named, before the run is touched
     run_id, resumed = mlflow_runs.find_or_create_run(c, cfg.experiment, cfg.run_name, tags)
@@ -113,7 +118,9 @@ def start_run(
     c.log_artifact(run_id, str(d / CONFIG_FILE))  # the run's current config: the evaluate flow reloads it
     ctx = RunContext(cfg, str(d), uri, run_id)
     if policy is None:
-        model, tokenizer = LEARNER.load(cfg, initial_model_dir(cfg, PLAYER.suite(cfg)))
+        model_path = {"model": cfg.model.model_copy(update={"path": initial})}
+        start = cfg if initial is None else cfg.model_copy(update=model_path)
+        model, tokenizer = LEARNER.load(cfg, initial_model_dir(start, PLAYER.suite(cfg)))
         in_memory(model)  # the run plays its own checkpoint 0, not the folder it came from (changed or not)
         policy = save_checkpoint(
             d,
@@ -222,12 +229,9 @@ def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
     history = c.get_metric_history(ctx.mlflow_run_id, "eval/success_rate")
     by_step = {m.step: m.value for m in history}
     first, last = (by_step[min(by_step)], by_step[max(by_step)]) if by_step else (float("nan"), float("nan"))
-    summary = {
-        "initial_success_rate": first,
-        "final_success_rate": last,
-        "improvement": last - first,
-        "iterations": float(policy.iteration),
-    }
+    summary = {"iterations": float(policy.iteration)}
+    if by_step:  # a recipe's warm start evaluates nothing (``warmstart.before_rl``): no NaN figures
+        summary |= {"initial_success_rate": first, "final_success_rate": last, "improvement": last - first}
     log_stage(ctx, "summary", summary, policy.iteration)  # once: a finished run run again logs nothing twice
     logged = mlflow_runs.policy_models(c, ctx.mlflow_run_id)
     if not any(

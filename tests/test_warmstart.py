@@ -222,3 +222,67 @@ def test_a_warm_start_killed_in_its_last_evaluation_evaluates_on_resume(prefect_
     assert main(["warmstart", "--config", str(path)]) == 0
     assert sorted(m.step for m in c.get_metric_history(run_id, "eval/success_rate")) == [0, 1]
     assert c.get_model_version("ws-killed", "1").run_id == run_id
+
+
+def test_train_with_before_rl_warm_starts_then_trains_from_it_and_resumes_past_it(
+    prefect_harness, tmp_path, tracking_uri
+):
+    """``warmstart.before_rl``: one train command clones first (its own run and registered model, no
+    evaluation), then RL starts from exactly the cloned weights with the lineage tagged; run again to extend
+    it, the warm start is neither repeated nor registered again, and the RL config keeps ``model.path``."""
+    import yaml
+
+    from flows.train import train
+
+    cfg = tiny_config(tmp_path, tracking_uri, run_name="recipe", iterations=1)
+    cfg["rollout"]["context"] = "full"
+    cfg["warmstart"] = {"demonstrations": 4, "epochs": 2, "minibatch_size": 2, "lr": 3e-3, "before_rl": True}
+    cfg["eval"] = {"every": 1, "n_tasks": 2, "greedy": False}
+    train(config=cfg)
+
+    c = MlflowClient(tracking_uri)
+    ws_run, rl_run = run_of(c, "recipe-warmstart"), run_of(c, "recipe")
+    assert ws_run.data.tags["horizonrl.kind"] == "warmstart"
+    assert [int(v.version) for v in c.search_model_versions("name = 'recipe-warmstart'")] == [1]
+    assert c.get_metric_history(ws_run.info.run_id, "eval/success_rate") == [], "the RL run evaluates the warm start"
+    assert len(c.get_metric_history(ws_run.info.run_id, "clone/epoch_loss")) == 2
+    assert (
+        rl_run.data.tags[mlflow_runs.INIT_MODEL_TAG] == "models:/recipe-warmstart/1"
+        and rl_run.data.tags[mlflow_runs.INIT_SOURCE_TAG] == ws_run.info.run_id
+    )
+    data = Path(cfg["data_dir"]) / "test"
+    cloned = load_file(data / "recipe-warmstart" / "checkpoints" / "iter=00002" / "model.safetensors")
+    started = load_file(data / "recipe" / "checkpoints" / "iter=00000" / "model.safetensors")
+    assert cloned.keys() == started.keys() and all((cloned[k] == started[k]).all() for k in cloned)
+    assert yaml.safe_load((data / "recipe" / "config.yaml").read_text())["model"]["path"] is None
+
+    train(config={**cfg, "iterations": 2})  # extended: resumes the RL run only
+    assert [int(v.version) for v in c.search_model_versions("name = 'recipe-warmstart'")] == [1]
+    assert len(c.get_metric_history(ws_run.info.run_id, "clone/epoch_loss")) == 2
+    assert max(m.step for m in c.get_metric_history(rl_run.info.run_id, "eval/success_rate")) == 2
+
+
+def test_warm_start_config_names_its_run_and_model_after_the_train_run(tmp_path, tracking_uri):
+    from horizonrl.config import warm_start_config
+
+    cfg = TrainConfig.model_validate(
+        {**tiny_config(tmp_path, tracking_uri, run_name="smol--seed=1"), "warmstart": {"before_rl": True}}
+    )
+    ws = warm_start_config(cfg)
+    assert (ws.run_name, ws.warmstart.model_name, ws.warmstart.before_rl) == (
+        "smol--seed-1-warmstart",
+        "smol--seed-1-warmstart",
+        False,
+    )
+    assert ws.model_dump() | {"run_name": cfg.run_name, "warmstart": cfg.warmstart.model_dump()} == cfg.model_dump()
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [({"lora": {"rank": 4}}, "model.lora"), ({"path": "models:/ws/1"}, "trained policy already")],
+)
+def test_before_rl_refuses_what_it_cannot_chain(tmp_path, tracking_uri, model, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig.model_validate(
+            {**tiny_config(tmp_path, tracking_uri), "model": model, "warmstart": {"before_rl": True}}
+        )

@@ -23,6 +23,7 @@ from horizonrl.config.schema import (
     WarmStartConfig,
     model_head_dim,
     run_dir,
+    warm_start_config,
 )
 
 __all__ = [
@@ -50,4 +51,5 @@ __all__ = [
     "load_config",
     "run_dir",
     "train_config",
+    "warm_start_config",
 ]

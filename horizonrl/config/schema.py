@@ -290,6 +290,11 @@ class WarmStartConfig(Strict):
     """Demonstration sequences per optimizer step."""
     model_name: str = Field("horizonrl-warmstart", pattern=r"^[A-Za-z0-9_.-]+$")
     """Registered model name the final policy is registered under (MLflow model registry)."""
+    before_rl: bool = False
+    """``train`` runs this warm start first and starts RL from its policy: one command for the whole recipe,
+    resumable at either step. The warm start is its own run, ``<run_name>-warmstart`` (``warm_start_config``),
+    registered under that name instead of ``model_name``; it evaluates nothing, since the RL run's first
+    evaluation is the warm-started policy on the held-out tasks its last one plays."""
 
 
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -524,6 +529,20 @@ class TrainConfig(Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_warm_start(self) -> TrainConfig:
+        if self.warmstart.before_rl and self.model.lora is not None:
+            raise ValueError(
+                "warmstart.before_rl with model.lora: RL over a warm start's adapters is not supported; train the "
+                "full model (drop model.lora) or run `horizonrl warmstart` and start RL from its model by hand"
+            )
+        if self.warmstart.before_rl and self.model.path is not None and self.model.path.startswith(MODEL_URI_PREFIXES):
+            raise ValueError(
+                f"warmstart.before_rl with model.path = {self.model.path!r}: that is a trained policy already; "
+                "name the model the warm start clones into (a pretrained name or folder)"
+            )
+        return self
+
     def vllm_device(self) -> str:
         """The vLLM build the server runs (``engine.vllm.device``; auto: cuda where torch sees a CUDA device)."""
         if self.engine.vllm.device != "auto":
@@ -607,6 +626,15 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
+
+
+def warm_start_config(cfg: TrainConfig) -> TrainConfig:
+    """The warm start a train run with ``warmstart.before_rl`` runs first: the same settings under the run
+    name ``<run_name>-warmstart``, its policy registered under that name (characters a registered model name
+    cannot hold become ``-``), so every seed or sweep cell has its own."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{cfg.run_name}-warmstart")
+    ws = cfg.warmstart.model_copy(update={"model_name": name, "before_rl": False})
+    return cfg.model_copy(update={"run_name": name, "warmstart": ws})
 
 
 def run_dir(cfg: TrainConfig) -> Path:
