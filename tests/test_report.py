@@ -365,3 +365,29 @@ def test_the_starting_policy_as_the_cells_evaluated_it_counts_each_seed_once():
     )
     other = replace(cells[0], success={**cells[0].success, 0: 0.25})  # one cell of seed 0 started elsewhere
     assert report.cells_start([other, *cells[1:]]) is None and report.cells_start(_fixture()) is None  # no counts
+
+
+def test_paired_change_is_the_mean_of_each_shared_tasks_difference():
+    """Per task, mean success after minus before over its samples: a 0/0 -> 1/1 (+1), b 1 -> 1 (0), c 0/1 -> 1/0
+    (0); d only after and e only before are left out: mean (1 + 0 + 0) / 3 on 3 tasks, the interval the bootstrap
+    of those differences in key order, whatever order the dicts were built in."""
+    before = {"e": [1.0], "c": [0.0, 1.0], "b": [1.0], "a": [0.0, 0.0]}
+    after = {"a": [1.0, 1.0], "b": [1.0], "c": [1.0, 0.0], "d": [1.0]}
+    change, n = stats.paired_change(before, after)
+    assert n == 3 and change.mean == pytest.approx(1 / 3)
+    assert change == stats.interval([1.0, 0.0, 0.0])
+    assert stats.paired_change(dict(reversed(before.items())), dict(reversed(after.items()))) == (change, n)
+    none, zero = stats.paired_change({"a": [1.0]}, {"b": [1.0]})
+    assert zero == 0 and math.isnan(none.mean)
+
+
+def test_paired_interval_excludes_zero_for_a_clear_gain_and_not_for_none():
+    """40 tasks: 30 go from lost to won and 10 stay lost (+0.75, far from 0); or 10 go up, 10 down and 20 stay
+    (mean 0: the interval straddles it)."""
+    tasks = [f"t{i:02d}" for i in range(40)]
+    gain, n = stats.paired_change({t: [0.0] for t in tasks}, {t: [float(i < 30)] for i, t in enumerate(tasks)})
+    assert n == 40 and gain.mean == pytest.approx(0.75) and 0.5 < gain.low < gain.mean < gain.high <= 1.0
+    before = {t: [float(10 <= i < 20)] for i, t in enumerate(tasks)}
+    after = {t: [float(i < 10)] for i, t in enumerate(tasks)}
+    same, _ = stats.paired_change(before, after)
+    assert same.mean == 0.0 and same.low < 0.0 < same.high
