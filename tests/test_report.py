@@ -391,3 +391,67 @@ def test_paired_interval_excludes_zero_for_a_clear_gain_and_not_for_none():
     after = {t: [float(i < 10)] for i, t in enumerate(tasks)}
     same, _ = stats.paired_change(before, after)
     assert same.mean == 0.0 and same.low < 0.0 < same.high
+
+
+def _paired(mean: float, low: float, high: float, tasks: int = 500) -> report.PairedChange:
+    return report.PairedChange(stats.Interval(mean, low, high), tasks)
+
+
+def test_each_seeds_paired_change_is_on_the_page_with_whether_every_interval_excludes_zero():
+    """Variant a: both seeds above 0; b: seed 0 includes 0, seed 1 logged none; c: one seed above, one below;
+    the fixture's runs logged none: no such section (their page is the one before the paired change)."""
+    cells = [
+        replace(A0, paired=_paired(0.182, 0.130, 0.234)),
+        replace(A1, paired=_paired(0.204, 0.151, 0.257, 498)),
+        CellHistory("b", 0, {0: 0.1, 4: 0.2}, paired=_paired(0.04, -0.01, 0.09)),
+        CellHistory("b", 1, {0: 0.1, 4: 0.2}),
+        CellHistory("c", 0, {0: 0.1, 4: 0.2}, paired=_paired(0.1, 0.05, 0.15)),
+        CellHistory("c", 1, {0: 0.1, 4: 0.0}, paired=_paired(-0.1, -0.15, -0.05)),
+    ]
+    page = results_page.results_page(cells, CTX, FIGURES)
+    assert (
+        "- a: seed 0 +18.2 points [+13.0, +23.4] on 500 paired tasks; seed 1 +20.4 points [+15.1, +25.7] on 498 "
+        "paired tasks: **every seed's interval excludes 0 (all above 0)**" in page
+    )
+    assert (
+        "- b: seed 0 +4.0 points [-1.0, +9.0] on 500 paired tasks; seed 1 not logged: **not every seed's interval "
+        "excludes 0 (seed 0 includes 0, seed 1 not logged)**" in page
+    )
+    assert "- c: seed 0 +10.0 points" in page and "**every seed's interval excludes 0 (not all on one side)**" in page
+    assert "Every seed's paired interval above 0: a.\n" in page
+    one_task = replace(A0, paired=_paired(1.0, math.nan, math.nan, 1))
+    assert "seed 0 +100.0 points on 1 paired tasks" in results_page.results_page([one_task], CTX, FIGURES)
+    assert "has no interval" in results_page.results_page([one_task], CTX, FIGURES)
+    fixture = results_page.results_page(_fixture(), CTX, FIGURES)
+    assert "Paired by held-out task" not in fixture and "Prompted baselines" not in fixture
+
+
+def test_prompted_baselines_are_a_table_in_a_fixed_order():
+    """Rows sorted by model, then environment, tier, ... whatever order MLflow returned them in; an experiment
+    with none, or not in the store, says so."""
+
+    def row(model: str, prompt: str, success: float, run_id: str) -> results_page.Baseline:
+        return results_page.Baseline(
+            model, "household", "easy", "test", "admissible", prompt, "window", 500, 500, success, success - 0.03,
+            success + 0.04, run_id,
+        )  # fmt: skip
+
+    runs = [row("smol", "listed", 0.122, "r2"), row("qwen", "listed", 0.2, "r3"), row("smol", "compact", 0.05, "r1")]
+    page = results_page.results_page(
+        _fixture(), replace(CTX, baselines=results_page.Baselines("baselines", runs)), FIGURES
+    )
+    table = page[page.index("## Prompted baselines") : page.index("## Against the starting policy")]
+    assert "in MLflow experiment `baselines`" in table
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    played = "| household | easy | test | admissible |"
+    assert rows == [
+        f"| `qwen` {played} listed | window | 500 (500) | 0.200 [0.170, 0.240] | `r3` |",
+        f"| `smol` {played} compact | window | 500 (500) | 0.050 [0.020, 0.090] | `r1` |",
+        f"| `smol` {played} listed | window | 500 (500) | 0.122 [0.092, 0.162] | `r2` |",
+    ]
+    reordered = replace(CTX, baselines=results_page.Baselines("baselines", list(reversed(runs))))
+    assert results_page.results_page(_fixture(), reordered, FIGURES) == page
+    empty = replace(CTX, baselines=results_page.Baselines("baselines", []))
+    assert "⚠ none." in results_page.results_page(_fixture(), empty, FIGURES)
+    missing = replace(CTX, baselines=results_page.Baselines("typo", [], exists=False))
+    assert "⚠ no such experiment in this store." in results_page.results_page(_fixture(), missing, FIGURES)
