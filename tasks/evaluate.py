@@ -9,12 +9,13 @@ from prefect.cache_policies import NONE
 from horizonrl import faults
 from horizonrl.config import TrainConfig
 from horizonrl.rollout.loop import Shard
-from horizonrl.rollout.metrics import episode_metrics, sample_episodes
+from horizonrl.rollout.metrics import TASK_COLUMNS, episode_metrics, sample_episodes, task_outcomes
 from horizonrl.rollout.records import EpisodeRecord
 from horizonrl.run.player import Player
 from horizonrl.seeding import derive_seed
-from horizonrl.store import episodes_table, iteration_dir, turns_table, write_table
+from horizonrl.store import episodes_table, iteration_dir, read_table, turns_table, write_table
 from horizonrl.tracking.mlflow_runs import log_table
+from horizonrl.tracking.stats import paired_change
 from horizonrl.training.checkpoint import CheckpointRef
 from tasks.context import GENERATOR, PLAYER, RunContext
 from tasks.tracking import log_stage, log_success_by_env_steps, logged, trace_evaluation
@@ -42,13 +43,16 @@ def evaluate(
     """Same held-out tasks at every evaluation (the first ``eval.n_tasks`` of the split, or
     ``eval.n_tasks_ends`` at the run's two ``end``s); sampling seeds fixed by (seed, iteration). Logs nothing
     until every figure is computed, so a retry logs once. ``env_steps``: the run's environment steps so far
-    (the train flow's count); without it (the evaluate command, a warm start) no ``eval/success_by_env_steps``."""
+    (the train flow's count); without it (the evaluate command, a warm start) no ``eval/success_by_env_steps``.
+    At an ``end`` after iteration 0, the change from iteration 0 paired by task (``paired_figures``) too."""
     cfg = ctx.cfg
     n_tasks = cfg.eval.tasks_at(end)
     sampled = play(ctx, policy, n_tasks, cfg.eval.samples, False, derive_seed(cfg.seed, "eval", iteration))
     metrics = episode_metrics(store_evaluation(ctx, iteration, policy, "eval", sampled))
     metrics[f"pass_at_{cfg.eval.samples}"] = metrics.pop("pass_at_k")
     metrics.pop("mixed_group_fraction")
+    if end and iteration > 0:
+        metrics.update(paired_figures(ctx, iteration))
     if cfg.eval.greedy:
         greedy = play(ctx, policy, n_tasks, 1, True, derive_seed(cfg.seed, "eval-greedy", iteration))
         greedy_metrics = episode_metrics(store_evaluation(ctx, iteration, policy, "eval_greedy", greedy))
@@ -63,14 +67,42 @@ def evaluate(
         log_success_by_env_steps(ctx, env_steps, metrics["success_rate"])
     log_stage(ctx, "eval", metrics, iteration)
     greedy_text = f" (greedy {metrics['greedy_success_rate']:.3f})" if "greedy_success_rate" in metrics else ""
+    paired_text = (
+        f"; paired change from iteration 0 {100 * metrics['paired_change']:+.1f} points "
+        f"[{100 * metrics['paired_change_low']:+.1f}, {100 * metrics['paired_change_high']:+.1f}] on "
+        f"{metrics['paired_tasks']:.0f} tasks"
+        if "paired_change" in metrics
+        else ""
+    )
     get_run_logger().info(
-        "iteration %d eval: success %.3f%s on %d held-out episodes",
+        "iteration %d eval: success %.3f%s on %d held-out episodes%s",
         iteration,
         metrics["success_rate"],
         greedy_text,  # nothing for greedy decoding when it did not run (eval.greedy off)
         len(sampled),
+        paired_text,  # nothing but at the run's last end
     )
     return metrics
+
+
+def paired_figures(ctx: RunContext, iteration: int) -> dict[str, float]:
+    """``paired_change`` (with ``_low``, ``_high``: its 95% interval) and ``paired_tasks``: the change of
+    sampled success from iteration 0's evaluation to this one's over the held-out tasks both played
+    (``stats.paired_change``), read from the two stored ``eval-episodes.parquet``. Nothing when iteration 0
+    stored no evaluation in this run's folder (the evaluate command's runs)."""
+    cfg = ctx.cfg
+    first, now = (
+        iteration_dir(cfg.data_dir, cfg.experiment, cfg.run_name, it) / "eval-episodes.parquet" for it in (0, iteration)
+    )
+    if not first.is_file():
+        return {}
+    change, n = paired_change(*(task_outcomes(read_table(p, "episodes", TASK_COLUMNS)) for p in (first, now)))
+    return {
+        "paired_change": change.mean,
+        "paired_change_low": change.low,
+        "paired_change_high": change.high,
+        "paired_tasks": float(n),
+    }
 
 
 def store_evaluation(

@@ -365,3 +365,93 @@ def test_the_starting_policy_as_the_cells_evaluated_it_counts_each_seed_once():
     )
     other = replace(cells[0], success={**cells[0].success, 0: 0.25})  # one cell of seed 0 started elsewhere
     assert report.cells_start([other, *cells[1:]]) is None and report.cells_start(_fixture()) is None  # no counts
+
+
+def test_paired_change_is_the_mean_of_each_shared_tasks_difference():
+    """Per task, mean success after minus before over its samples: a 0/0 -> 1/1 (+1), b 1 -> 1 (0), c 0/1 -> 1/0
+    (0); d only after and e only before are left out: mean (1 + 0 + 0) / 3 on 3 tasks, the interval the bootstrap
+    of those differences in key order, whatever order the dicts were built in."""
+    before = {"e": [1.0], "c": [0.0, 1.0], "b": [1.0], "a": [0.0, 0.0]}
+    after = {"a": [1.0, 1.0], "b": [1.0], "c": [1.0, 0.0], "d": [1.0]}
+    change, n = stats.paired_change(before, after)
+    assert n == 3 and change.mean == pytest.approx(1 / 3)
+    assert change == stats.interval([1.0, 0.0, 0.0])
+    assert stats.paired_change(dict(reversed(before.items())), dict(reversed(after.items()))) == (change, n)
+    none, zero = stats.paired_change({"a": [1.0]}, {"b": [1.0]})
+    assert zero == 0 and math.isnan(none.mean)
+
+
+def test_paired_interval_excludes_zero_for_a_clear_gain_and_not_for_none():
+    """40 tasks: 30 go from lost to won and 10 stay lost (+0.75, far from 0); or 10 go up, 10 down and 20 stay
+    (mean 0: the interval straddles it)."""
+    tasks = [f"t{i:02d}" for i in range(40)]
+    gain, n = stats.paired_change({t: [0.0] for t in tasks}, {t: [float(i < 30)] for i, t in enumerate(tasks)})
+    assert n == 40 and gain.mean == pytest.approx(0.75) and 0.5 < gain.low < gain.mean < gain.high <= 1.0
+    before = {t: [float(10 <= i < 20)] for i, t in enumerate(tasks)}
+    after = {t: [float(i < 10)] for i, t in enumerate(tasks)}
+    same, _ = stats.paired_change(before, after)
+    assert same.mean == 0.0 and same.low < 0.0 < same.high
+
+
+def _paired(mean: float, low: float, high: float, tasks: int = 500) -> report.PairedChange:
+    return report.PairedChange(stats.Interval(mean, low, high), tasks)
+
+
+def test_each_seeds_paired_change_is_on_the_page_with_whether_every_interval_excludes_zero():
+    """Variant a: both seeds above 0; b: seed 0 includes 0, seed 1 logged none; c: one seed above, one below;
+    the fixture's runs logged none: no such section (their page is the one before the paired change)."""
+    cells = [
+        replace(A0, paired=_paired(0.182, 0.130, 0.234)),
+        replace(A1, paired=_paired(0.204, 0.151, 0.257, 498)),
+        CellHistory("b", 0, {0: 0.1, 4: 0.2}, paired=_paired(0.04, -0.01, 0.09)),
+        CellHistory("b", 1, {0: 0.1, 4: 0.2}),
+        CellHistory("c", 0, {0: 0.1, 4: 0.2}, paired=_paired(0.1, 0.05, 0.15)),
+        CellHistory("c", 1, {0: 0.1, 4: 0.0}, paired=_paired(-0.1, -0.15, -0.05)),
+    ]
+    page = results_page.results_page(cells, CTX, FIGURES)
+    assert (
+        "- a: seed 0 +18.2 points [+13.0, +23.4] on 500 paired tasks; seed 1 +20.4 points [+15.1, +25.7] on 498 "
+        "paired tasks: **every seed's interval excludes 0 (all above 0)**" in page
+    )
+    assert (
+        "- b: seed 0 +4.0 points [-1.0, +9.0] on 500 paired tasks; seed 1 not logged: **not every seed's interval "
+        "excludes 0 (seed 0 includes 0, seed 1 not logged)**" in page
+    )
+    assert "- c: seed 0 +10.0 points" in page and "**every seed's interval excludes 0 (not all on one side)**" in page
+    assert "Every seed's paired interval above 0: a.\n" in page
+    one_task = replace(A0, paired=_paired(1.0, math.nan, math.nan, 1))
+    assert "seed 0 +100.0 points on 1 paired tasks" in results_page.results_page([one_task], CTX, FIGURES)
+    assert "has no interval" in results_page.results_page([one_task], CTX, FIGURES)
+    fixture = results_page.results_page(_fixture(), CTX, FIGURES)
+    assert "Paired by held-out task" not in fixture and "Prompted baselines" not in fixture
+
+
+def test_prompted_baselines_are_a_table_in_a_fixed_order():
+    """Rows sorted by model, then environment, tier, ... whatever order MLflow returned them in; an experiment
+    with none, or not in the store, says so."""
+
+    def row(model: str, prompt: str, success: float, run_id: str) -> results_page.Baseline:
+        return results_page.Baseline(
+            model, "household", "easy", "test", "admissible", prompt, "window", 500, 500, success, success - 0.03,
+            success + 0.04, run_id,
+        )  # fmt: skip
+
+    runs = [row("smol", "listed", 0.122, "r2"), row("qwen", "listed", 0.2, "r3"), row("smol", "compact", 0.05, "r1")]
+    page = results_page.results_page(
+        _fixture(), replace(CTX, baselines=results_page.Baselines("baselines", runs)), FIGURES
+    )
+    table = page[page.index("## Prompted baselines") : page.index("## Against the starting policy")]
+    assert "in MLflow experiment `baselines`" in table
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    played = "| household | easy | test | admissible |"
+    assert rows == [
+        f"| `qwen` {played} listed | window | 500 (500) | 0.200 [0.170, 0.240] | `r3` |",
+        f"| `smol` {played} compact | window | 500 (500) | 0.050 [0.020, 0.090] | `r1` |",
+        f"| `smol` {played} listed | window | 500 (500) | 0.122 [0.092, 0.162] | `r2` |",
+    ]
+    reordered = replace(CTX, baselines=results_page.Baselines("baselines", list(reversed(runs))))
+    assert results_page.results_page(_fixture(), reordered, FIGURES) == page
+    empty = replace(CTX, baselines=results_page.Baselines("baselines", []))
+    assert "⚠ none." in results_page.results_page(_fixture(), empty, FIGURES)
+    missing = replace(CTX, baselines=results_page.Baselines("typo", [], exists=False))
+    assert "⚠ no such experiment in this store." in results_page.results_page(_fixture(), missing, FIGURES)

@@ -41,3 +41,26 @@ def test_no_family_figures_for_tasks_without_a_family():
     m = episode_metrics(_episodes(family=[""] * 7))
     assert not [k for k in m if k.startswith("success_rate/")]
     assert m["success_rate"] == pytest.approx(4 / 6)
+
+
+def test_task_outcomes_group_each_tasks_samples_by_its_id_and_seed():
+    """Two samples of task 0, one of task 1; the same place in the split built from another seed is another task."""
+    from horizonrl.rollout.metrics import task_outcomes
+
+    table = pa.table(
+        {
+            "task_id": [
+                "household/easy/test/0",
+                "household/easy/test/1",
+                "household/easy/test/0",
+                "household/easy/test/0",
+            ],
+            "task_seed": [11, 12, 11, 99],
+            "won": [True, False, False, True],
+        }
+    )
+    assert task_outcomes(table) == {
+        "household/easy/test/0@11": [1.0, 0.0],
+        "household/easy/test/1@12": [0.0],
+        "household/easy/test/0@99": [1.0],
+    }

@@ -1,6 +1,7 @@
 """Sweep files (every shipped one loads; bad ones name the field), which cells count as finished (real
 MLflow on SQLite), the evaluate flow's config rebuilt from a run's params, and a sweep run in process
-(its cells' runs nested before they start). The sweep and evaluate flows run through deployments on
+(its cells' runs nested before they start; its page with each seed's paired change and the prompted
+baselines of real ``evaluate --model`` runs). The sweep and evaluate flows run through deployments on
 the real stack in test_stack.py."""
 
 from __future__ import annotations
@@ -254,6 +255,71 @@ def test_each_scheduled_firing_is_a_new_instance_compared_with_the_previous(pref
     assert (
         len(c.search_runs([exp.experiment_id], filter_string="tags.`horizonrl.run_name` LIKE 'weekly--%--seed=%'")) == 4
     )
+
+
+@pytest.mark.slow
+def test_the_page_shows_each_seeds_paired_change_and_the_prompted_baselines(
+    prefect_harness, chat_model_dir, tmp_path, tracking_uri
+):
+    """A sweep of two seeds (one iteration, 8 held-out tasks x 2 samples at both ends) whose file names experiment
+    ``baselines``, holding two real ``evaluate --model`` runs of an untrained model (the listed prompt, window and
+    full context): the page gives each seed's paired change as its run logged it, and one row per finished
+    baseline with the figures its run logged; a baseline run that did not finish is left out."""
+    from flows.evaluate import evaluate_policy
+    from horizonrl.tracking.sweep_runs import PAIRED
+
+    folder = chat_model_dir("llama3")
+    model_cfg = {**tiny_config(tmp_path, tracking_uri, "baseline"), "experiment": "baselines"}
+    model_cfg["rollout"].update(prompt="listed")
+    model_cfg["eval"].update(greedy=False)
+    (tmp_path / "baseline.yaml").write_text(yaml.safe_dump(model_cfg))
+    evaluated = [
+        evaluate_policy(
+            model=str(folder),
+            config_path=str(tmp_path / "baseline.yaml"),
+            n_tasks=4,
+            tracking_uri=tracking_uri,
+            overrides=[f"rollout.context={context}"],
+        )
+        for context in ("window", "full")
+    ]
+    base = tiny_config(tmp_path, tracking_uri, iterations=1)
+    for key in ("run_name", "seed"):
+        base.pop(key)
+    base["env"]["max_turns"] = 20  # the tiny model wins a few episodes, so not every figure is 0
+    base["eval"].update(n_tasks_ends=8, samples=2, greedy=False)
+    path = _write(tmp_path, {"grid": {"seed": [4, 5]}, "baselines": "baselines"}, base)
+    out = tmp_path / "page" / "results.md"
+    sweep(str(path), in_process=True, out=str(out))
+    page = out.read_text()
+
+    c = MlflowClient(tracking_uri)
+    for seed in (4, 5):
+        run_id = mlflow_runs.find_run(c, "test", f"s--seed={seed}").info.run_id
+        change, low, high, tasks = (c.get_metric_history(run_id, key) for key in PAIRED)
+        assert [m.step for m in change] == [1] and tasks[0].value == 8
+        assert (
+            f"seed {seed} {100 * change[0].value:+.1f} points [{100 * low[0].value:+.1f}, {100 * high[0].value:+.1f}] "
+            "on 8 paired tasks" in page
+        )
+    assert "## Paired by held-out task" in page and "- base: seed 4 " in page
+    rows = [line for line in page.splitlines() if line.startswith(f"| `{folder}` |")]
+    expected = []
+    for result, context in zip(evaluated, ("window", "full")):
+        assert c.get_run(result["run_id"]).data.params["rollout.context"] == context
+        expected.append(
+            f"| `{folder}` | household | easy | test | admissible | listed | {context} | 4 (4) | "
+            f"{result['success_rate']:.3f} [{result['success_ci_low']:.3f}, {result['success_ci_high']:.3f}] | "
+            f"`{result['run_id']}` |"
+        )
+    assert rows == sorted(expected), page  # full before window: the table's order, not the runs'
+    assert "## Prompted baselines" in page and "in MLflow experiment `baselines`" in page
+
+    c.set_terminated(evaluated[0]["run_id"], "FAILED")  # the window-context run, as if it had failed
+    sweep_report("s", "test", tracking_uri, sweep_path=str(path), out=str(out))
+    assert [line for line in out.read_text().splitlines() if line.startswith(f"| `{folder}` |")] == [
+        e for e in expected if "| window |" not in e
+    ]
 
 
 def test_a_running_flow_run_whose_process_is_gone_is_abandoned(tmp_path):

@@ -1,8 +1,8 @@
 """End-to-end: the real Prefect ``train`` flow on ``household`` with real MLflow (SQLite) and Parquet.
 
 Tiny sizes (2 tasks x 2 rollouts, 4 turns) keep each run to seconds; what is checked is the plumbing:
-every stage's metrics at every iteration, inputs, the episode table, the model, and a finished run resumed
-for more iterations.
+every stage's metrics at every iteration, inputs, the episode table, the model, a finished run resumed
+for more iterations, and the change paired by task that the last evaluation logs.
 """
 
 from __future__ import annotations
@@ -89,3 +89,36 @@ def test_train_flow_logs_every_stage(prefect_harness, tmp_path, tracking_uri, mo
     assert c.get_run(run.info.run_id).data.tags[mlflow_runs.COMMITS_TAG] == commit, (
         "a resume at the same commit adds none"
     )
+
+
+def test_the_last_evaluation_logs_the_change_paired_by_task(prefect_harness, tmp_path, tracking_uri):
+    """Iteration 0 and the last one (2) evaluate the same 8 held-out tasks, 2 samples each; the last logs the
+    change paired by task, its 95% interval and the task count, as recomputed here with pandas from the two
+    stored ``eval-episodes.parquet``; iteration 1 (not an end) and iteration 0 log none."""
+    import pandas as pd
+
+    from flows.train import train
+    from horizonrl.tracking import stats
+
+    cfg = tiny_config(tmp_path, tracking_uri, run_name="paired")
+    cfg["seed"], cfg["env"]["max_turns"] = 4, 20  # the tiny model wins a few episodes, so not every figure is 0
+    cfg["eval"].update(n_tasks_ends=8, samples=2, greedy=False)
+    train(config=cfg)
+    c = MlflowClient(tracking_uri)
+    run_id = run_of(c, "paired").info.run_id
+    names = ("paired_change", "paired_change_low", "paired_change_high", "paired_tasks")
+    for name in names:
+        assert steps(c, run_id, f"eval/{name}") == [2], name
+    logged = {name: c.get_metric_history(run_id, f"eval/{name}")[0].value for name in names}
+
+    files = [store.iteration_dir(tmp_path / "data", "test", "paired", it) / "eval-episodes.parquet" for it in (0, 2)]
+    tables = [pd.read_parquet(f, columns=["task_id", "task_seed", "won"]) for f in files]
+    assert [len(t) for t in tables] == [16, 16]  # 8 tasks x 2 samples at each end
+    before, after = (t.groupby(["task_id", "task_seed"])["won"].mean() for t in tables)
+    diff = (after - before).dropna()  # aligned on (task_id, task_seed): the same 8 tasks both times
+    assert len(diff) == 8 and logged["paired_tasks"] == 8
+    assert logged["paired_change"] == pytest.approx(diff.mean())
+    in_key_order = [diff[k] for k in sorted(diff.index, key=lambda k: f"{k[0]}@{k[1]}")]  # stats resamples in it
+    expected = stats.interval(in_key_order)
+    assert (logged["paired_change_low"], logged["paired_change_high"]) == pytest.approx((expected.low, expected.high))
+    assert logged["paired_change_low"] <= logged["paired_change"] <= logged["paired_change_high"]

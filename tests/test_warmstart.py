@@ -122,6 +122,8 @@ def test_warmstart_registers_a_policy_that_train_starts_from(prefect_harness, tm
         ws_run.data.tags["horizonrl.kind"] == "warmstart"
         and ws_run.data.tags["horizonrl.registered_model"] == "models:/ws-test/1"
     )
+    paired = c.get_metric_history(ws_run.info.run_id, "eval/paired_tasks")
+    assert [(m.step, m.value) for m in paired] == [(3, 3.0)], "last epoch (4 tasks) with 0 (3)"
     epoch_loss = [
         m.value for m in sorted(c.get_metric_history(ws_run.info.run_id, "clone/epoch_loss"), key=lambda m: m.step)
     ]

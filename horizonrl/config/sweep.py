@@ -10,6 +10,7 @@ A sweep file (``configs/sweeps/``)::
     deployment: train/train     # fan out to this deployment; omit to run cells in process
     concurrency: 2              # cells in flight at once when fanned out
     register_best: horizonrl-household   # registered model name for the best cell's policy (optional)
+    baselines: baselines-household       # MLflow experiment of `horizonrl evaluate --model` runs (optional)
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class SweepConfig(BaseModel):
     tuning: str | None = None
     """What was tuned before the sweep, and on which methods: printed on the results page, since a
     comparison is only as fair as the tuning behind it."""
+    baselines: str | None = None
+    """MLflow experiment (same store) of the prompted baselines: its finished ``horizonrl evaluate --model
+    ... --config ...`` runs are listed on the results page beside the trained cells."""
 
     @field_validator("grid")
     @classmethod

@@ -42,6 +42,19 @@ def episode_metrics(episodes: pa.Table) -> dict[str, float]:
     } | {f"{FAMILY_SUCCESS}{family}": float(rate) for family, rate in by_family.items()}
 
 
+TASK_COLUMNS = ["task_id", "task_seed", "won"]  # what ``task_outcomes`` reads of an episodes table
+
+
+def task_outcomes(episodes: pa.Table) -> dict[str, list[float]]:
+    """Each task's outcomes (1.0 won, 0.0 not), one per sampled episode, keyed ``<task_id>@<task_seed>``:
+    the id names the task's place in its split and the seed what was built there, so two evaluations' keys
+    match only where they played the same task."""
+    out: dict[str, list[float]] = {}
+    for task_id, seed, won in zip(*(episodes[name].to_pylist() for name in TASK_COLUMNS)):
+        out.setdefault(f"{task_id}@{seed}", []).append(float(won))
+    return out
+
+
 def branch_metrics(episodes: pa.Table) -> dict[str, float]:
     """APPO: branch success, and the extra generation cost of branching as a share of all new tokens
     (a branch's first split + 1 action tokens are copied from its parent, not generated)."""

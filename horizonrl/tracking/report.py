@@ -13,6 +13,9 @@ wall time are means over seeds.
 Environment steps per iteration are the train flow's ``time/env_steps`` (cumulative, every episode's turns,
 APPO's branches included); runs that predate it fall back to ``collect/episodes`` x ``collect/mean_turns``.
 
+A run also logs its own change paired by held-out task (``eval/paired_change``: the same tasks at its two
+ends, the interval resampling tasks); per seed, the page says whether each interval excludes 0.
+
 This module summarises and judges; ``stats`` holds the intervals, ``results_page`` renders the published
 page (``docs/results.md``) and ``plots`` its figures.
 """
@@ -48,6 +51,16 @@ class CellHistory:
     wall_s: dict[int, float] = field(default_factory=dict)  # time/train_s (cumulative)
     families: dict[str, dict[int, float]] = field(default_factory=dict)  # eval/success_rate/<family>, by family
     eval_episodes: dict[int, float] = field(default_factory=dict)  # eval/episodes: held-out episodes behind each point
+    paired: PairedChange | None = None  # eval/paired_change at the last evaluation; None where the run logged none
+
+
+@dataclass(frozen=True)
+class PairedChange:
+    """One seed's change of held-out success from its first evaluation to its last over the tasks both
+    played, with the 95% interval resampling tasks (``stats.paired_change``), as the run logged it."""
+
+    change: Interval
+    tasks: int
 
 
 @dataclass(frozen=True)
@@ -64,6 +77,7 @@ class VariantSummary:
     families: dict[str, Interval] = field(default_factory=dict)  # final success per task family, by family
     pooled_change: PooledChange | None = None  # the change over all seeds' episodes; None without episode counts
     pooled_final: Pooled | None = None  # final success over all seeds' last-evaluation episodes
+    paired: dict[int, PairedChange | None] = field(default_factory=dict)  # by seed; empty when no seed logged one
 
 
 @dataclass(frozen=True)
@@ -254,6 +268,7 @@ def summarize(cells: list[CellHistory]) -> list[VariantSummary]:
                 families=_family_finals(group),
                 pooled_change=pooled_change(group),
                 pooled_final=pooled(group, last=True),
+                paired={c.seed: c.paired for c in group} if any(c.paired for c in group) else {},
             )
         )
     return out
@@ -343,6 +358,31 @@ def improvement(s: VariantSummary) -> str:
     if s.pooled_change is not None and _order(s.pooled_change.change, zero) != by_seeds:
         return "no change told apart"
     return {"above": "improves", "below": "worsens"}.get(by_seeds, "no change told apart")
+
+
+def paired_sides(s: VariantSummary) -> dict[int, str]:
+    """Per seed, where its paired interval (``PairedChange``) lies: ``above`` or ``below`` 0, else
+    ``includes 0``, ``has no interval`` (one task) or ``not logged``."""
+    return {seed: _paired_side(p) for seed, p in s.paired.items()}
+
+
+def _paired_side(p: PairedChange | None) -> str:
+    if p is None:
+        return "not logged"
+    if math.isnan(p.change.low):
+        return "has no interval"
+    return {"above": "above", "below": "below"}.get(_order(p.change, Interval(0.0, 0.0, 0.0)), "includes 0")
+
+
+def paired_verdict(s: VariantSummary) -> str:
+    """In words, whether every seed's paired interval excludes 0, and on which side."""
+    sides = paired_sides(s)
+    if set(sides.values()) in ({"above"}, {"below"}):
+        return f"every seed's interval excludes 0 (all {next(iter(sides.values()))} 0)"
+    if set(sides.values()) <= {"above", "below"}:
+        return "every seed's interval excludes 0 (not all on one side)"
+    named = [f"seed {seed} {side}" for seed, side in sides.items() if side not in ("above", "below")]
+    return f"not every seed's interval excludes 0 ({', '.join(named)})"
 
 
 def drifts(now: list[VariantSummary], before: list[VariantSummary]) -> list[Drift]:

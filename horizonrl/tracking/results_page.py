@@ -1,6 +1,7 @@
 """The published results page (``docs/results.md``) rendered from the report's summaries: the table with the
-warm-start row, the learning-curve figures, one line per paper claim, the comparison with a previous
-instance and how to regenerate it. Same histories in, same page out."""
+warm-start row, the prompted baselines, each seed's change paired by held-out task, the learning-curve
+figures, one line per paper claim, the comparison with a previous instance and how to regenerate it. Same
+histories in, same page out."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from horizonrl.tracking.report import (
     MIN_SEEDS,
     X_AXES,
     CellHistory,
+    PairedChange,
     Pooled,
     PooledChange,
     VariantSummary,
@@ -20,6 +22,8 @@ from horizonrl.tracking.report import (
     drifts,
     improvement,
     judge,
+    paired_sides,
+    paired_verdict,
     summarize,
 )
 from horizonrl.tracking.stats import Interval, wilson
@@ -33,6 +37,36 @@ class WarmStart:
     run_id: str
     success: float
     episodes: int  # held-out episodes behind ``success`` (for its binomial interval)
+
+
+@dataclass(frozen=True, order=True)
+class Baseline:
+    """A model scored with no run behind it (``horizonrl evaluate --model ... --config ...``), as its
+    finished evaluation run logged it: where and how it played, and its success with the 95% Wilson interval.
+    Ordered by its fields in turn (model, environment, ...), so the table's rows do not depend on MLflow's."""
+
+    model: str
+    env: str
+    tier: str
+    split: str
+    action_mode: str
+    prompt: str
+    context: str
+    tasks: int
+    episodes: int
+    success: float
+    low: float
+    high: float
+    run_id: str
+
+
+@dataclass(frozen=True)
+class Baselines:
+    """The sweep file's ``baselines`` experiment and its prompted-baseline runs (none when it is not in the store)."""
+
+    experiment: str
+    runs: list[Baseline]
+    exists: bool = True
 
 
 @dataclass(frozen=True)
@@ -51,6 +85,7 @@ class PageContext:
     unfinished: list[str] = field(default_factory=list)  # cell runs of the sweep left out: not finished yet
     code_changes: list[str] | None = None  # files a cell runs that differ between ``commits``; None: not compared
     tuning: str | None = None  # the sweep file's account of what was tuned
+    baselines: Baselines | None = None  # the sweep file's ``baselines``; None: it names none
 
 
 def markdown(title: str, summaries: list[VariantSummary]) -> str:
@@ -114,6 +149,7 @@ def results_page(cells: list[CellHistory], ctx: PageContext, figures: dict[str, 
         "",
     ]
     lines += _separation_warnings(summaries)
+    lines += _baseline_lines(ctx.baselines)
     lines += [
         "## Against the starting policy",
         "",
@@ -137,6 +173,7 @@ def results_page(cells: list[CellHistory], ctx: PageContext, figures: dict[str, 
         f"{', '.join(better) if better else 'no variant'}.",
         "",
     ]
+    lines += _paired_lines(summaries)
     lines += _family_lines(summaries)
     lines += ["## Learning curves", ""]
     for n, (x, name) in enumerate(figures.items(), start=1):
@@ -211,6 +248,63 @@ def _table_lines(
             f"| {s.variant} | {s.seeds} | {cells} | {s.env_steps:,.0f} | {s.tokens:,.0f} | {s.train_s:,.0f} | {note} |"
         )
     return lines
+
+
+def _baseline_lines(b: Baselines | None) -> list[str]:
+    """The prompted baselines' table in ``Baseline``'s order (nothing without ``baselines``)."""
+    if b is None:
+        return []
+    lines = [
+        "## Prompted baselines",
+        "",
+        f"Every finished `horizonrl evaluate --model ... --config ...` run in MLflow experiment `{b.experiment}`: "
+        "a model with no training run behind it, played as its config says. Success over its held-out episodes "
+        "[95% Wilson interval].",
+        "",
+    ]
+    if not b.runs:
+        return [*lines, f"⚠ {'none' if b.exists else 'no such experiment in this store'}.", ""]
+    lines += [
+        "| model | environment | tier | split | action mode | prompt | context | held-out tasks (episodes) | success | "
+        "run |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(b.runs):
+        lines.append(
+            f"| `{r.model}` | {r.env} | {r.tier} | {r.split} | {r.action_mode} | {r.prompt} | {r.context} | "
+            f"{r.tasks:,} ({r.episodes:,}) | {r.success:.3f} [{r.low:.3f}, {r.high:.3f}] | `{r.run_id}` |"
+        )
+    return [*lines, ""]
+
+
+def _paired_lines(summaries: list[VariantSummary]) -> list[str]:
+    """Each seed's change paired by held-out task and whether every seed's interval excludes 0 (none when no
+    cell logged ``eval/paired_change``)."""
+    paired = [s for s in summaries if s.paired]
+    if not paired:
+        return []
+    lines = [
+        "## Paired by held-out task",
+        "",
+        "Each seed's change of held-out success from its first evaluation to its last over the tasks both "
+        "evaluations played (`eval/paired_change`, logged by the run): the mean over tasks of each task's "
+        "difference, in points [95% percentile-bootstrap interval, resampling tasks]. It is one seed's sampling "
+        "noise; the spread between seeds is not in it.",
+        "",
+    ]
+    for s in paired:
+        seeds = "; ".join(f"seed {seed} {_paired(p)}" for seed, p in s.paired.items())
+        lines.append(f"- {s.variant}: {seeds}: **{paired_verdict(s)}**")
+    above = [s.variant for s in paired if set(paired_sides(s).values()) == {"above"}]
+    return [*lines, "", f"Every seed's paired interval above 0: {', '.join(above) if above else 'no variant'}.", ""]
+
+
+def _paired(p: PairedChange | None) -> str:
+    if p is None:
+        return "not logged"
+    c = p.change
+    span = "" if math.isnan(c.low) else f" [{100 * c.low:+.1f}, {100 * c.high:+.1f}]"
+    return f"{100 * c.mean:+.1f} points{span} on {p.tasks:,} paired tasks"
 
 
 def _family_lines(summaries: list[VariantSummary]) -> list[str]:

@@ -1,5 +1,6 @@
-"""Statistics of the sweep report: percentile-bootstrap intervals over seeds, paired differences, Wilson's
-interval of a proportion and Newcombe's interval of a difference of proportions. Pure numpy."""
+"""Statistics of the sweep report: percentile-bootstrap intervals over seeds, paired differences (over
+iterations, and over the held-out tasks a run's two ends share), Wilson's interval of a proportion and
+Newcombe's interval of a difference of proportions. Pure numpy."""
 
 from __future__ import annotations
 
@@ -45,6 +46,19 @@ def paired_difference(control: dict[int, float], run: dict[int, float], first: i
     comparison, not the spread between seeds (run another seed with its own control for that)."""
     shared = [i for i in range(first, last + 1) if i in control and i in run]
     return interval([run[i] - control[i] for i in shared]), len(shared)
+
+
+def paired_change(before: dict[str, list[float]], after: dict[str, list[float]]) -> tuple[Interval, int]:
+    """Mean over tasks of ``mean(after[t]) - mean(before[t])`` (each task's success averaged over its
+    samples), with the 95% percentile-bootstrap interval of that mean (resampling tasks), and how many tasks
+    it used: those both sides played, in key order (the interval does not depend on the rows' order).
+
+    Why: a run evaluates the same held-out tasks at its two ends, so each task's difference leaves out how
+    hard the task is; Newcombe's interval treats the two rates as independent samples and is wider wherever
+    tasks differ in difficulty (a task's two outcomes are then correlated). It is one seed's interval: the
+    spread between seeds is not in it."""
+    shared = sorted(before.keys() & after.keys())
+    return interval([float(np.mean(after[t])) - float(np.mean(before[t])) for t in shared]), len(shared)
 
 
 def wilson(p: float, n: int) -> tuple[float, float]:

@@ -1,6 +1,6 @@
 """A sweep's runs in MLflow: the parent run, its cells nested under it (tags), their metric histories for
-the report, the page's context, and the best cell's registration. The tasks of ``tasks/sweep.py`` call
-these; nothing here knows Prefect."""
+the report, the page's context (with the prompted baselines' evaluation runs), and the best cell's
+registration. The tasks of ``tasks/sweep.py`` call these; nothing here knows Prefect."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 from horizonrl.config.sweep import Cell, load_sweep
 from horizonrl.rollout.metrics import FAMILY_SUCCESS
 from horizonrl.tracking import mlflow_runs, report, results_page
+from horizonrl.tracking.stats import Interval
 from mlflow import MlflowClient
 
 HISTORIES = (
@@ -24,6 +25,7 @@ HISTORIES = (
     "time/train_s",
     "time/env_steps",
 )
+PAIRED = ("eval/paired_change", "eval/paired_change_low", "eval/paired_change_high", "eval/paired_tasks")
 FAMILY_PREFIX = f"eval/{FAMILY_SUCCESS}"  # then a task family: its held-out success
 REPORT_TABLE = "report/comparison.json"  # pandas "split" JSON: {"columns": [...], "data": [[...], ...]}
 CELL_TAG = "horizonrl.cell"  # the cell's coordinates as JSON; also one ``cell.<key>`` tag per coordinate
@@ -90,9 +92,10 @@ def histories(c: MlflowClient, parent_id: str) -> dict[str, report.CellHistory]:
         coords = json.loads(run.data.tags.get(CELL_TAG, "{}"))
         variant = report.variant_name(coords)
         family_keys = sorted(key for key in run.data.metrics if key.startswith(FAMILY_PREFIX))
+        paired_keys = [key for key in PAIRED if key in run.data.metrics]  # none in runs older than the figure
         h = {
             key: {m.step: m.value for m in c.get_metric_history(run.info.run_id, key)}
-            for key in (*HISTORIES, *family_keys)
+            for key in (*HISTORIES, *paired_keys, *family_keys)
         }
         train_s = h["time/train_s"][max(h["time/train_s"])] if h["time/train_s"] else float("nan")
         families = {key.removeprefix(FAMILY_PREFIX): h[key] for key in family_keys}
@@ -108,8 +111,56 @@ def histories(c: MlflowClient, parent_id: str) -> dict[str, report.CellHistory]:
             wall_s=h["time/train_s"],
             families=families,
             eval_episodes=h["eval/episodes"],
+            paired=_paired_at_last(h),
         )
     return out
+
+
+def _paired_at_last(h: dict[str, dict[int, float]]) -> report.PairedChange | None:
+    """The run's paired change (``PAIRED``) as logged at its last evaluation; None where it logged none
+    there (a run older than the figure, or whose first evaluation stored no episodes)."""
+    change, low, high, tasks = (h.get(key, {}) for key in PAIRED)
+    last = max(h["eval/success_rate"], default=None)
+    if last not in change:
+        return None
+    return report.PairedChange(Interval(change[last], low[last], high[last]), int(tasks[last]))
+
+
+def baselines(c: MlflowClient, experiment: str) -> results_page.Baselines:
+    """The prompted baselines of ``experiment``: its FINISHED evaluation runs of a model with no run behind
+    it (``horizonrl evaluate --model``, tagged with the model's lineage), each as its params and metrics
+    say. An evaluation of a run's policy (``--source``, tagged with its source run) is not a baseline."""
+    exp = c.get_experiment_by_name(experiment)
+    if exp is None:
+        return results_page.Baselines(experiment, [], exists=False)
+    runs = c.search_runs(
+        [exp.experiment_id],
+        filter_string="tags.`horizonrl.kind` = 'evaluation' and attributes.status = 'FINISHED'",
+    )
+    out = []
+    for run in runs:
+        tags, p, m = run.data.tags, run.data.params, run.data.metrics
+        if mlflow_runs.INIT_MODEL_TAG not in tags:
+            continue
+        tasks = p["eval.n_tasks_ends"] if p["eval.n_tasks_ends"] != "None" else p["eval.n_tasks"]  # tasks_at(end)
+        out.append(
+            results_page.Baseline(
+                model=tags[mlflow_runs.INIT_MODEL_TAG],
+                env=p["env.name"],
+                tier=p["env.tier"],
+                split=p["eval.split"],
+                action_mode=p["rollout.action_mode"],
+                prompt=p["rollout.prompt"],
+                context=p["rollout.context"],
+                tasks=int(tasks),
+                episodes=int(m["eval/episodes"]),
+                success=m["eval/success_rate"],
+                low=m["eval/success_ci_low"],
+                high=m["eval/success_ci_high"],
+                run_id=run.info.run_id,
+            )
+        )
+    return results_page.Baselines(experiment, out)
 
 
 def previous_instance(c: MlflowClient, parent: Any) -> Any | None:
@@ -139,12 +190,13 @@ def page_context(
     runs = [r for r in nested if r.info.run_id in found]
     commits = sorted({commit for r in runs for commit in mlflow_runs.run_commits(r.data.tags) or ["unknown"]})
     instance = parent.data.tags.get(INSTANCE_TAG)
-    configs, expected, tuning = [], [], None
+    configs, expected, tuning, prompted = [], [], None, None
     if sweep_path:
         spec, cells = load_sweep(sweep_path, instance)
         configs = [sweep_path, os.path.normpath(Path(sweep_path).parent / spec.base)]
         expected = [cell.run_name for cell in cells]
         tuning = spec.tuning
+        prompted = baselines(c, spec.baselines) if spec.baselines else None
     warm = None
     sources = sorted(
         {
@@ -179,6 +231,7 @@ def page_context(
         unfinished=unfinished(nested, expected),
         code_changes=mlflow_runs.changed_code(commits),
         tuning=tuning,
+        baselines=prompted,
     )
 
 
