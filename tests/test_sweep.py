@@ -321,6 +321,18 @@ def test_the_page_shows_each_seeds_paired_change_and_the_prompted_baselines(
         e for e in expected if "| window |" not in e
     ]
 
+    again = evaluate_policy(  # the full-context cell evaluated again: its newest run is its row
+        model=str(folder),
+        config_path=str(tmp_path / "baseline.yaml"),
+        n_tasks=4,
+        tracking_uri=tracking_uri,
+        overrides=["rollout.context=full"],
+    )
+    sweep_report("s", "test", tracking_uri, sweep_path=str(path), out=str(out))
+    assert [
+        line.split("|")[-2].strip() for line in out.read_text().splitlines() if line.startswith(f"| `{folder}` |")
+    ] == [f"`{again['run_id']}`"]
+
 
 def test_a_running_flow_run_whose_process_is_gone_is_abandoned(tmp_path):
     """A cell's flow run left RUNNING when its machine or stack stopped is resubmitted by the next sweep

@@ -129,37 +129,44 @@ def _paired_at_last(h: dict[str, dict[int, float]]) -> report.PairedChange | Non
 def baselines(c: MlflowClient, experiment: str) -> results_page.Baselines:
     """The prompted baselines of ``experiment``: its FINISHED evaluation runs of a model with no run behind
     it (``horizonrl evaluate --model``, tagged with the model's lineage), each as its params and metrics
-    say. An evaluation of a run's policy (``--source``, tagged with its source run) is not a baseline."""
+    say; of runs with the same settings, the newest (a cell evaluated again replaces its row). An evaluation
+    of a run's policy (``--source``, tagged with its source run) is not a baseline."""
     exp = c.get_experiment_by_name(experiment)
     if exp is None:
         return results_page.Baselines(experiment, [], exists=False)
     runs = c.search_runs(
         [exp.experiment_id],
         filter_string="tags.`horizonrl.kind` = 'evaluation' and attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time DESC"],
     )
-    out = []
+    out, seen = [], set()
     for run in runs:
         tags, p, m = run.data.tags, run.data.params, run.data.metrics
         if mlflow_runs.INIT_MODEL_TAG not in tags:
             continue
         tasks = p["eval.n_tasks_ends"] if p["eval.n_tasks_ends"] != "None" else p["eval.n_tasks"]  # tasks_at(end)
-        out.append(
-            results_page.Baseline(
-                model=tags[mlflow_runs.INIT_MODEL_TAG],
-                env=p["env.name"],
-                tier=p["env.tier"],
-                split=p["eval.split"],
-                action_mode=p["rollout.action_mode"],
-                prompt=p["rollout.prompt"],
-                context=p["rollout.context"],
-                tasks=int(tasks),
-                episodes=int(m["eval/episodes"]),
-                success=m["eval/success_rate"],
-                low=m["eval/success_ci_low"],
-                high=m["eval/success_ci_high"],
-                run_id=run.info.run_id,
-            )
+        mode = p["rollout.action_mode"]
+        if mode == "free":  # what a free reply must look like is part of the setting
+            mode = f"free ({p['rollout.free_format']})"
+        row = results_page.Baseline(
+            model=tags[mlflow_runs.INIT_MODEL_TAG],
+            env=p["env.name"],
+            tier=p["env.tier"],
+            split=p["eval.split"],
+            action_mode=mode,
+            prompt=p["rollout.prompt"],
+            context=p["rollout.context"],
+            tasks=int(tasks),
+            episodes=int(m["eval/episodes"]),
+            success=m["eval/success_rate"],
+            low=m["eval/success_ci_low"],
+            high=m["eval/success_ci_high"],
+            run_id=run.info.run_id,
         )
+        setting = (row.model, row.env, row.tier, row.split, row.action_mode, row.prompt, row.context, row.tasks)
+        if setting not in seen:
+            seen.add(setting)
+            out.append(row)
     return results_page.Baselines(experiment, out)
 
 
