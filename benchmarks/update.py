@@ -78,21 +78,32 @@ def random_advantage_rows(records: list[EpisodeRecord], context: str) -> list[Tr
 
 
 def bare_loop(
-    model: torch.nn.Module, rows: list[TrainRow], epochs: int, steps: int, lr: float, clip: float
+    model: torch.nn.Module,
+    rows: list[TrainRow],
+    epochs: int,
+    steps: int,
+    lr: float,
+    clip: float,
+    micro_batch_tokens: int | None = None,
 ) -> tuple[int, float]:
     """Forward, backward and an AdamW step over the rows' real tokens (cut after the last policy
-    token, as the update does), packed into equal rows; returns (tokens, seconds)."""
+    token, as the update does), packed into equal rows; returns (tokens, seconds). ``micro_batch_tokens``:
+    each step's gradient accumulated over forward passes of at most that many tokens, as the update's
+    ``update.micro_batch_tokens`` bounds its own (None: one pass per step), so that the two hold the
+    same activations at once and differ by the update's own work alone."""
     stream = [t for r in rows for t in r.input_ids[: r.positions[-1] + 1]]
     width = round(len(stream) / len(rows))
-    batch = torch.tensor(stream[: len(stream) // width * width]).view(-1, width)
+    batch = torch.tensor(stream[: len(stream) // width * width]).view(-1, width)  # (rows, width)
+    per_pass = max(1, micro_batch_tokens // width) if micro_batch_tokens else len(batch)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     t0 = time.perf_counter()
     for _ in range(epochs):
         for part in torch.tensor_split(batch, steps):
-            logits = model(input_ids=part).logits
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), part[:, 1:].flatten())
-            loss.backward()
+            for micro in part.split(per_pass):
+                logits = model(input_ids=micro).logits  # (micro rows, width, vocab)
+                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), micro[:, 1:].flatten())
+                (loss * len(micro) / len(part)).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
