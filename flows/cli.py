@@ -249,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
             f"-> {summary['final_success_rate']:.3f} "
             f"({summary['improvement'] * 100:+.1f} points) after {int(summary['iterations'])} iterations"
         )
+        if "paired_change" in summary:
+            print(
+                f"paired by held-out task ({int(summary['paired_tasks'])} tasks): "
+                f"{summary['paired_change'] * 100:+.1f} points, 95% interval "
+                f"[{summary['paired_change_low'] * 100:+.1f}, {summary['paired_change_high'] * 100:+.1f}]"
+            )
         print(
             f"MLflow: experiment {cfg.experiment!r}, run {cfg.run_name!r}; open the UI with: mlflow ui "
             f"--backend-store-uri {uri} --host 127.0.0.1"

@@ -22,6 +22,7 @@ from horizonrl.run import config_history, runlock
 from horizonrl.run.learner import initial_model_dir
 from horizonrl.store import StoreError, remove_stale_temporaries
 from horizonrl.tracking import mlflow_runs
+from horizonrl.tracking.sweep_runs import PAIRED
 from horizonrl.training.checkpoint import (
     CheckpointDamaged,
     CheckpointRef,
@@ -233,6 +234,10 @@ def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
     if by_step:  # a recipe's warm start evaluates nothing (``warmstart.before_rl``): no NaN figures
         summary |= {"initial_success_rate": first, "final_success_rate": last, "improvement": last - first}
     log_stage(ctx, "summary", summary, policy.iteration)  # once: a finished run run again logs nothing twice
+    for key in PAIRED:  # the change paired by held-out task, for the command's summary
+        at_last = [m.value for m in c.get_metric_history(ctx.mlflow_run_id, key) if m.step == max(by_step)]
+        if at_last:
+            summary[key.removeprefix("eval/")] = at_last[0]
     logged = mlflow_runs.policy_models(c, ctx.mlflow_run_id)
     if not any(
         m.name == "policy" and m.tags.get(mlflow_runs.POLICY_ITERATION_TAG) == str(policy.iteration) for m in logged

@@ -103,13 +103,14 @@ def test_the_last_evaluation_logs_the_change_paired_by_task(prefect_harness, tmp
     cfg = tiny_config(tmp_path, tracking_uri, run_name="paired")
     cfg["seed"], cfg["env"]["max_turns"] = 4, 20  # the tiny model wins a few episodes, so not every figure is 0
     cfg["eval"].update(n_tasks_ends=8, samples=2, greedy=False)
-    train(config=cfg)
+    summary = train(config=cfg)
     c = MlflowClient(tracking_uri)
     run_id = run_of(c, "paired").info.run_id
     names = ("paired_change", "paired_change_low", "paired_change_high", "paired_tasks")
     for name in names:
         assert steps(c, run_id, f"eval/{name}") == [2], name
     logged = {name: c.get_metric_history(run_id, f"eval/{name}")[0].value for name in names}
+    assert {name: summary[name] for name in names} == logged, "the flow's summary (the command prints it)"
 
     files = [store.iteration_dir(tmp_path / "data", "test", "paired", it) / "eval-episodes.parquet" for it in (0, 2)]
     tables = [pd.read_parquet(f, columns=["task_id", "task_seed", "won"]) for f in files]
