@@ -79,7 +79,7 @@ smollm2-baselines: setup-test  ## the untrained SmolLM2's held-out success, 200 
 	for config in $(BASELINE_CONFIGS); do for mode in $(BASELINE_MODES); do \
 	  $(BIN)/horizonrl evaluate --model smollm2-135m-instruct --config $$config --n-tasks 200 \
 	    --set experiment=smollm2-baseline --set eval.greedy=false --set rollout.prompt=listed \
-	    --set rollout.context=full --set engine.name=vllm $$([ $$mode = free ] && echo "$(BASELINE_FREE)") $(ARGS) || exit 1; \
+	    --set rollout.context=full --set engine.name=vllm --set engine.vllm.cpu_kvcache_gib=4 $$([ $$mode = free ] && echo "$(BASELINE_FREE)") $(ARGS) || exit 1; \
 	done; done
 
 # vLLM's own environment: vLLM pins fastapi<0.137 and Prefect needs >=0.139, so they cannot share one.

@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="override a config field, e.g. warmstart.epochs=3",
     )
-    for p in (tr, ws):
+    sw = sub.add_parser("sweep", help="run a sweep file's grid as child train runs, then the comparison report")
+    for p in (tr, ws, sw):
         p.add_argument(
             "--allow-change",
             action="append",
@@ -118,7 +119,6 @@ def main(argv: list[str] | None = None) -> int:
         help="method (loop, grpo, drgrpo, rloo, reinforce_pp_baseline, gigpo, blpo, appo) or estimator name",
     )
     rc.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="estimator parameter override")
-    sw = sub.add_parser("sweep", help="run a sweep file's grid as child train runs, then the comparison report")
     sw.add_argument("sweep_file", help="sweep YAML (configs/sweeps/)")
     sw.add_argument(
         "--here", action="store_true", help="run the cells in this process even if the file names a deployment"
@@ -381,11 +381,11 @@ def _sweep(args: argparse.Namespace) -> int:
         return 2
     try:  # every cell before the first starts
         for cell in cells:
-            preflight.check_start(cell.config)
+            preflight.check_start(cell.config, args.allow_change)
     except ValueError as err:
         print(f"horizonrl: sweep not started: cell {cell.run_name!r}: {err}", file=sys.stderr)
         return 2
-    sweep(args.sweep_file, in_process=args.here, instance=args.instance, out=args.out)
+    sweep(args.sweep_file, in_process=args.here, instance=args.instance, out=args.out, allow_change=args.allow_change)
     return 0
 
 

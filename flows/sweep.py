@@ -28,12 +28,14 @@ def sweep(
     new_instance: bool = False,
     instance: str | None = None,
     out: str | None = None,
+    allow_change: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Run a sweep file's unfinished cells and report; returns the report's rows (one per variant).
     ``in_process`` runs the cells here even where the file names a deployment (no server at hand).
     ``new_instance`` (the scheduled deployment) makes this firing a new instance of the sweep, named by
     the flow run's scheduled time and the commit, so a rerun of the same flow run resumes the same one;
-    ``instance`` resumes a named instance. ``out`` also writes the results page (``docs/results.md``)."""
+    ``instance`` resumes a named instance. ``out`` also writes the results page (``docs/results.md``).
+    ``allow_change``: fields every resumed cell may change, as ``train``'s (recorded in each cell's run)."""
     log = get_run_logger()
     if new_instance and instance is None:
         instance = f"{scheduled_time():%Y%m%dT%H%M%SZ}-{mlflow_runs.git_commit()[:8]}"
@@ -44,7 +46,7 @@ def sweep(
     c = mlflow_runs.client(uri)
     todo = [cell for cell in cells if not sweep_runs.finished(c, cell)]
     for cell in todo:  # and what each brings (model, environment, engine) before the first starts
-        preflight.check_start(cell.config)
+        preflight.check_start(cell.config, allow_change or [])
     deployment = None if in_process else spec.deployment
     log.info(
         "sweep %s: %d cells, %d finished, %d to run (%s)",
@@ -54,9 +56,9 @@ def sweep(
     status, failed = "FAILED", {}
     try:
         if deployment:  # 3. the unfinished cells
-            states = _run_deployed(todo, deployment, spec.concurrency, link)
+            states = _run_deployed(todo, deployment, spec.concurrency, link, allow_change or [])
         else:
-            states = _run_here(todo, link)
+            states = _run_here(todo, link, allow_change or [])
         failed = {name: state for name, state in states.items() if state != "Completed"}
         rows = sweep_report(name, cfg0.experiment, uri, sweep_path, out)  # 4. the report
         if spec.register_best:  # 5. the best cell's policy
@@ -101,25 +103,31 @@ def sweep_report(
     return publish_report(uri, parent, list(found.values()), ctx, out)
 
 
-def _run_here(cells: list[Cell], link: Link) -> dict[str, str]:
+def _run_here(cells: list[Cell], link: Link, allow_change: list[str]) -> dict[str, str]:
     """One child train flow after another; a failed cell does not stop the others."""
     from flows.train import train  # here, not at the top: a fanned-out sweep never needs the model stack (~10 s)
 
     states = {}
     for cell in cells:
         link_cell(link, cell)
-        state = train.with_options(flow_run_name=cell.run_name)(config=cell.config.model_dump(), return_state=True)
+        state = train.with_options(flow_run_name=cell.run_name)(
+            config=cell.config.model_dump(), allow_change=allow_change, return_state=True
+        )
         states[cell.run_name] = state.name
     return states
 
 
-def _run_deployed(cells: list[Cell], deployment: str, concurrency: int, link: Link) -> dict[str, str]:
+def _run_deployed(
+    cells: list[Cell], deployment: str, concurrency: int, link: Link, allow_change: list[str]
+) -> dict[str, str]:
     """Run each cell as a flow run of the train deployment, at most ``concurrency`` at once: each cell is a
     ``sweep-cell`` task that waits for its flow run, on a thread-pool task runner of ``concurrency``
     workers; return final state names."""
     with ThreadPoolTaskRunner(max_workers=concurrency) as runner:
         futures = {
-            cell.run_name: runner.submit(run_cell, {"cell": cell, "deployment": deployment, "link": link})
+            cell.run_name: runner.submit(
+                run_cell, {"cell": cell, "deployment": deployment, "link": link, "allow_change": allow_change}
+            )
             for cell in cells
         }
         return {name: f.result() for name, f in futures.items()}

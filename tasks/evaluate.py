@@ -9,7 +9,7 @@ from prefect.cache_policies import NONE
 from horizonrl import faults
 from horizonrl.config import TrainConfig
 from horizonrl.rollout.loop import Shard
-from horizonrl.rollout.metrics import TASK_COLUMNS, episode_metrics, sample_episodes, task_outcomes
+from horizonrl.rollout.metrics import TASK_COLUMNS, check_complete, episode_metrics, sample_episodes, task_outcomes
 from horizonrl.rollout.records import EpisodeRecord
 from horizonrl.run.player import Player
 from horizonrl.seeding import derive_seed
@@ -30,10 +30,14 @@ def evaluator(cfg: TrainConfig) -> Player:
 def play(
     ctx: RunContext, policy: CheckpointRef, n_tasks: int, samples: int, greedy: bool, seed: int
 ) -> list[EpisodeRecord]:
+    """The held-out episodes, every one played out: one the sampler failed (a vLLM server that died) fails
+    the task before anything is stored or logged, and its retry syncs, restarting a dead server."""
     cfg = ctx.cfg
     p = evaluator(cfg)
     p.sync(cfg, policy)
-    return p.play(cfg, Shard(0, p.task_pool(cfg, cfg.eval.split, n_tasks), 0, 0, seed), samples, greedy)
+    records = p.play(cfg, Shard(0, p.task_pool(cfg, cfg.eval.split, n_tasks), 0, 0, seed), samples, greedy)
+    check_complete(records)
+    return records
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=1, cache_policy=NONE)

@@ -162,12 +162,13 @@ def register_best(link: Link, model_name: str) -> str:
 
 
 @task(name="sweep-cell", task_run_name="{cell.run_name}", cache_policy=NONE)
-def run_cell(cell: Cell, deployment: str, link: Link) -> str:
+def run_cell(cell: Cell, deployment: str, link: Link, allow_change: list[str] | None = None) -> str:
     """Start the cell's flow run on the deployment and wait for it; return its final state's name. A flow run
     of this cell still queued or running (an earlier attempt of this sweep) is waited for, not submitted
     again: two runs of one run name would write the same checkpoints. One left RUNNING by a process that
     is gone (the machine or the stack stopped under it: no process holds the run's lock) is marked crashed
-    and the cell submitted again; the new flow run resumes from the cell's last checkpoint."""
+    and the cell submitted again; the new flow run resumes from the cell's last checkpoint. ``allow_change``:
+    as ``train``'s, passed to the flow run."""
     with get_client(sync_client=True) as client:
         unfinished = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(
@@ -195,7 +196,7 @@ def run_cell(cell: Cell, deployment: str, link: Link) -> str:
         if live
         else run_deployment(
             deployment,
-            parameters={"config": cell.config.model_dump()},
+            parameters={"config": cell.config.model_dump(), "allow_change": allow_change or []},
             flow_run_name=cell.run_name,
             timeout=0,
             as_subflow=False,

@@ -24,7 +24,7 @@ from horizonrl import store
 from horizonrl.envs import SUITES
 from horizonrl.envs.pool import EnvPool
 from horizonrl.rollout.loop import SamplingSettings, collect
-from horizonrl.rollout.metrics import episode_metrics
+from horizonrl.rollout.metrics import EvaluationIncomplete, check_complete, episode_metrics
 
 REASONS = {
     "raise": "ValueError: injected",
@@ -87,6 +87,7 @@ def test_environment_faults_end_their_episodes_and_the_batch_goes_on(tiny_policy
             assert r.status == "error" and REASONS[fault] in r.error, (fault, r.error)
             assert len(r.turns) == 1 and r.turns[0].reward == 0.0 and not r.turns[0].won
     assert all(r.status != "error" and len(r.turns) >= 1 for r in by_task[0])
+    check_complete(records)  # an environment's own errors are its tasks' outcomes: an evaluation stands
 
     d = tmp_path / "iter"
     d.mkdir()
@@ -139,6 +140,8 @@ def test_engine_faults_are_recorded_not_trained_on(tiny_policy, household_suite)
     hit = next(r for r in records if r.status == "error")
     assert "non-finite log-prob" in hit.error and len(hit.turns) == 2  # ended before its action was played
     assert sum(r.status == "error" for r in records) == 1
+    with pytest.raises(EvaluationIncomplete, match="1 of 4 held-out episodes were ended by the sampler"):
+        check_complete(records)  # the sampler's fault, not the policy's: no evaluation figure from them
     # over the token budget (free decoding, one token): recorded per turn as not format-valid; the episode goes on
     cut = collect(
         household_suite, tasks, 2, engine, fmt, _sampling(action_mode="free", max_action_tokens=1, max_turns=2)

@@ -362,3 +362,31 @@ def test_a_running_flow_run_whose_process_is_gone_is_abandoned(tmp_path):
     assert not _abandoned(flow_run(5), cell), "started moments ago: its process may not have taken the lock yet"
     with runlock.hold(run_dir(cell.config)):
         assert not _abandoned(flow_run(3600), cell), "its process holds the run's lock: alive"
+
+
+def test_a_resumed_sweep_with_a_changed_setting_is_refused_unless_allowed(prefect_harness, tmp_path, tracking_uri):
+    """A finished cell's sweep extended (``iterations`` 2) with a new ``update.lr``: ``horizonrl sweep`` refuses
+    before any work, naming the cell and the field; with ``--allow-change update.lr`` the cell resumes and its
+    run records the change (``config-history.json``), as ``horizonrl train --allow-change`` does."""
+    import contextlib
+    import io
+    import json
+
+    from flows.cli import main
+    from horizonrl.run import config_history
+
+    base = tiny_config(tmp_path, tracking_uri, iterations=1)
+    base.pop("run_name")
+    base["eval"] = {"every": 1, "n_tasks": 2, "greedy": False}
+    path = _write(tmp_path, {"grid": {"seed": [0]}}, base)
+    assert main(["sweep", str(path), "--here"]) == 0
+    path = _write(tmp_path, {"set": ["iterations=2", "update.lr=0.5"], "grid": {"seed": [0]}}, base)
+    with contextlib.redirect_stderr(io.StringIO()) as stderr:
+        assert main(["sweep", str(path), "--here"]) == 2
+    assert "cell 's--seed=0'" in stderr.getvalue() and "update.lr 0.001 -> 0.5" in stderr.getvalue()
+    run_folder = tmp_path / "data" / "test" / "s--seed=0"
+    assert not (run_folder / config_history.HISTORY_FILE).exists(), "refused before any work"
+    assert main(["sweep", str(path), "--here", "--allow-change", "update.lr"]) == 0
+    history = json.loads((run_folder / config_history.HISTORY_FILE).read_text())
+    assert {"iteration": 2, "field": "update.lr", "old": "0.001", "new": "0.5"} in history["changes"]
+    assert (run_folder / "checkpoints" / "iter=00002").is_dir()

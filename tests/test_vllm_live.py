@@ -31,7 +31,9 @@ from horizonrl.engines.vllm_server import SERVED_NAME, ServerSpec, VLLMServer, m
 from horizonrl.engines.vllm_wire import VLLMClient, VLLMError, completion_body
 from horizonrl.models.loading import initial_adapter_dir, load_policy, tiny_model_dir
 from horizonrl.rollout.loop import SamplingSettings, collect
+from horizonrl.rollout.metrics import EvaluationIncomplete, check_complete
 from horizonrl.rollout.prompting import ChatFormat
+from horizonrl.rollout.records import ENGINE_FAULT
 
 # A server start (and a restart) costs minutes, and the server runs from .venv-vllm (make setup-test): CI's
 # `make test`, not `make test-fast`.
@@ -510,7 +512,9 @@ def test_a_dead_server_ends_its_episodes_as_errors_and_the_next_sync_restarts_it
     settings = SamplingSettings("admissible", "full", 2, 5, 8, 1.0, 0)
     episodes = collect(household_suite, household_suite.tasks("train", "easy", 2), 2, live, fmt, settings)
     assert [e.status for e in episodes] == ["error"] * 4
-    assert all(e.error.startswith("vLLM server unreachable") for e in episodes)
+    assert all(e.error.startswith(ENGINE_FAULT + "vLLM server unreachable") for e in episodes)
+    with pytest.raises(EvaluationIncomplete, match="4 of 4 held-out episodes were ended by the sampler"):
+        check_complete(episodes)  # as an evaluation: refused, not scored 0
     t0 = time.perf_counter()
     live.sync(str(path), probe_of(model, len(tokenizer)))
     s = live.last_sync

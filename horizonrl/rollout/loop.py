@@ -29,7 +29,7 @@ from horizonrl.engines.base import Engine, Generation, SampleRequest, Session, T
 from horizonrl.envs.base import EnvSuite, Task
 from horizonrl.envs.batch import EpisodeBatch, StepResult, as_batch, error_info
 from horizonrl.rollout.prompting import ChatFormat, full_delta, window_prompt
-from horizonrl.rollout.records import EpisodeRecord, TurnRecord
+from horizonrl.rollout.records import ENGINE_FAULT, EpisodeRecord, TurnRecord
 from horizonrl.seeding import derive_seed
 
 
@@ -346,9 +346,9 @@ def _engine_fault(gen: Generation) -> str:
     would poison the PPO ratio, so the episode ends as an error before its action is played; so does a
     generation the engine could not make (``Generation.error``: a vLLM server that died)."""
     if gen.error:
-        return gen.error
+        return ENGINE_FAULT + gen.error
     bad = [i for i, (lp, m) in enumerate(zip(gen.logprobs, gen.policy_mask)) if m and not math.isfinite(lp)]
-    return f"engine returned a non-finite log-prob at action token {bad[0]}" if bad else ""
+    return f"{ENGINE_FAULT}a non-finite log-prob at action token {bad[0]}" if bad else ""
 
 
 def _action_text(gen: Generation, trie: TokenTrie | None, fmt: ChatFormat) -> tuple[str, bool]:

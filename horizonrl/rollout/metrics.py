@@ -10,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 import pyarrow as pa
 
-from horizonrl.rollout.records import EpisodeRecord
+from horizonrl.rollout.records import ENGINE_FAULT, EpisodeRecord
 
 FAMILY_SUCCESS = "success_rate/"  # then a task family: that family's success rate (logged under the stage's prefix)
 
@@ -53,6 +53,21 @@ def task_outcomes(episodes: pa.Table) -> dict[str, list[float]]:
     for task_id, seed, won in zip(*(episodes[name].to_pylist() for name in TASK_COLUMNS)):
         out.setdefault(f"{task_id}@{seed}", []).append(float(won))
     return out
+
+
+class EvaluationIncomplete(RuntimeError):
+    """Held-out episodes the sampler failed: a success rate over them would count its faults as the policy's."""
+
+
+def check_complete(records: list[EpisodeRecord]) -> None:
+    """Refuse an evaluation in which any episode was ended by the sampler (``ENGINE_FAULT``), naming how many
+    and the first reason; an environment's own error stays the task's outcome, as in training."""
+    failed = [r for r in records if r.status == "error" and r.error.startswith(ENGINE_FAULT)]
+    if failed:
+        raise EvaluationIncomplete(
+            f"{len(failed)} of {len(records)} held-out episodes were ended by the sampler, not played out "
+            f"(first: {failed[0].error}); no figure is logged from them"
+        )
 
 
 def branch_metrics(episodes: pa.Table) -> dict[str, float]:

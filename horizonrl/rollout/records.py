@@ -32,6 +32,11 @@ class TurnRecord:
     env_s: float
 
 
+ENGINE_FAULT = "engine fault: "
+"""How an episode's ``error`` starts when the sampler failed it (a dead vLLM server, a non-finite log-prob):
+nothing about the policy or the task, so an evaluation with such an episode measures nothing (``tasks.evaluate``)."""
+
+
 @dataclass
 class EpisodeRecord:
     rollout_id: int
@@ -44,7 +49,7 @@ class EpisodeRecord:
     branch_token: int = -1
     turns: list[TurnRecord] = field(default_factory=list)
     status: str = "running"  # "won" | "done" (ended without winning) | "truncated" (horizon) | "error"
-    error: str = ""
+    error: str = ""  # why it ended as an error; ``ENGINE_FAULT`` first when the sampler, not the environment, failed
     branch_score: float = 0.0  # APPO branching score BS at the split (branches only)
 
     @property
