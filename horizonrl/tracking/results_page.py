@@ -257,8 +257,9 @@ def _baseline_lines(b: Baselines | None) -> list[str]:
     lines = [
         "## Prompted baselines",
         "",
-        f"Every finished `horizonrl evaluate --model ... --config ...` run in MLflow experiment `{b.experiment}`: "
-        "a model with no training run behind it, played as its config says. Success over its held-out episodes "
+        f"The newest finished `horizonrl evaluate --model ... --config ...` run of each setting in MLflow experiment "
+        f"`{b.experiment}`: a model with no training run behind it, played as its config says. Success over its "
+        "held-out episodes "
         "[95% Wilson interval].",
         "",
     ]
