@@ -415,7 +415,7 @@ def test_server_command_binds_loopback_with_prefix_caching_and_lora():
     def flag(f):
         return cmd[cmd.index(f) + 1]
 
-    assert cmd[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[:4] == ["/venv/bin/python", "-m", "horizonrl_serve", "vllm.entrypoints.openai.api_server"]
     assert (
         flag("--host") == "127.0.0.1"
         and flag("--port") == "8011"
@@ -480,6 +480,50 @@ def test_owned_server_starts_restarts_on_new_weights_and_leaves_no_process(tmp_p
     for p in (pid, new_pid):
         with pytest.raises(ProcessLookupError):
             os.kill(p, 0)
+
+
+def test_a_server_whose_starter_was_killed_stops_itself(tmp_path):
+    """SIGKILL of the process that started the server (no atexit, no ``stop``): the server, in a session of its
+    own, notices that its parent is gone (``horizonrl_serve``) and stops its process group, instead of holding
+    its port and memory for good. The stand-in server module as above."""
+    import signal
+    import subprocess
+    import time
+
+    pkg = tmp_path / "fake" / "vllm" / "entrypoints" / "openai"
+    pkg.mkdir(parents=True)
+    for d in (pkg, pkg.parent, pkg.parent.parent):
+        (d / "__init__.py").write_text("")
+    (pkg / "api_server.py").write_text(FAKE_SERVER)
+    starter = tmp_path / "starter.py"
+    starter.write_text(
+        "import os, signal, sys\n"
+        "from pathlib import Path\n"
+        "from horizonrl.engines.vllm_server import ServerSpec, VLLMServer\n"
+        f"spec = ServerSpec(python=sys.executable, model='m', port={free_port()}, gpu_memory_utilization=0.4, "
+        "max_logprobs=8)\n"
+        "server = VLLMServer(spec, Path(sys.argv[1]) / 'server.log', startup_timeout_s=30)\n"
+        "server.start()\n"
+        "(Path(sys.argv[1]) / 'pid').write_text(str(server.proc.pid))\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), str(root)])}
+    done = subprocess.run([sys.executable, str(starter), str(tmp_path)], env=env, capture_output=True, text=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    pid = int((tmp_path / "pid").read_text())
+
+    def running() -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        return state != "Z"  # a zombie has stopped; only its exit status waits to be reaped
+
+    deadline = time.monotonic() + 30
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not running(), "the server outlived the process that started it"
 
 
 def test_missing_vllm_environment_says_how_to_create_it(tmp_path):

@@ -116,10 +116,12 @@ class ServerSpec:
 
 
 def server_command(spec: ServerSpec) -> list[str]:
-    """argv of the OpenAI-compatible server, bound to loopback only."""
+    """argv of the OpenAI-compatible server, bound to loopback only, run by ``horizonrl_serve``
+    (``vllm_server_side``), which stops it when the process that started it is gone."""
     cmd = [
         spec.python,
         "-m",
+        "horizonrl_serve",
         "vllm.entrypoints.openai.api_server",
         "--model",
         spec.model,
@@ -166,7 +168,8 @@ def server_command(spec: ServerSpec) -> list[str]:
 
 def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str, str]:
     """The server's environment: ours, offline (it serves local directories), runtime adapter loading when
-    LoRA is on, the development endpoints for in-place reloads, and the CPU build's settings."""
+    LoRA is on, the development endpoints for in-place reloads, and the CPU build's settings; ``vllm_server_side``
+    on its path (``horizonrl_serve``, and the trie processor when it is loaded)."""
     env = dict(os.environ if base is None else base)
     env["HF_HUB_OFFLINE"] = "1"
     if spec.cache_root is not None:
@@ -175,8 +178,7 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if spec.dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
-    if spec.trie_processor:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SERVER_SIDE), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SERVER_SIDE), env.get("PYTHONPATH", "")) if p)
     if spec.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{spec.cpu_kvcache_gib:g}"
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # the machine is shared with the learner: bind no cores
