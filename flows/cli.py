@@ -250,10 +250,13 @@ def main(argv: list[str] | None = None) -> int:
             f"({summary['improvement'] * 100:+.1f} points) after {int(summary['iterations'])} iterations"
         )
         if "paired_change" in summary:
+            low, high = (summary.get(f"paired_change_{end}") for end in ("low", "high"))  # none from one task
+            interval = (
+                f", 95% interval [{100 * low:+.1f}, {100 * high:+.1f}]" if low is not None and high is not None else ""
+            )
             print(
                 f"paired by held-out task ({int(summary['paired_tasks'])} tasks): "
-                f"{summary['paired_change'] * 100:+.1f} points, 95% interval "
-                f"[{summary['paired_change_low'] * 100:+.1f}, {summary['paired_change_high'] * 100:+.1f}]"
+                f"{summary['paired_change'] * 100:+.1f} points{interval}"
             )
         print(
             f"MLflow: experiment {cfg.experiment!r}, run {cfg.run_name!r}; open the UI with: mlflow ui "
