@@ -13,7 +13,6 @@ server, on the README's main run settings (tiny Qwen2, household easy, admissibl
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from benchmarks.report import Figure
 from horizonrl.config import TrainConfig
 from horizonrl.engines.hf import TransformersEngine
 from horizonrl.engines.vllm import engine_from_config, probe_of
+from horizonrl.engines.vllm_server import free_port
 from horizonrl.models.loading import load_policy
 from horizonrl.rollout.loop import SamplingSettings, collect
 from horizonrl.rollout.prompting import ChatFormat
@@ -32,12 +32,6 @@ from horizonrl.run.player import Player
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def available() -> bool:
     """The section runs only where vLLM's environment exists."""
     return VLLM_PYTHON.is_file()
@@ -45,7 +39,7 @@ def available() -> bool:
 
 def served_config(cfg: TrainConfig, out: Path) -> TrainConfig:
     """``cfg`` with the vLLM engine: a server of ``.venv-vllm`` on a free port, its files under ``out``."""
-    vllm = cfg.engine.vllm.model_copy(update={"python": str(VLLM_PYTHON), "port": _free_port()})
+    vllm = cfg.engine.vllm.model_copy(update={"python": str(VLLM_PYTHON), "port": free_port()})
     return cfg.model_copy(
         update={"engine": cfg.engine.model_copy(update={"name": "vllm", "vllm": vllm}), "data_dir": str(out)}
     )

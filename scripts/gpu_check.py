@@ -195,6 +195,7 @@ def real_model_check(path: Path, out: Path, device: str, tolerance: float, tasks
     from benchmarks.pipeline import learn
     from horizonrl.config import load_config
     from horizonrl.engines.vllm import engine_from_config, probe_of
+    from horizonrl.engines.vllm_server import free_port
     from horizonrl.models.loading import load_policy, resolve_device, resolve_dtype
     from horizonrl.rollout.loop import SamplingSettings, collect
     from horizonrl.rollout.prompting import ChatFormat
@@ -212,6 +213,7 @@ def real_model_check(path: Path, out: Path, device: str, tolerance: float, tasks
             f"engine.vllm.python={root / '.venv-vllm' / 'bin' / 'python'}",
             f"engine.vllm.device={device}",
             f"engine.vllm.sync_tolerance={tolerance}",
+            f"engine.vllm.port={free_port()}",  # beside a run's server on the default port
             f"rollout.tasks_per_iteration={tasks}",
             f"rollout.group_size={group}",
             "env.max_turns=4",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -183,12 +182,6 @@ def deployed_sweep(root: Path, tracking_uri: str, name: str, iterations: int, **
         )
     )
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prefect_cli(env: dict[str, str], *args: str, timeout: float) -> subprocess.CompletedProcess:

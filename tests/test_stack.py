@@ -31,7 +31,6 @@ from flowkit import (
     CLIProcess,
     deployed_sweep,
     flat,
-    free_port,
     leftovers,
     prefect_cli,
     run_of,
@@ -41,6 +40,7 @@ from flowkit import (
 
 import horizonrl_stack as stack
 from horizonrl import store
+from horizonrl.engines.vllm_server import free_port
 from mlflow import MlflowClient
 
 pytestmark = pytest.mark.slow

@@ -7,9 +7,9 @@ import os
 import socket
 
 import pytest
-from flowkit import free_port
 
 import horizonrl_stack as stack
+from horizonrl.engines.vllm_server import free_port
 
 
 @pytest.mark.extra  # the postgres extra (psycopg) and Debian's PostgreSQL

@@ -30,7 +30,6 @@ from typing import Any
 
 import pytest
 import torch
-from flowkit import free_port
 
 from horizonrl.config import load_config
 from horizonrl.engines.base import SampleRequest, TokenTrie
@@ -38,6 +37,7 @@ from horizonrl.engines.vllm import VLLMEngine
 from horizonrl.engines.vllm_server import (
     ServerSpec,
     VLLMServer,
+    free_port,
     server_command,
     server_env,
     serving_copy,
@@ -524,6 +524,21 @@ def test_a_server_whose_starter_was_killed_stops_itself(tmp_path):
     while running() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not running(), "the server outlived the process that started it"
+
+
+def test_a_port_another_process_listens_on_is_refused(tmp_path):
+    """Another run's server on the configured port answered the health check for ours, and the run reloaded its
+    weights into it (the other run's engine died on the vocabulary's shape): refused before anything starts."""
+    import socket
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        spec = ServerSpec(python=sys.executable, model="m", port=port, gpu_memory_utilization=0.4, max_logprobs=8)
+        with pytest.raises(VLLMError, match=f"127.0.0.1:{port} is taken .* set engine.vllm.port to a free port"):
+            VLLMServer(spec, tmp_path / "log", 30).start()
+    assert not (tmp_path / "log").exists(), "nothing started"
 
 
 def test_missing_vllm_environment_says_how_to_create_it(tmp_path):

@@ -21,13 +21,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from flowkit import free_port
 
 from horizonrl.config import LoraConfig, ModelConfig
 from horizonrl.engines.base import SampleRequest, TokenTrie, allowed_log_softmax
 from horizonrl.engines.hf import TransformersEngine
 from horizonrl.engines.vllm import VLLMEngine, probe_of
-from horizonrl.engines.vllm_server import SERVED_NAME, ServerSpec, VLLMServer, max_positions, serving_copy
+from horizonrl.engines.vllm_server import SERVED_NAME, ServerSpec, VLLMServer, free_port, max_positions, serving_copy
 from horizonrl.engines.vllm_wire import VLLMClient, VLLMError, completion_body
 from horizonrl.models.loading import initial_adapter_dir, load_policy, tiny_model_dir
 from horizonrl.rollout.loop import SamplingSettings, collect

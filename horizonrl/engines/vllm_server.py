@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -200,6 +201,22 @@ def check_head_dim(spec: ServerSpec) -> None:
         )
 
 
+def listening(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:``port`` (a closed port in TIME_WAIT does not)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (the OS's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class VLLMServer:
     """A server process this engine owns: started in its own session, stopped (its whole process group:
     vLLM spawns engine-core workers) on ``stop`` or at interpreter exit."""
@@ -219,6 +236,11 @@ class VLLMServer:
                 f"no vLLM environment at {self.spec.python}: create it with `make vllm-venv` or set engine.vllm.url"
             )
         check_head_dim(self.spec)
+        if listening(self.spec.port):  # its health check would answer for ours, and we would reload into it
+            raise VLLMError(
+                f"127.0.0.1:{self.spec.port} is taken by another process (another run's vLLM server?), which this "
+                "run would take for its own server and reload its weights into: set engine.vllm.port to a free port"
+            )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
