@@ -449,6 +449,7 @@ def ppo_update(
     this with the same rows and seed, computes its share of each minibatch and the gradients are summed;
     the returned figures are the whole update's, the same on every rank."""
     counts: Counter = Counter()  # decoder positions, real and computed (padding = the difference)
+    began = time.perf_counter()  # the whole call, pi_old included: the window ``comm_share``'s collectives fall in
     if ranks is None:
         old, pi_old_stats = old_logprobs(model, rows, s, seed, counts)
     else:
@@ -495,14 +496,16 @@ def ppo_update(
         **pi_old_stats,
     )
     if ranks is not None:
-        result.stats.update(_rank_figures(ranks, counts, elapsed))
+        result.stats.update(_rank_figures(ranks, counts, time.perf_counter() - began))
     return result
 
 
 def _rank_figures(ranks: Ranks, counts: Counter, elapsed: float) -> dict[str, float]:
     """The whole group's padding share, each rank's mean seconds per minibatch step (``step_s_rank<r>``:
     its update time over its steps) and the share of the update spent in collectives (``comm_share``:
-    gradient all-reduce, figure and pi_old gathers; mean over ranks)."""
+    gradient all-reduce, figure and pi_old gathers; mean over ranks). ``elapsed``: the whole update's time,
+    pi_old included, since its gathers count too (timed from the minibatch loop alone, a slow pi_old gather
+    on a loaded machine made the share 1.02)."""
     parts = ranks.gather(
         (counts["real_tokens"], counts["computed_tokens"], elapsed, ranks.comm_s, counts["unique_tokens"])
     )
