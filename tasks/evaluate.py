@@ -52,11 +52,12 @@ def evaluate(
     cfg = ctx.cfg
     n_tasks = cfg.eval.tasks_at(end)
     sampled = play(ctx, policy, n_tasks, cfg.eval.samples, False, derive_seed(cfg.seed, "eval", iteration))
-    metrics = episode_metrics(store_evaluation(ctx, iteration, policy, "eval", sampled))
+    episodes = store_evaluation(ctx, iteration, policy, "eval", sampled)
+    metrics = episode_metrics(episodes)
     metrics[f"pass_at_{cfg.eval.samples}"] = metrics.pop("pass_at_k")
     metrics.pop("mixed_group_fraction")
     if end and iteration > 0:
-        metrics.update(paired_figures(ctx, iteration))
+        metrics.update(paired_figures(ctx, episodes))
     if cfg.eval.greedy:
         greedy = play(ctx, policy, n_tasks, 1, True, derive_seed(cfg.seed, "eval-greedy", iteration))
         greedy_metrics = episode_metrics(store_evaluation(ctx, iteration, policy, "eval_greedy", greedy))
@@ -89,18 +90,17 @@ def evaluate(
     return metrics
 
 
-def paired_figures(ctx: RunContext, iteration: int) -> dict[str, float]:
+def paired_figures(ctx: RunContext, episodes: pa.Table) -> dict[str, float]:
     """``paired_change`` (with ``_low``, ``_high``: its 95% interval) and ``paired_tasks``: the change of
-    sampled success from iteration 0's evaluation to this one's over the held-out tasks both played
-    (``stats.paired_change``), read from the two stored ``eval-episodes.parquet``. Nothing when iteration 0
-    stored no evaluation in this run's folder (the evaluate command's runs)."""
+    sampled success from iteration 0's evaluation (its stored ``eval-episodes.parquet``) to ``episodes``, this
+    one's, over the held-out tasks both played (``stats.paired_change``). Nothing when iteration 0 stored no
+    evaluation in this run's folder (the evaluate command's runs)."""
     cfg = ctx.cfg
-    first, now = (
-        iteration_dir(cfg.data_dir, cfg.experiment, cfg.run_name, it) / "eval-episodes.parquet" for it in (0, iteration)
-    )
+    first = iteration_dir(cfg.data_dir, cfg.experiment, cfg.run_name, 0) / "eval-episodes.parquet"
     if not first.is_file():
         return {}
-    change, n = paired_change(*(task_outcomes(read_table(p, "episodes", TASK_COLUMNS)) for p in (first, now)))
+    before = task_outcomes(read_table(first, "episodes", TASK_COLUMNS))
+    change, n = paired_change(before, task_outcomes(episodes))
     return {
         "paired_change": change.mean,
         "paired_change_low": change.low,

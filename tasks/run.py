@@ -119,8 +119,9 @@ def start_run(
     c.log_artifact(run_id, str(d / CONFIG_FILE))  # the run's current config: the evaluate flow reloads it
     ctx = RunContext(cfg, str(d), uri, run_id)
     if policy is None:
-        model_path = {"model": cfg.model.model_copy(update={"path": initial})}
-        start = cfg if initial is None else cfg.model_copy(update=model_path)
+        start = (
+            cfg if initial is None else cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": initial})})
+        )
         model, tokenizer = LEARNER.load(cfg, initial_model_dir(start, PLAYER.suite(cfg)))
         in_memory(model)  # the run plays its own checkpoint 0, not the folder it came from (changed or not)
         policy = save_checkpoint(
@@ -234,7 +235,7 @@ def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
     if by_step:  # a recipe's warm start evaluates nothing (``warmstart.before_rl``): no NaN figures
         summary |= {"initial_success_rate": first, "final_success_rate": last, "improvement": last - first}
     log_stage(ctx, "summary", summary, policy.iteration)  # once: a finished run run again logs nothing twice
-    for key in PAIRED:  # the change paired by held-out task, for the command's summary
+    for key in PAIRED if by_step else ():  # the change paired by held-out task, for the command's summary
         at_last = [m.value for m in c.get_metric_history(ctx.mlflow_run_id, key) if m.step == max(by_step)]
         if at_last:
             summary[key.removeprefix("eval/")] = at_last[0]

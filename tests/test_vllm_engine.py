@@ -400,6 +400,16 @@ HTTPServer((args[args.index("--host") + 1], port), H).serve_forever()
 """
 
 
+def _fake_vllm(root: Path) -> Path:
+    """``root`` holding a stand-in ``vllm.entrypoints.openai.api_server`` (``FAKE_SERVER``); returns its folder."""
+    pkg = root / "vllm" / "entrypoints" / "openai"
+    pkg.mkdir(parents=True)
+    for d in (pkg, pkg.parent, pkg.parent.parent):
+        (d / "__init__.py").write_text("")
+    (pkg / "api_server.py").write_text(FAKE_SERVER)
+    return pkg
+
+
 def test_server_command_binds_loopback_with_prefix_caching_and_lora():
     spec = ServerSpec(
         python="/venv/bin/python",
@@ -451,11 +461,7 @@ def test_cpu_server_runs_its_worker_inside_the_engine_core_process():
 def test_owned_server_starts_restarts_on_new_weights_and_leaves_no_process(tmp_path, monkeypatch):
     """A stand-in ``vllm.entrypoints.openai.api_server`` module (a health endpoint) on PYTHONPATH: the
     engine's real start / wait-for-health / stop path runs, and full-weight sync restarts it."""
-    pkg = tmp_path / "fake" / "vllm" / "entrypoints" / "openai"
-    pkg.mkdir(parents=True)
-    for d in (pkg, pkg.parent, pkg.parent.parent):
-        (d / "__init__.py").write_text("")
-    (pkg / "api_server.py").write_text(FAKE_SERVER)
+    pkg = _fake_vllm(tmp_path / "fake")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
     spec = ServerSpec(
         python=sys.executable,
@@ -490,11 +496,7 @@ def test_a_server_whose_starter_was_killed_stops_itself(tmp_path):
     import subprocess
     import time
 
-    pkg = tmp_path / "fake" / "vllm" / "entrypoints" / "openai"
-    pkg.mkdir(parents=True)
-    for d in (pkg, pkg.parent, pkg.parent.parent):
-        (d / "__init__.py").write_text("")
-    (pkg / "api_server.py").write_text(FAKE_SERVER)
+    _fake_vllm(tmp_path / "fake")
     starter = tmp_path / "starter.py"
     starter.write_text(
         "import os, signal, sys\n"
