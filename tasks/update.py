@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -29,6 +30,7 @@ def update(
 ) -> CheckpointRef:
     """Not retried: a half-applied update lives only in memory, so on failure the learner drops it (and
     with ``update.world_size`` > 1 stops the ranks) and the next attempt reloads ``policy`` from disk."""
+    t0 = time.perf_counter()
     cfg = ctx.cfg
     loaded = LEARNER.get(cfg, policy)
     try:
@@ -62,7 +64,7 @@ def update(
             s,
             derive_seed(cfg.seed, "update", iteration),
             {
-                "elapsed_s": elapsed_s,
+                "elapsed_s": elapsed_s + time.perf_counter() - t0,  # update_policy adds its own time
                 "mlflow_run_id": ctx.mlflow_run_id,
                 "seed": cfg.seed,
                 "config_digest": cfg.digest(),

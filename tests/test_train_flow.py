@@ -7,12 +7,16 @@ for more iterations, and the change paired by task that the last evaluation logs
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 from flowkit import run_of, steps, tiny_config
 
 from horizonrl import store
 from horizonrl.files import file_digest
 from horizonrl.tracking import mlflow_runs
+from horizonrl.training import iteration as iteration_module
 from mlflow import MlflowClient
 
 pytestmark = pytest.mark.slow
@@ -35,6 +39,8 @@ def test_train_flow_logs_every_stage(prefect_harness, tmp_path, tracking_uri, mo
     loads = []  # the policy is read from disk once, at the start: checkpoints it writes stay in memory
     load = Learner.load
     monkeypatch.setattr(Learner, "load", lambda self, cfg, path: loads.append(str(path)) or load(self, cfg, path))
+    read_state = iteration_module.read_state  # each update takes 1 s more, so its time cannot hide in noise
+    monkeypatch.setattr(iteration_module, "read_state", lambda *a, **k: time.sleep(1.0) or read_state(*a, **k))
     summary = train(config=_config(tmp_path, tracking_uri))
     assert len(loads) == 1 and "/models/tiny-qwen2-household-" in loads[0], loads
     assert set(summary) >= {"initial_success_rate", "final_success_rate", "improvement"}
@@ -75,6 +81,11 @@ def test_train_flow_logs_every_stage(prefect_harness, tmp_path, tracking_uri, mo
         store.read_table(d / "turns.parquet", "turns")
         store.read_table(d / "advantages-loop.parquet", "advantages")
     assert (run_dir / "checkpoints" / "iter=00002" / "model.safetensors").is_file()
+    train_s = {m.step: m.value for m in c.get_metric_history(run.info.run_id, "time/train_s")}
+    saved_s = json.loads((run_dir / "checkpoints" / "iter=00002" / "state.json").read_text())["elapsed_s"]
+    assert 0 <= train_s[2] - saved_s < 1.0, (
+        "the checkpoint's training time includes its update (a resume lost each resumed iteration's update)"
+    )
 
     # the same run asked for one more iteration resumes after its last one: nothing rewritten, one more step
     # (a kill in the middle of an iteration: tests/test_reliability.py kills the CLI at every stage)
@@ -85,6 +96,9 @@ def test_train_flow_logs_every_stage(prefect_harness, tmp_path, tracking_uri, mo
     for key in ("collect/success_rate", "update/steps"):
         assert steps(c, run.info.run_id, key) == [1, 2, 3], key
     assert _episodes_by_step(c, run.info.run_id) == {0: 4, 1: 3, 2: 4, 3: 4}, "the new last evaluation on n_tasks_ends"
+    iteration_3_s = c.get_metric_history(run.info.run_id, "time/iteration_s")[-1].value
+    train_3_s = c.get_metric_history(run.info.run_id, "time/train_s")[-1].value
+    assert train_3_s == pytest.approx(saved_s + iteration_3_s, abs=0.05), "the resumed count goes on from the save"
     commit = mlflow_runs.git_commit()
     assert c.get_run(run.info.run_id).data.tags[mlflow_runs.COMMITS_TAG] == commit, (
         "a resume at the same commit adds none"

@@ -5,6 +5,7 @@ update's output. The update task is this call plus logging.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,9 @@ def update_policy(
     With ``ranks`` the epochs run there (``update.world_size`` processes) and their resulting weights and
     AdamW state are loaded into ``model`` and ``optimizer`` before the checkpoint is written, so the
     checkpoint is the same whole state whatever the world size. ``run_state``: the run's fields of the
-    checkpoint's state (elapsed time, MLflow run id, seed, config digest).
+    checkpoint's state (MLflow run id, seed, config digest, and ``elapsed_s``, the run's training time when
+    this call began). The checkpoint's ``elapsed_s`` adds this update's own time, so a resume counts
+    the training time up to the save, not the time before the update, which lost an update per resume.
 
     Returns:
         The new checkpoint, and the update's figures with ``lr`` and ``skipped`` added.
@@ -52,6 +55,7 @@ def update_policy(
         TooManyNonFiniteSteps: the run's non-finite steps exceed ``update.max_nan_skips``.
         RankFailed: a rank died or raised (the ranks are stopped; the next attempt starts new ones).
     """
+    t0 = time.perf_counter()
     lr = annealed_lr(cfg.update.lr, cfg.update.lr_final, iteration, cfg.iterations)
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -84,7 +88,8 @@ def update_policy(
             f"{nonfinite} optimizer steps had a non-finite loss or gradient (update.max_nan_skips = "
             f"{cfg.update.max_nan_skips}); last good checkpoint: {policy.path}"
         )
-    state = {"update_stats": stats, "nonfinite_steps": nonfinite, **run_state}
+    elapsed_s = run_state.get("elapsed_s", 0.0) + time.perf_counter() - t0
+    state = {"update_stats": stats, "nonfinite_steps": nonfinite, **run_state, "elapsed_s": elapsed_s}
     # an asynchronous generator still plays (or, after a restart, plays again) checkpoints up to k + 1 back
     keep = max(2, cfg.rollout.max_staleness + 2)
     ref = save_checkpoint(run_dir, iteration, model, tokenizer, optimizer, state, estimator_state, keep)
