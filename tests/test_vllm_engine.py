@@ -488,6 +488,36 @@ def test_owned_server_starts_restarts_on_new_weights_and_leaves_no_process(tmp_p
             os.kill(p, 0)
 
 
+def test_copies_a_killed_run_left_never_replace_the_new_serving_copy(tiny_policy_dir, tmp_path, monkeypatch):
+    """A killed run left serving copies w000007 and w000008; the resumed run's engine numbered its copies from
+    1 and kept "the newest two by name", so it deleted the copy it had just written and started the server on
+    a missing folder (the SmolLM2 run: vLLM took the path for a hub id and the run failed). Now each copy is
+    numbered after every one there, the engine keeps its own newest two and deletes the rest. The stand-in
+    server module as above."""
+    _fake_vllm(tmp_path / "fake")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    weights = tmp_path / "weights"
+    for n in (7, 8):
+        serving_copy(tiny_policy_dir, weights / f"w{n:06d}")
+    start = serving_copy(tiny_policy_dir, weights / "w000000")
+    spec = ServerSpec(
+        python=sys.executable, model=str(start), port=free_port(), gpu_memory_utilization=0.4, max_logprobs=8
+    )
+    server = VLLMServer(spec, tmp_path / "server.log", startup_timeout_s=30)
+    server.start()
+    engine = VLLMEngine(VLLMClient(server.url), [END], 8, server=server, weights_dir=weights)
+    try:
+        served = [start.resolve()]
+        for _ in range(2):
+            engine.restart(tiny_policy_dir)
+            served.append(Path(engine.server.spec.model))
+            assert (served[-1] / "model.safetensors").is_file() and not tied_embeddings(served[-1])
+            assert sorted(weights.iterdir()) == served[-2:], "this engine's newest two copies, nothing else"
+        assert [p.name for p in served] == ["w000000", "w000009", "w000010"]
+    finally:
+        engine.close()
+
+
 def test_a_server_whose_starter_was_killed_stops_itself(tmp_path):
     """SIGKILL of the process that started the server (no atexit, no ``stop``): the server, in a session of its
     own, notices that its parent is gone (``horizonrl_serve``) and stops its process group, instead of holding

@@ -145,7 +145,7 @@ class VLLMEngine:
         self.untie_head = untie_head
         self.one_request = one_request  # the server has the trie processor: one request per admissible action
         self.last_sync: WeightSync | None = None
-        self._copies = 0
+        self._copies: list[Path] = [Path(server.spec.model).resolve()] if server is not None else []  # newest last
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="vllm")
 
     # ---- sampling
@@ -317,14 +317,18 @@ class VLLMEngine:
         return max(abs(v - probe.logprobs[t]) for t, v in served.items())
 
     def _weights(self, checkpoint: str, untie: bool = True) -> Path:
-        """The directory the server loads for ``checkpoint``: its untied serving copy (kept: the newest two)."""
+        """The directory the server loads for ``checkpoint``: its untied serving copy, numbered after every
+        copy in ``weights_dir``. This engine's newest two copies are kept and every other one is deleted:
+        copies that a killed run left behind are never kept in place of the new one."""
         if not untie or self.weights_dir is None:
             return Path(checkpoint).resolve()
-        self._copies += 1
-        out = serving_copy(checkpoint, self.weights_dir / f"w{self._copies:06d}")
-        for old in sorted(self.weights_dir.glob("w[0-9]*"))[:-2]:
-            shutil.rmtree(old, ignore_errors=True)
-        return out.resolve()
+        numbers = [int(p.name[1:]) for p in self.weights_dir.glob("w[0-9]*") if p.name[1:].isdigit()]
+        out = serving_copy(checkpoint, self.weights_dir / f"w{max(numbers, default=0) + 1:06d}").resolve()
+        self._copies = [*self._copies[-1:], out]
+        for old in self.weights_dir.glob("w[0-9]*"):
+            if old.resolve() not in self._copies:
+                shutil.rmtree(old, ignore_errors=True)
+        return out
 
     def load_weights(self, path: str, probe: Probe | None = None) -> None:
         """Full weights: reload them into the running server and check the probe within ``tolerance``; where
