@@ -251,7 +251,10 @@ def test_results_page_is_deterministic_and_complete(tmp_path):
     assert "| variant | pick_and_place | pick_two |" in page
     assert "| loop | 0.750 [0.700, 0.800] | 0.350 [0.300, 0.400] |" in page
     assert "| grpo |  | 0.050 |" in page and "| blpo |  |  |" in page
-    assert results_page.results_page([CellHistory("w", 0, {0: 0.5})], CTX, FIGURES).count("By task family") == 0
+    one_method = results_page.results_page([CellHistory("w", 0, {0: 0.5})], CTX, FIGURES)
+    assert one_method.count("By task family") == 0
+    assert "## The papers' claims" not in one_method, "a sweep of one variant tests no claim"
+    assert page.count("## The papers' claims at this scale") == 1
 
     images = []
     for attempt in range(2):

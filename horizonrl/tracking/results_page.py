@@ -193,18 +193,7 @@ def results_page(cells: list[CellHistory], ctx: PageContext, figures: dict[str, 
         " ".join((ctx.tuning or "The sweep file does not say (its `tuning` field).").split()),
         "",
     ]
-    lines += [
-        "## The papers' claims at this scale",
-        "",
-        "Judged by final success as variants are ordered above (intervals over seeds disjoint and, where episodes "
-        "are counted, the pooled interval of the difference on the same side of 0): *holds* when each claimed-better "
-        "variant is above the next, *does not hold* when one is below, else *cannot be told apart*.",
-        "",
-    ]
-    by = {s.variant: s for s in summaries}
-    for c in CLAIMS:
-        figures = " > ".join(f"{v} {_ci(by[v].final)}" for v in c.order if v in by)
-        lines.append(f"- {c.text}: **{judge(c, summaries)}**" + (f" ({figures})" if figures else ""))
+    lines += _claim_lines(summaries)
     if ctx.previous is not None:
         found = drifts(summaries, ctx.previous_summaries)
         lines += ["", f"## Compared with the previous instance ({ctx.previous})", ""]
@@ -247,6 +236,27 @@ def _table_lines(
         lines.append(
             f"| {s.variant} | {s.seeds} | {cells} | {s.env_steps:,.0f} | {s.tokens:,.0f} | {s.train_s:,.0f} | {note} |"
         )
+    return lines
+
+
+def _claim_lines(summaries: list[VariantSummary]) -> list[str]:
+    """The papers' claims that the sweep has at least two variants of: a sweep of one method (seeds of a
+    recipe) tests none of them, and its page does not list them."""
+    by = {s.variant: s for s in summaries}
+    claims = [c for c in CLAIMS if sum(v in by for v in c.order) >= 2]
+    if not claims:
+        return []
+    lines = [
+        "## The papers' claims at this scale",
+        "",
+        "Judged by final success as variants are ordered above (intervals over seeds disjoint and, where episodes "
+        "are counted, the pooled interval of the difference on the same side of 0): *holds* when each claimed-better "
+        "variant is above the next, *does not hold* when one is below, else *cannot be told apart*.",
+        "",
+    ]
+    for c in claims:
+        figures = " > ".join(f"{v} {_ci(by[v].final)}" for v in c.order if v in by)
+        lines.append(f"- {c.text}: **{judge(c, summaries)}** ({figures})")
     return lines
 
 
