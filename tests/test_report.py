@@ -422,6 +422,10 @@ def test_each_seeds_paired_change_is_on_the_page_with_whether_every_interval_exc
     )
     assert "- c: seed 0 +10.0 points" in page and "**every seed's interval excludes 0 (not all on one side)**" in page
     assert "Every seed's paired interval above 0: a.\n" in page
+    ends = replace(A0, paired=replace(_paired(0.196, 0.146, 0.246), first=0.498, last=0.694))
+    assert "seed 0 0.498 -> 0.694: +19.6 points [+14.6, +24.6] on 500 paired tasks" in results_page.results_page(
+        [ends], CTX, FIGURES
+    )
     one_task = replace(A0, paired=_paired(1.0, math.nan, math.nan, 1))
     assert "seed 0 +100.0 points on 1 paired tasks" in results_page.results_page([one_task], CTX, FIGURES)
     assert "has no interval" in results_page.results_page([one_task], CTX, FIGURES)

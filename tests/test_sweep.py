@@ -298,9 +298,10 @@ def test_the_page_shows_each_seeds_paired_change_and_the_prompted_baselines(
         run_id = mlflow_runs.find_run(c, "test", f"s--seed={seed}").info.run_id
         change, low, high, tasks = (c.get_metric_history(run_id, key) for key in PAIRED)
         assert [m.step for m in change] == [1] and tasks[0].value == 8
+        first, last = sorted(c.get_metric_history(run_id, "eval/success_rate"), key=lambda m: m.step)
         assert (
-            f"seed {seed} {100 * change[0].value:+.1f} points [{100 * low[0].value:+.1f}, {100 * high[0].value:+.1f}] "
-            "on 8 paired tasks" in page
+            f"seed {seed} {first.value:.3f} -> {last.value:.3f}: {100 * change[0].value:+.1f} points "
+            f"[{100 * low[0].value:+.1f}, {100 * high[0].value:+.1f}] on 8 paired tasks" in page
         )
     assert "## Paired by held-out task" in page and "- base: seed 4 " in page
     rows = [line for line in page.splitlines() if line.startswith(f"| `{folder}` |")]

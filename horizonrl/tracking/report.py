@@ -61,6 +61,8 @@ class PairedChange:
 
     change: Interval
     tasks: int
+    first: float = float("nan")  # held-out success at the first evaluation, over all its episodes
+    last: float = float("nan")  # and at the last
 
 
 @dataclass(frozen=True)

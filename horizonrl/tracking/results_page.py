@@ -297,8 +297,9 @@ def _paired_lines(summaries: list[VariantSummary]) -> list[str]:
     lines = [
         "## Paired by held-out task",
         "",
-        "Each seed's change of held-out success from its first evaluation to its last over the tasks both "
-        "evaluations played (`eval/paired_change`, logged by the run): the mean over tasks of each task's "
+        "Each seed's held-out success at its first evaluation (its starting policy) and its last, then the change "
+        "over the tasks both evaluations played (`eval/paired_change`, logged by the run): the mean over tasks of "
+        "each task's "
         "difference, in points [95% percentile-bootstrap interval, resampling tasks]. It is one seed's sampling "
         "noise; the spread between seeds is not in it.",
         "",
@@ -315,7 +316,8 @@ def _paired(p: PairedChange | None) -> str:
         return "not logged"
     c = p.change
     span = "" if math.isnan(c.low) else f" [{100 * c.low:+.1f}, {100 * c.high:+.1f}]"
-    return f"{100 * c.mean:+.1f} points{span} on {p.tasks:,} paired tasks"
+    ends = "" if math.isnan(p.first) else f"{p.first:.3f} -> {p.last:.3f}: "
+    return f"{ends}{100 * c.mean:+.1f} points{span} on {p.tasks:,} paired tasks"
 
 
 def _family_lines(summaries: list[VariantSummary]) -> list[str]:

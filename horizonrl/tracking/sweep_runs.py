@@ -120,10 +120,12 @@ def _paired_at_last(h: dict[str, dict[int, float]]) -> report.PairedChange | Non
     """The run's paired change (``PAIRED``) as logged at its last evaluation; None where it logged none
     there (a run older than the figure, or whose first evaluation stored no episodes)."""
     change, low, high, tasks = (h.get(key, {}) for key in PAIRED)
-    last = max(h["eval/success_rate"], default=None)
+    success = h["eval/success_rate"]
+    last = max(success, default=None)
     if last not in change:
         return None
-    return report.PairedChange(Interval(change[last], low[last], high[last]), int(tasks[last]))
+    interval = Interval(change[last], low[last], high[last])
+    return report.PairedChange(interval, int(tasks[last]), success[min(success)], success[last])
 
 
 def baselines(c: MlflowClient, experiment: str) -> results_page.Baselines:
