@@ -299,9 +299,8 @@ def _paired_lines(summaries: list[VariantSummary]) -> list[str]:
         "",
         "Each seed's held-out success at its first evaluation (its starting policy) and its last, then the change "
         "over the tasks both evaluations played (`eval/paired_change`, logged by the run): the mean over tasks of "
-        "each task's "
-        "difference, in points [95% percentile-bootstrap interval, resampling tasks]. It is one seed's sampling "
-        "noise; the spread between seeds is not in it.",
+        "each task's difference, in points [95% percentile-bootstrap interval, resampling tasks]. It is one seed's "
+        "sampling noise; the spread between seeds is not in it.",
         "",
     ]
     for s in paired:
