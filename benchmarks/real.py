@@ -51,9 +51,10 @@ from benchmarks.report import Figure
 from benchmarks.update import _rows, bare_loop, random_advantage_rows
 from benchmarks.vllm_server import VLLM_PYTHON, served_config
 from horizonrl.config import TrainConfig
-from horizonrl.engines.vllm import engine_from_config, probe_of
+from horizonrl.engines.vllm import engine_from_config
 from horizonrl.models import pretrained
 from horizonrl.models.loading import load_policy
+from horizonrl.models.probe import probe_of
 from horizonrl.rollout.loop import SamplingSettings, collect, sample_tasks
 from horizonrl.rollout.prompting import ChatFormat
 from horizonrl.run.learner import Learner

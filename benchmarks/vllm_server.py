@@ -21,9 +21,10 @@ import torch
 from benchmarks.report import Figure
 from horizonrl.config import TrainConfig
 from horizonrl.engines.hf import TransformersEngine
-from horizonrl.engines.vllm import engine_from_config, probe_of
+from horizonrl.engines.vllm import engine_from_config
 from horizonrl.engines.vllm_server import free_port
 from horizonrl.models.loading import load_policy
+from horizonrl.models.probe import probe_of
 from horizonrl.rollout.loop import SamplingSettings, collect
 from horizonrl.rollout.prompting import ChatFormat
 from horizonrl.run.learner import Learner, initial_model_dir

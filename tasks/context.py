@@ -16,10 +16,10 @@ from horizonrl.tracking.mlflow_runs import client
 LEARNER = Learner()
 # Plays the run's episodes with the learner's weights (or the run's vLLM server); in a Ray worker, its shards.
 PLAYER = Player(LEARNER)
-# With asynchronous rollouts (``rollout.max_staleness`` >= 1) the generator: a second player with its own
-# weights, which the collect task plays with beside the update; with vLLM it owns the run's server
-# (docs/algorithms.md §1.10).
-GENERATOR = Player(Learner())
+# With asynchronous rollouts (``rollout.max_staleness`` >= 1) the generator: a second player, which the collect
+# task plays with beside the update, with its own weights (no optimizer) on the transformers engine; with vLLM it
+# owns the run's server and holds no weights (docs/algorithms.md §1.10).
+GENERATOR = Player(Learner(trains=False))
 # The Ray cluster of a run that uses one, joined at its start and left at its end.
 CLUSTER = Cluster()
 

@@ -19,11 +19,13 @@ from test_reliability import api_url, assert_same_tensors, config, files, finish
 from horizonrl import store
 from horizonrl.config import TrainConfig, load_config
 from horizonrl.models.loading import load_policy
-from horizonrl.training.checkpoint import checkpoint_dir, latest_checkpoint
+from horizonrl.run.learner import Policy
+from horizonrl.training.checkpoint import CheckpointRef, checkpoint_dir, latest_checkpoint
 from horizonrl.training.sequences import TrainRow, attach_advantages, train_rows
 from horizonrl.training.trainer import UpdateSettings, behaviour_weighted, recompute_old_logprobs
 from methods.losses import PPOLossParams, ppo_clip
 from mlflow import MlflowClient
+from tasks.context import GENERATOR
 
 MAIN = "configs/loop_household_easy.yaml"
 
@@ -136,12 +138,13 @@ def test_branching_and_stateful_methods_run_asynchronously(prefect_harness, tmp_
 def test_fixed_lag_rows_carry_their_version_weigh_their_behaviour_logprobs_and_resume_when_killed(
     api_url,  # noqa: F811
     tmp_path,
+    monkeypatch,
 ):
     """k = 1, fixed, 3 iterations, run straight in this process. Iteration i is played by checkpoint
     max(i-2, 0) (so 0, 0, 1), never more than one version behind the update's start; each stage logs at
-    its own iteration. The stored log-probs of iteration 3 are checkpoint 1's (recomputed within 1e-4,
-    checkpoint 2's are not) and the update's logged mean behaviour weight is mean exp(log pi_prox -
-    log pi_behav) over its rows, pi_prox = checkpoint 2.
+    its own iteration; the generator holds its versions without optimizer state. The stored log-probs of
+    iteration 3 are checkpoint 1's (recomputed within 1e-4, checkpoint 2's are not) and the update's logged
+    mean behaviour weight is mean exp(log pi_prox - log pi_behav) over its rows, pi_prox = checkpoint 2.
 
     Beside it the same run as CLI processes: killed at the end of iteration 2's update, with the generator
     somewhere in iteration 3 (not started, playing, writing or done: timing decides), then killed after
@@ -156,7 +159,17 @@ def test_fixed_lag_rows_carry_their_version_weigh_their_behaviour_logprobs_and_r
         return c
 
     first = start_cli(cfg("r"), api_url, tmp_path / "cli-0.log", "update:2")
+    taken = []  # the optimizer of every version the generator took
+    generator_get = GENERATOR.weights.get
+
+    def get(c: TrainConfig, ref: CheckpointRef) -> Policy:
+        policy = generator_get(c, ref)
+        taken.append(policy.optimizer)
+        return policy
+
+    monkeypatch.setattr(GENERATOR.weights, "get", get)
     train(config=cfg("straight"))
+    assert len(taken) >= 2 and all(o is None for o in taken), taken
     for n, fault in enumerate(("update:2", "advantage:3")):
         log = tmp_path / f"cli-{n}.log"
         rc = finish(first if n == 0 else start_cli(cfg("r"), api_url, log, fault))

@@ -4,6 +4,7 @@ for them; a finished run run again logs nothing twice."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ from flowkit import flat, run_of, tiny_config
 from safetensors.torch import load_file
 
 from horizonrl import store
+from horizonrl.models.loading import load_policy
+from horizonrl.models.probe import probe_of, stored_probe
 from horizonrl.training.checkpoint import (
     MANIFEST,
     CheckpointRef,
@@ -34,7 +37,7 @@ def test_manifest_names_a_missing_resized_or_changed_file(tmp_path, tiny_policy)
     ref = save_checkpoint(tmp_path, 1, model, tokenizer, torch.optim.AdamW(model.parameters()), {}, {"memory": [1]})
     folder = checkpoint_dir(tmp_path, 1)
     listed = json.loads((folder / MANIFEST).read_text())["files"]
-    assert {"model.safetensors", "optimizer.pt", "estimator_state.json", "state.json"} <= set(listed)
+    assert {"model.safetensors", "probe.pt", "optimizer.pt", "estimator_state.json", "state.json"} <= set(listed)
     assert verify(ref) is None
     weights = (folder / "model.safetensors").read_bytes()
     (folder / "model.safetensors").write_bytes(weights[:-1] + bytes([weights[-1] ^ 1]))  # same size, one bit flipped
@@ -47,6 +50,28 @@ def test_manifest_names_a_missing_resized_or_changed_file(tmp_path, tiny_policy)
     (folder / MANIFEST).unlink()
     assert "manifest.json is missing" in verify(ref)
     assert latest_checkpoint(tmp_path) is None
+
+
+def test_a_full_weight_checkpoint_carries_the_probe_of_the_weights_it_holds(tmp_path, tiny_policy):
+    """The probe stored with the weights is the one the weights read back compute (what a sync of a vLLM
+    server to this checkpoint is checked against, with no model loaded by whoever syncs), and not the
+    probe of the weights before the update that wrote them."""
+    model, tokenizer, *_ = tiny_policy
+    before = probe_of(model, model.get_input_embeddings().num_embeddings)
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        moved.lm_head.weight.add_(0.05 * torch.randn_like(moved.lm_head.weight))
+    moved.train()
+    ref = save_checkpoint(tmp_path, 1, moved, tokenizer, None, {})
+    assert moved.training  # the probe's forward pass left the learner's mode as it was
+    stored = stored_probe(ref.path)
+    reloaded = load_policy(ref.path)[0]
+    again = probe_of(reloaded, reloaded.get_input_embeddings().num_embeddings)
+    assert stored.prompt == again.prompt == before.prompt
+    assert len(stored.logprobs) == model.get_input_embeddings().num_embeddings
+    assert max(abs(a - b) for a, b in zip(stored.logprobs, again.logprobs)) <= 1e-6
+    assert max(abs(a - b) for a, b in zip(stored.logprobs, before.logprobs)) > 1e-3
+    assert stored_probe(tmp_path) is None  # a folder written without one
 
 
 @contextmanager

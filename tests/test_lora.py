@@ -17,6 +17,7 @@ from horizonrl.config import LoraConfig, load_config
 from horizonrl.engines.hf import TransformersEngine
 from horizonrl.models.loading import initial_adapter_dir, load_policy
 from horizonrl.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from horizonrl.models.probe import stored_probe
 from horizonrl.rollout.loop import SamplingSettings, collect
 from horizonrl.rollout.prompting import ChatFormat
 from horizonrl.training.checkpoint import load_optimizer_state, save_checkpoint
@@ -130,6 +131,7 @@ def test_learner_builds_a_lora_policy_and_each_checkpoints_adapter_is_logged(tin
     ref1 = save_checkpoint(
         tmp_path / "run", 1, loaded.model, loaded.tokenizer, loaded.optimizer, {"mlflow_run_id": run_id}
     )
+    assert stored_probe(ref1.path) is None  # an adapter is hot-loaded, never checked against a probe
     learner.advance(ref1)  # what the update task does after writing the checkpoint, then logs the adapter
     log_adapter(RunContext(cfg, str(tmp_path / "run"), uri, run_id), ref1)
     logged = {Path(a.path).name for a in c.list_artifacts(run_id, "adapters/iter=00001")}

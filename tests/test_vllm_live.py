@@ -25,10 +25,11 @@ import torch
 from horizonrl.config import LoraConfig, ModelConfig
 from horizonrl.engines.base import SampleRequest, TokenTrie, allowed_log_softmax
 from horizonrl.engines.hf import TransformersEngine
-from horizonrl.engines.vllm import VLLMEngine, probe_of
+from horizonrl.engines.vllm import VLLMEngine
 from horizonrl.engines.vllm_server import SERVED_NAME, ServerSpec, VLLMServer, free_port, max_positions, serving_copy
 from horizonrl.engines.vllm_wire import VLLMClient, VLLMError, completion_body
 from horizonrl.models.loading import initial_adapter_dir, load_policy, tiny_model_dir
+from horizonrl.models.probe import probe_of
 from horizonrl.rollout.loop import SamplingSettings, collect
 from horizonrl.rollout.metrics import EvaluationIncomplete, check_complete
 from horizonrl.rollout.prompting import ChatFormat
@@ -402,7 +403,7 @@ def test_a_shard_plays_on_the_server_another_process_synced(live, tiny_policy_di
 
 
 def test_a_fixed_lag_run_plays_each_iteration_on_the_server_synced_to_its_version(
-    live, prefect_harness, tiny_policy_dir, tmp_path
+    live, prefect_harness, tiny_policy_dir, tmp_path, monkeypatch
 ):
     """``rollout.max_staleness: 1`` on vLLM (docs/algorithms.md §1.10): a 3-iteration run on this server
     (reached at its URL) plays iteration i with checkpoint max(i-2, 0), beside the update of i-1. The
@@ -410,7 +411,8 @@ def test_a_fixed_lag_run_plays_each_iteration_on_the_server_synced_to_its_versio
     checkpoint 0, which the evaluation before training served); the learner's updates never touch it. Every
     episode and turn row carries its version, within the bound, and its stored log-probs are that
     checkpoint's (the learner's recompute within 1e-4; the next checkpoint's are off by > 1e-3): iteration 2
-    was played while update 1 wrote checkpoint 1, and no episode of it was sampled by checkpoint 1."""
+    was played while update 1 wrote checkpoint 1, and no episode of it was sampled by checkpoint 1. The
+    generator loads no weights: every sync is checked against the probe stored with the checkpoint."""
     from flowkit import run_of, tiny_config
 
     from flows.train import train
@@ -420,6 +422,7 @@ def test_a_fixed_lag_run_plays_each_iteration_on_the_server_synced_to_its_versio
     from horizonrl.training.sequences import attach_advantages, train_rows
     from horizonrl.training.trainer import UpdateSettings, recompute_old_logprobs
     from mlflow import MlflowClient
+    from tasks.context import GENERATOR
 
     cfg = tiny_config(tmp_path, f"sqlite:///{tmp_path}/mlflow.db", "vllm-k1", iterations=3)
     cfg.update(
@@ -429,10 +432,14 @@ def test_a_fixed_lag_run_plays_each_iteration_on_the_server_synced_to_its_versio
         eval={"every": 10, "n_tasks": 2, "greedy": False},  # before training and after iteration 3
     )
     cfg["rollout"] = {**cfg["rollout"], "max_staleness": 1}
+    loaded = []  # what the generator loaded: nothing, each sync is checked against the checkpoint's stored probe
+    generator_load = GENERATOR.weights.load
+    monkeypatch.setattr(GENERATOR.weights, "load", lambda c, path: loaded.append(path) or generator_load(c, path))
     try:
         train(config=cfg)
     finally:
         live.policy_path = None  # the server now serves this run's last checkpoint
+    assert loaded == [] and GENERATOR.weights.current is None
     run = tmp_path / "data" / "test" / "vllm-k1"
     c = MlflowClient(cfg["tracking_uri"])
     rid = run_of(c, "vllm-k1").info.run_id

@@ -22,10 +22,10 @@ from test_vllm_live import LORA_RANK, REQUESTS, TOL, _learner_logprobs, _plays_l
 from horizonrl.config import LoraConfig
 from horizonrl.engines.base import SampleRequest, TokenTrie
 from horizonrl.engines.hf import TransformersEngine
-from horizonrl.engines.vllm import probe_of
 from horizonrl.engines.vllm_server import SERVED_NAME
 from horizonrl.models import pretrained
 from horizonrl.models.loading import initial_adapter_dir, load_policy
+from horizonrl.models.probe import probe_of
 from horizonrl.rollout.prompting import ChatFormat
 
 pytestmark = pytest.mark.slow

@@ -51,7 +51,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from horizonrl.config import TrainConfig
 from horizonrl.engines.base import Generation, SampleRequest, TokenTrie
@@ -74,32 +73,12 @@ from horizonrl.engines.vllm_wire import (
     parse_completion,
     trie_paths,
 )
+from horizonrl.models.probe import Probe
 from horizonrl.seeding import derive_seed
 
 # ---------------------------------------------------------------------------------------------- engine
 SYNC_TOLERANCE = 1e-4  # float32 sampler vs learner; measured 1e-6 on CPU
 PROBE_TOP = 20  # probe tokens compared per weight sync
-PROBE_LENGTH = 32
-
-
-@dataclass(frozen=True)
-class Probe:
-    """A probe sequence and the learner's log-probs (temperature 1, whole vocabulary) of the token after it:
-    what a weight sync must reproduce."""
-
-    prompt: list[int]
-    logprobs: list[float]
-
-
-def probe_of(model: Any, vocab_size: int) -> Probe:
-    """The learner's probe: a fixed sequence of ``PROBE_LENGTH`` ids spread over the vocabulary."""
-    import torch
-
-    prompt = [1 + (i * 7919) % (vocab_size - 1) for i in range(PROBE_LENGTH)]
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt], device=device)).logits[0, -1].float()
-    return Probe(prompt, torch.log_softmax(logits, -1).tolist())
 
 
 @dataclass(frozen=True)

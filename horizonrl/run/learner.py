@@ -27,18 +27,21 @@ from horizonrl.training.ray_ranks import RayRankGroup
 
 @dataclass
 class Policy:
-    """The weights of checkpoint ``ref`` in memory, with their tokenizer and optimizer."""
+    """The weights of checkpoint ``ref`` in memory, with their tokenizer and optimizer (a learner that trains)."""
 
     ref: CheckpointRef
     model: torch.nn.Module
     tokenizer: object
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None
 
 
 class Learner:
-    """Holds at most one policy per process: load, keep, advance, drop; and what the update uses beside it."""
+    """Holds at most one policy per process: load, keep, advance, drop; and what the update uses beside it.
+    ``trains`` False: weights that only play (the asynchronous generator's), held without an optimizer,
+    whose state costs twice the weights."""
 
-    def __init__(self) -> None:
+    def __init__(self, trains: bool = True) -> None:
+        self.trains = trains
         self.current: Policy | None = None
         self._written: tuple[CheckpointRef, torch.nn.Module, object] | None = None  # see keep()
         self._reference: torch.nn.Module | None = None
@@ -58,15 +61,18 @@ class Learner:
         self._written = (ref, model, tokenizer)
 
     def get(self, cfg: TrainConfig, ref: CheckpointRef) -> Policy:
-        """Checkpoint ``ref`` in memory on the run's device, with its optimizer state."""
+        """Checkpoint ``ref`` in memory on the run's device, with its optimizer state if this learner trains."""
         if self.current is not None and self.current.ref == ref:
             return self.current
         torch.set_num_threads(max(1, torch.get_num_threads()))
+        self.current = None  # the version held so far goes before the next one loads, not after
         written, self._written = self._written, None
         model, tokenizer = written[1:] if written is not None and written[0] == ref else self.load(cfg, ref.path)
         model.to(resolve_device(cfg.model.device))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay)
-        load_optimizer_state(ref, optimizer)
+        optimizer = None
+        if self.trains:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay)
+            load_optimizer_state(ref, optimizer)
         self.current = Policy(ref, model, tokenizer, optimizer)
         return self.current
 

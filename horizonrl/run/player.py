@@ -5,7 +5,8 @@ steps: ``sync(cfg, policy)`` at a version boundary (the engine plays ``policy`` 
 ``play``/``play_branches`` straight into the rollout loop. Its engine is the transformers engine over its
 ``weights``' model (the learner's in a synchronous run, where an update moves the played weights in
 place), a vLLM engine that owns the process's server, or one that plays on a server another process
-keeps in sync (``Serving``). The asynchronous generator is a second player with its own weights.
+keeps in sync (``Serving``). The asynchronous generator is a second player with its own weights on the
+transformers engine; on vLLM it holds none (a sync is checked against the checkpoint's stored probe).
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from dataclasses import dataclass
 from horizonrl.config import TrainConfig
 from horizonrl.engines.base import Engine
 from horizonrl.engines.hf import TransformersEngine
-from horizonrl.engines.vllm import VLLMEngine, WeightSync, engine_from_config, probe_of
+from horizonrl.engines.vllm import VLLMEngine, WeightSync, engine_from_config
 from horizonrl.envs import EnvSuite, make_suite, suite_ref
 from horizonrl.envs.batch import EpisodeBatch, InProcess
 from horizonrl.envs.pool import EnvPool
 from horizonrl.models import lora
 from horizonrl.models.loading import policy_tokenizer, resolve_device
+from horizonrl.models.probe import Probe, probe_of, stored_probe
 from horizonrl.rollout.branching import collect_branches, plan_branches
 from horizonrl.rollout.loop import SamplingSettings, Shard, collect, collect_seed
 from horizonrl.rollout.prompting import ChatFormat
@@ -100,6 +102,9 @@ class Player:
             return None
         if cfg.engine.name == "vllm":
             return self._serve(cfg, policy)
+        held = self.weights.current
+        if isinstance(self.engine, TransformersEngine) and (held is None or held.ref != policy):
+            self.engine = None  # it holds the version played so far: let that go before the next one loads
         model = self.weights.get(cfg, policy).model
         if not isinstance(self.engine, TransformersEngine) or self.engine.model is not model:
             device = str(resolve_device(cfg.model.device))
@@ -163,15 +168,22 @@ class Player:
         if policy.path == engine.policy_path or lora.is_adapter_dir(policy.path):
             engine.sync(policy.path)
         else:
-            model = self.weights.get(cfg, policy).model
-            training = model.training
-            model.eval()  # the probe is a forward pass as in sampling: dropout (if any) off
-            try:
-                probe = probe_of(model, model.get_input_embeddings().num_embeddings)
-            finally:
-                model.train(training)
-            engine.sync(policy.path, probe)
+            engine.sync(policy.path, self._probe(cfg, policy))
         return engine.last_sync if engine.last_sync is not before else None
+
+    def _probe(self, cfg: TrainConfig, policy: CheckpointRef) -> Probe:
+        """The probe ``policy``'s weights were written with; for a folder without one (a model folder, an older
+        checkpoint), computed from the weights held here when they are ``policy``'s, else from a copy loaded
+        for the call and dropped: a player that only serves keeps no model in memory."""
+        stored = stored_probe(policy.path)
+        if stored is not None:
+            return stored
+        held = self.weights.current
+        if held is not None and held.ref == policy:
+            model = held.model
+        else:
+            model = self.weights.load(cfg, policy.path)[0].to(resolve_device(cfg.model.device))
+        return probe_of(model, model.get_input_embeddings().num_embeddings)
 
     def _follow(self, cfg: TrainConfig, policy: CheckpointRef, serving: Serving) -> VLLMEngine:
         """An engine that plays on ``serving`` and never syncs it (its owner does): no weights loaded here."""

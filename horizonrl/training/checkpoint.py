@@ -1,5 +1,6 @@
-"""Checkpoints: the policy (safetensors, loadable as a transformers model), the optimizer state, the
-estimator's state (BLPO memory) and the run counters, written as one directory that appears atomically.
+"""Checkpoints: the policy (safetensors, loadable as a transformers model) with its probe (full weights,
+``models/probe.py``), the optimizer state, the estimator's state (BLPO memory) and the run counters, written
+as one directory that appears atomically.
 
 Each checkpoint's ``manifest.json``, written last, lists every file with its size and sha256. A resume
 verifies the newest checkpoint against it: a checkpoint with a part missing or changed is named with the
@@ -23,6 +24,8 @@ import torch
 
 from horizonrl.faults import kill_point
 from horizonrl.files import file_digest, fsync_dir
+from horizonrl.models.lora import is_adapter_dir
+from horizonrl.models.probe import save_probe
 
 STATE_FILE = "state.json"
 MANIFEST = "manifest.json"
@@ -69,6 +72,8 @@ def save_checkpoint(
     try:
         tmp.mkdir(parents=True)
         model.save_pretrained(tmp, safe_serialization=True)
+        if not is_adapter_dir(tmp):  # what a server synced to full weights is checked against (models/probe.py)
+            save_probe(model, tmp)
         tokenizer.save_pretrained(tmp)
         if optimizer is not None:
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
