@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import pyarrow as pa
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from horizonrl import faults
 from horizonrl.config import TrainConfig
-from horizonrl.rollout.loop import Shard
+from horizonrl.rollout.loop import Shard, split_shards
 from horizonrl.rollout.metrics import TASK_COLUMNS, check_complete, episode_metrics, sample_episodes, task_outcomes
-from horizonrl.rollout.records import EpisodeRecord
 from horizonrl.run.player import Player
 from horizonrl.seeding import derive_seed
-from horizonrl.store import episodes_table, iteration_dir, read_table, turns_table, write_table
+from horizonrl.store import StoreError, episodes_table, iteration_dir, read_table, turns_table, write_table
 from horizonrl.tracking.mlflow_runs import log_table
 from horizonrl.tracking.stats import paired_change
 from horizonrl.training.checkpoint import CheckpointRef
@@ -28,16 +30,69 @@ def evaluator(cfg: TrainConfig) -> Player:
 
 
 def play(
-    ctx: RunContext, policy: CheckpointRef, n_tasks: int, samples: int, greedy: bool, seed: int
-) -> list[EpisodeRecord]:
-    """The held-out episodes, every one played out: one the sampler failed (a vLLM server that died) fails
-    the task before anything is stored or logged, and its retry syncs, restarting a dead server."""
+    ctx: RunContext,
+    policy: CheckpointRef,
+    iteration: int,
+    kind: str,
+    n_tasks: int,
+    samples: int,
+    greedy: bool,
+    seed: int,
+) -> tuple[pa.Table, pa.Table]:
+    """The held-out episodes and turns as played (rows of kind ``initial``), every episode played out: one the
+    sampler failed (a vLLM server that died) fails the task before its block is stored, and the retry syncs,
+    restarting a dead server. Played in ``eval.block_tasks`` blocks (``split_shards``: rollout and group ids
+    as one batch numbers them); with more than one, each finished block is stored
+    (``<kind>-block-<b>-of-<n>-*.parquet`` in the iteration's folder) and a block stored by an earlier try of
+    this very evaluation (same checkpoint, tasks and sampling seeds) is read instead of played again."""
     cfg = ctx.cfg
     p = evaluator(cfg)
-    p.sync(cfg, policy)
-    records = p.play(cfg, Shard(0, p.task_pool(cfg, cfg.eval.split, n_tasks), 0, 0, seed), samples, greedy)
-    check_complete(records)
-    return records
+    tasks = p.task_pool(cfg, cfg.eval.split, n_tasks)
+    n_blocks = math.ceil(len(tasks) / cfg.eval.block_tasks) if cfg.eval.block_tasks else 1
+    d = iteration_dir(cfg.data_dir, cfg.experiment, cfg.run_name, iteration)
+    synced, episodes, turns = False, [], []
+    for shard in split_shards(tasks, n_blocks, samples, seed):
+        paths = [d / f"{kind}-block-{shard.index:04d}-of-{n_blocks:04d}-{t}.parquet" for t in ("turns", "episodes")]
+        stored = _stored_block(paths, shard, samples, policy.iteration) if n_blocks > 1 else None
+        if stored is None:
+            if not synced:
+                p.sync(cfg, policy)
+                synced = True
+            records = p.play(cfg, shard, samples, greedy)
+            check_complete(records)
+            stored = (
+                turns_table(records, policy.iteration),
+                episodes_table(records, cfg.run_name, iteration, policy.iteration),
+            )
+            if n_blocks > 1:  # turns first: the episodes file marks the block complete
+                for table, path, name in zip(stored, paths, ("turns", "episodes")):
+                    write_table(table, path, name)
+        turns.append(stored[0])
+        episodes.append(stored[1])
+    return pa.concat_tables(episodes), pa.concat_tables(turns)
+
+
+def _stored_block(paths: list[Path], shard: Shard, samples: int, version: int) -> tuple[pa.Table, pa.Table] | None:
+    """A block's (turns, episodes) stored by an earlier try, if both files read and hold exactly the episodes
+    this block plays: its rollout ids, tasks and sampling seeds, by checkpoint ``version``. Anything else
+    (a file cut short, another checkpoint's) is played again and overwritten."""
+    if not all(path.is_file() for path in paths):
+        return None
+    try:
+        turns, episodes = read_table(paths[0], "turns"), read_table(paths[1], "episodes")
+    except StoreError:
+        return None
+    ids = [shard.first_rollout_id + slot for slot in range(len(shard.tasks) * samples)]
+    want = {
+        "rollout_id": ids,
+        "task_id": [t.task_id for t in shard.tasks for _ in range(samples)],
+        "task_seed": [t.seed for t in shard.tasks for _ in range(samples)],
+        "sample_seed": [derive_seed(shard.seed, "sample", rid) for rid in ids],
+        "policy_version": [version] * len(ids),
+    }
+    if any(episodes[name].to_pylist() != values for name, values in want.items()):
+        return None
+    return turns, episodes
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=1, cache_policy=NONE)
@@ -51,23 +106,29 @@ def evaluate(
     At an ``end`` after iteration 0, the change from iteration 0 paired by task (``paired_figures``) too."""
     cfg = ctx.cfg
     n_tasks = cfg.eval.tasks_at(end)
-    sampled = play(ctx, policy, n_tasks, cfg.eval.samples, False, derive_seed(cfg.seed, "eval", iteration))
-    episodes = store_evaluation(ctx, iteration, policy, "eval", sampled)
+    seed = derive_seed(cfg.seed, "eval", iteration)
+    episodes, turns = play(ctx, policy, iteration, "eval", n_tasks, cfg.eval.samples, False, seed)
     metrics = episode_metrics(episodes)
     metrics[f"pass_at_{cfg.eval.samples}"] = metrics.pop("pass_at_k")
     metrics.pop("mixed_group_fraction")
     if end and iteration > 0:
         metrics.update(paired_figures(ctx, episodes))
+    greedy = None
     if cfg.eval.greedy:
-        greedy = play(ctx, policy, n_tasks, 1, True, derive_seed(cfg.seed, "eval-greedy", iteration))
-        greedy_metrics = episode_metrics(store_evaluation(ctx, iteration, policy, "eval_greedy", greedy))
+        seed = derive_seed(cfg.seed, "eval-greedy", iteration)
+        greedy = play(ctx, policy, iteration, "eval_greedy", n_tasks, 1, True, seed)
+        greedy_metrics = episode_metrics(greedy[0])
         metrics.update(
             {f"greedy_{k}": greedy_metrics[k] for k in ("success_rate", "mean_return", "mean_turns", "invalid_rate")}
         )
+    store_evaluation(ctx, iteration, "eval", episodes, turns)
+    if greedy is not None:
+        store_evaluation(ctx, iteration, "eval_greedy", *greedy)
     faults.kill_point("evaluate", iteration)
     if not logged(ctx, "eval/success_rate", iteration):
-        log_table(ctx.mlflow(), ctx.mlflow_run_id, sample_episodes(sampled), f"episodes/eval_iter_{iteration:05d}.json")
-    trace_evaluation(ctx, iteration, sampled, policy.iteration)
+        table = sample_episodes(episodes, turns)
+        log_table(ctx.mlflow(), ctx.mlflow_run_id, table, f"episodes/eval_iter_{iteration:05d}.json")
+    trace_evaluation(ctx, iteration, episodes, turns)
     if env_steps is not None:
         log_success_by_env_steps(ctx, env_steps, metrics["success_rate"])
     log_stage(ctx, "eval", metrics, iteration)
@@ -84,7 +145,7 @@ def evaluate(
         iteration,
         metrics["success_rate"],
         greedy_text,  # nothing for greedy decoding when it did not run (eval.greedy off)
-        len(sampled),
+        episodes.num_rows,
         paired_text,  # nothing but at the run's last end
     )
     return metrics
@@ -109,20 +170,18 @@ def paired_figures(ctx: RunContext, episodes: pa.Table) -> dict[str, float]:
     }
 
 
-def store_evaluation(
-    ctx: RunContext, iteration: int, policy: CheckpointRef, kind: str, records: list[EpisodeRecord]
-) -> pa.Table:
+def store_evaluation(ctx: RunContext, iteration: int, kind: str, episodes: pa.Table, turns: pa.Table) -> None:
     """Write an evaluation's episodes and turns beside the iteration's training rollouts,
     ``iter=<n>/<kind>-episodes.parquet`` and ``<kind>-turns.parquet`` (``kind`` eval or eval_greedy, also
     the rows' ``kind``; ``family`` names the game, ``task_seed`` and ``sample_seed`` the seeds), so what
-    was evaluated can be read back like the rollouts. Returns the episodes table as the figures read it.
+    was evaluated can be read back like the rollouts; then remove its blocks, if it was played in blocks.
     A retry or a resumed run rewrites the same files (fixed seeds)."""
     cfg = ctx.cfg
-    table = episodes_table(records, cfg.run_name, iteration, policy.iteration)
-    stored = table.set_column(
-        table.schema.get_field_index("kind"), "kind", pa.array([kind] * table.num_rows, pa.string())
+    stored = episodes.set_column(
+        episodes.schema.get_field_index("kind"), "kind", pa.array([kind] * episodes.num_rows, pa.string())
     )
     d = iteration_dir(cfg.data_dir, cfg.experiment, cfg.run_name, iteration)
-    write_table(turns_table(records, policy.iteration), d / f"{kind}-turns.parquet", "turns")
+    write_table(turns, d / f"{kind}-turns.parquet", "turns")
     write_table(stored, d / f"{kind}-episodes.parquet", "episodes")
-    return table  # the rows as played (kind initial), which the figures are computed over
+    for block in d.glob(f"{kind}-block-*.parquet"):
+        block.unlink()

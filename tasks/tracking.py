@@ -19,7 +19,6 @@ from horizonrl import store
 from horizonrl.files import file_digest
 from horizonrl.models import lora
 from horizonrl.rollout.metrics import episode_metrics
-from horizonrl.rollout.records import EpisodeRecord
 from horizonrl.seeding import derive_seed
 from horizonrl.tracking import mlflow_runs, traces
 from horizonrl.training.checkpoint import CheckpointRef
@@ -89,14 +88,14 @@ def trace_training(ctx: RunContext, iteration: int, episodes_path: str, turns_pa
     log_stage(ctx, "trace/train", stats, iteration)
 
 
-def trace_evaluation(ctx: RunContext, iteration: int, records: list[EpisodeRecord], policy_version: int) -> None:
-    """The first ``trace.eval_episodes`` held-out episodes (by rollout id) as traces; figures under
-    ``trace/eval/``."""
-    chosen = sorted(records, key=lambda r: r.rollout_id)[: ctx.cfg.trace.eval_episodes]
+def trace_evaluation(ctx: RunContext, iteration: int, episodes: pa.Table, turns: pa.Table) -> None:
+    """The first ``trace.eval_episodes`` held-out episodes (by rollout id) of an evaluation's ``episodes`` and
+    ``turns`` as played, as traces; figures under ``trace/eval/``."""
+    chosen = sorted(episodes["rollout_id"].to_pylist())[: ctx.cfg.trace.eval_episodes]
     if not chosen:
         return
-    episodes = store.episodes_table(chosen, ctx.cfg.run_name, iteration, policy_version)
-    stats = traces.log_episodes(_target(ctx), "eval", iteration, episodes, store.turns_table(chosen, policy_version))
+    picked = store.select_rollouts(episodes, chosen)
+    stats = traces.log_episodes(_target(ctx), "eval", iteration, picked, store.select_rollouts(turns, chosen))
     log_stage(ctx, "trace/eval", stats, iteration)
 
 

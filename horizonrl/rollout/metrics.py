@@ -84,22 +84,11 @@ def branch_metrics(episodes: pa.Table) -> dict[str, float]:
     }
 
 
-def sample_episodes(records: list[EpisodeRecord], n: int = 8) -> pd.DataFrame:
-    """A few episodes as a readable table (one row per turn) for MLflow's table view."""
-    rows = []
-    for r in records[:n]:
-        for t in r.turns:
-            rows.append(
-                {
-                    "rollout_id": r.rollout_id,
-                    "task_id": r.task.task_id,
-                    "turn": t.turn,
-                    "observation": t.observation,
-                    "action": t.action,
-                    "reward": t.reward,
-                    "valid": t.valid,
-                    "won": t.won,
-                    "status": r.status,
-                }
-            )
-    return pd.DataFrame(rows)
+def sample_episodes(episodes: pa.Table, turns: pa.Table, n: int = 8) -> pd.DataFrame:
+    """The first ``n`` episodes of ``episodes`` as a readable table (one row per turn, from ``turns``) for
+    MLflow's table view."""
+    first = episodes.slice(0, n).select(["rollout_id", "task_id", "status"]).to_pandas()
+    played = turns.select(["rollout_id", "turn", "observation", "action", "reward", "valid", "won"]).to_pandas()
+    rows = first.merge(played[played["rollout_id"].isin(first["rollout_id"])], on="rollout_id", how="inner")
+    columns = ["rollout_id", "task_id", "turn", "observation", "action", "reward", "valid", "won", "status"]
+    return rows[columns].sort_values(["rollout_id", "turn"], kind="stable").reset_index(drop=True)
