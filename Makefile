@@ -70,15 +70,16 @@ bench: setup  ## the benchmark suite; writes its table into docs/benchmarks.md
 # The prompted SmolLM2-135M-Instruct, untrained, on 200 held-out tasks per cell: household easy and TextWorld
 # coin, admissible commands listed and free ReAct replies; full context on the vLLM server (its prefix cache
 # serves every turn's history). Each cell is its own MLflow run in experiment smollm2-baseline, which the
-# SmolLM2 results page lists (configs/sweeps/smollm2_household_easy.yaml). Beside a run that has its own vLLM
-# server: ARGS="--set engine.vllm.port=8012".
+# SmolLM2 results page lists (configs/sweeps/smollm2_household_easy.yaml). Blocks of 50 tasks: a retry (a
+# request that timed out) replays only the block it failed in. Beside a run that has its own vLLM server:
+# ARGS="--set engine.vllm.port=8012".
 BASELINE_CONFIGS ?= configs/loop_household_easy.yaml configs/loop_textworld_coin.yaml
 BASELINE_MODES ?= admissible free
 BASELINE_FREE := --set rollout.action_mode=free --set rollout.free_format=react --set rollout.format_penalty=0.1 --set rollout.max_action_tokens=48
 smollm2-baselines: setup-test  ## the untrained SmolLM2's held-out success, 200 tasks per cell (its results page)
 	for config in $(BASELINE_CONFIGS); do for mode in $(BASELINE_MODES); do \
 	  $(BIN)/horizonrl evaluate --model smollm2-135m-instruct --config $$config --n-tasks 200 \
-	    --set experiment=smollm2-baseline --set eval.greedy=false --set rollout.prompt=listed \
+	    --set experiment=smollm2-baseline --set eval.greedy=false --set eval.block_tasks=50 --set rollout.prompt=listed \
 	    --set rollout.context=full --set engine.name=vllm --set engine.vllm.cpu_kvcache_gib=4 $$([ $$mode = free ] && echo "$(BASELINE_FREE)") $(ARGS) || exit 1; \
 	done; done
 
