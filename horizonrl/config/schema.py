@@ -262,11 +262,12 @@ class EvalConfig(Strict):
     greedy: bool = True
     """Also evaluate greedy decoding."""
     block_tasks: int | None = Field(None, ge=1)
-    """Held-out tasks per block: an evaluation plays its tasks in fixed blocks, one after another, and stores
-    each finished block, so a retry, or a training run resumed after a kill, starts at the first block not
-    stored instead of replaying them all (a real model's 500-task evaluation on CPU takes 20-60 minutes).
-    None: one block, every episode in one batch. Each block samples with its own seed, so the field changes
-    which actions are sampled (not which tasks are played): keep it fixed within a comparison."""
+    """Held-out tasks per block (at most: the blocks are as even as can be). An evaluation plays its tasks in
+    fixed blocks, one after another, and stores each finished block, so a retry, or a training run resumed
+    after a kill, starts at the first block not stored instead of replaying them all (a real model's
+    500-task evaluation on CPU takes 20-60 minutes). None: one block, every episode in one batch. Each block
+    samples with its own seed, so the field changes which actions are sampled (not which tasks are played):
+    keep it fixed within a comparison."""
 
     def tasks_at(self, end: bool) -> int:
         """Held-out tasks in an evaluation: ``n_tasks_ends`` at the run's two ends, else ``n_tasks``."""
