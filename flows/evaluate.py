@@ -38,6 +38,7 @@ from tasks.run import run_params
 
 SOURCE_TAG = "horizonrl.source_run_id"
 PROCESS_TAG = "horizonrl.process"  # <host>:<pid> of the process evaluating, to find a killed one later
+CONTINUES_TAG = "horizonrl.continues_run_id"  # the unfinished evaluation whose stored blocks this one read
 # What ``evaluate --set`` may change: where and how the policy plays, and where results go. The method,
 # the update, the model and its training settings are the source's (the policy evaluated is its own).
 EVAL_SETTABLE = (
@@ -191,6 +192,27 @@ def mark_killed_evaluations(c: MlflowClient, experiment: str) -> list[str]:
     return marked
 
 
+def continued_evaluation(c: MlflowClient, cfg: TrainConfig, params: dict[str, str]) -> Any | None:
+    """The newest evaluation run of ``cfg.experiment`` that ended unfinished (KILLED or FAILED) with these very
+    ``params`` but its name, and left blocks of its evaluation stored (``eval.block_tasks``); None if there is
+    none. The new evaluation takes its name, and so its folder, and plays only the blocks not stored."""
+    exp = c.get_experiment_by_name(cfg.experiment)
+    if exp is None or cfg.eval.block_tasks is None:
+        return None
+    mine = {k: v for k, v in params.items() if k != "run_name"}
+    for run in c.search_runs(
+        [exp.experiment_id], "tags.`horizonrl.kind` = 'evaluation'", order_by=["attributes.start_time DESC"]
+    ):
+        folder = Path(cfg.data_dir) / cfg.experiment / run.info.run_name
+        if (
+            run.info.status in ("KILLED", "FAILED")
+            and {k: v for k, v in run.data.params.items() if k != "run_name"} == mine
+            and any(folder.glob("iter=*/eval*-block-*.parquet"))
+        ):
+            return run
+    return None
+
+
 @flow(name="evaluate", log_prints=True)
 def evaluate_policy(
     source: str | None = None,
@@ -223,6 +245,15 @@ def evaluate_policy(
         source_run_id, model_uri, origin = None, model, mlflow_runs.lineage_tags(c, model, policy.path)
     for name in mark_killed_evaluations(c, cfg.experiment):
         print(f"evaluation run {name} was left RUNNING by a killed process; marked KILLED")
+    params = run_params(cfg, policy.path)
+    earlier = continued_evaluation(c, cfg, params)
+    if earlier is not None:  # its name, so its folder: the blocks it stored are read, not played again
+        cfg = cfg.model_copy(update={"run_name": earlier.info.run_name})
+        params["run_name"] = cfg.run_name
+        origin = {**origin, CONTINUES_TAG: earlier.info.run_id}
+        print(
+            f"continuing evaluation run {cfg.run_name} ({earlier.info.status}): its stored blocks are not played again"
+        )
     tags = {
         **origin,
         "horizonrl.kind": "evaluation",
@@ -235,7 +266,7 @@ def evaluate_policy(
     }
     run_id = mlflow_runs.create_run(c, cfg.experiment, cfg.run_name, tags)
     try:
-        mlflow_runs.log_params(c, run_id, run_params(cfg, policy.path))
+        mlflow_runs.log_params(c, run_id, params)
         ctx = RunContext(cfg, str(Path(cfg.data_dir) / cfg.experiment / cfg.run_name), c.tracking_uri, run_id)
         # a finished policy: judged as a run's last evaluation; this run has no rollouts to count steps of
         metrics = evaluate(ctx, policy, policy.iteration, end=True)

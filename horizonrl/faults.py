@@ -10,6 +10,8 @@ Points where the process SIGKILLs itself (nothing after the point runs, not even
 - ``update``: the PPO epochs are done in memory, the checkpoint is not written yet
 - ``checkpoint``: inside the checkpoint write, every file is in the temporary folder, before the rename
 - ``evaluate``: the held-out episodes are played, nothing of them is logged yet
+- ``eval-block`` (iteration = block index): an evaluation played in blocks (``eval.block_tasks``) has stored
+  that block, the next is not played yet
 - ``trace``: half of the iteration's sampled training episodes are logged as MLflow traces, the rest not yet
 - ``update-rank``: with ``update.world_size`` > 1, the last rank of the update's process group, on receiving
   the iteration's job (the flow's process lives on and sees the rank die)
@@ -31,7 +33,18 @@ from contextlib import contextmanager
 import torch
 
 ENV = "HORIZONRL_FAULT"
-KILL_POINTS = ("collect", "advantage", "update", "checkpoint", "evaluate", "trace", "update-rank", "clone", "recompute")
+KILL_POINTS = (
+    "collect",
+    "advantage",
+    "update",
+    "checkpoint",
+    "evaluate",
+    "eval-block",
+    "trace",
+    "update-rank",
+    "clone",
+    "recompute",
+)
 POINTS = (*KILL_POINTS, "nan-grad")
 
 

@@ -67,6 +67,9 @@ def play(
             if n_blocks > 1:  # turns first: the episodes file marks the block complete
                 for table, path, name in zip(stored, paths, ("turns", "episodes")):
                     write_table(table, path, name)
+                faults.kill_point("eval-block", shard.index)
+        else:
+            get_run_logger().info("%s block %d of %d: read as an earlier try stored it", kind, shard.index, n_blocks)
         turns.append(stored[0])
         episodes.append(stored[1])
     return pa.concat_tables(episodes), pa.concat_tables(turns)

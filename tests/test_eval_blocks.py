@@ -1,13 +1,20 @@
 """An evaluation played in blocks (``eval.block_tasks``) resumes at the first block not stored: a failure in
 the middle of one replays only that block and the ones after it, and the evaluation ends with what an
-uninterrupted one stores and logs. Real train flows (the session's Prefect harness), MLflow on SQLite,
+uninterrupted one stores and logs; a killed ``horizonrl evaluate`` is continued by the next one with the
+same settings. Real train flows (the session's Prefect harness), ``horizonrl`` processes, MLflow on SQLite,
 Parquet files and the household environment."""
 
 from __future__ import annotations
 
-import pyarrow as pa
-from flowkit import run_of, tiny_config
+import signal
 
+import pyarrow as pa
+import pytest
+import yaml
+from flowkit import run_of, tiny_config
+from test_reliability import api_url, finish, start_cli  # noqa: F401
+
+from flows.evaluate import CONTINUES_TAG
 from horizonrl import store
 from horizonrl.rollout.loop import split_shards
 from horizonrl.run.player import Player
@@ -92,3 +99,50 @@ def test_a_stored_block_is_read_only_when_it_holds_the_episodes_the_block_plays(
     assert _stored_block(paths, split_shards(tasks, 2, 1, 7)[0], 1, 3) is None  # another block's tasks
     paths[1].write_bytes(paths[1].read_bytes()[:-20])  # a file cut short
     assert _stored_block(paths, shard, 1, 3) is None
+
+
+@pytest.mark.slow
+def test_a_killed_model_evaluation_is_continued_by_the_next_with_the_same_settings(
+    api_url,  # noqa: F811
+    tiny_policy_dir,
+    tmp_path,
+    monkeypatch,
+):
+    """``horizonrl evaluate --model`` in blocks of 2 of 5 tasks, killed once its block 1 is stored: the next
+    evaluate with the same settings marks it KILLED, takes its name (its folder), reads blocks 0 and 1 and
+    plays block 2 only; its tables and success equal an evaluation that was never killed."""
+    cfg = tiny_config(tmp_path, f"sqlite:///{tmp_path}/mlflow.db")
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    args = ["evaluate", "--model", str(tiny_policy_dir), "--config", str(tmp_path / "cfg.yaml"), "--n-tasks", "5"]
+    args += ["--set", "eval.block_tasks=2", "--set", "eval.greedy=false"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", cfg["tracking_uri"])  # where evaluate records (start_cli passes it)
+    killed = start_cli({}, api_url, tmp_path / "killed.log", "eval-block:1", command=args)
+    assert finish(killed) == -signal.SIGKILL
+    log = tmp_path / "again.log"
+    assert finish(start_cli({}, api_url, log, command=args)) == 0, log.read_text()[-3000:]
+    straight = tmp_path / "straight"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{straight}/mlflow.db")
+    other = ["--set", f"data_dir={straight / 'data'}"]
+    assert finish(start_cli({}, api_url, tmp_path / "straight.log", command=args + other)) == 0
+
+    text = log.read_text()
+    assert "continuing evaluation run" in text
+    assert "eval block 0 of 3: read" in text and "eval block 1 of 3: read" in text
+    assert "eval block 2 of 3: read" not in text
+    c = MlflowClient(cfg["tracking_uri"])
+    runs = c.search_runs([c.get_experiment_by_name("test").experiment_id], order_by=["attributes.start_time ASC"])
+    assert [r.info.status for r in runs] == ["KILLED", "FINISHED"]
+    first, second = runs
+    assert second.info.run_name == first.info.run_name and second.data.tags[CONTINUES_TAG] == first.info.run_id
+    s = MlflowClient(f"sqlite:///{straight}/mlflow.db")
+    (alone,) = s.search_runs([s.get_experiment_by_name("test").experiment_id])
+    assert second.data.metrics["eval/success_rate"] == alone.data.metrics["eval/success_rate"]
+    tables = []
+    for root, run in ((tmp_path / "data", second), (straight / "data", alone)):
+        d = store.iteration_dir(root, "test", run.info.run_name, 0)
+        assert not list(d.glob("eval-block-*"))
+        episodes = store.read_table(d / "eval-episodes.parquet", "episodes").drop_columns(["run_name"])
+        turns = store.read_table(d / "eval-turns.parquet", "turns").drop_columns(list(TIMING))
+        tables.append((episodes, turns))
+    assert tables[0][0].num_rows == 5
+    assert all(a.equals(b) for a, b in zip(*tables))
