@@ -265,9 +265,9 @@ class EvalConfig(Strict):
     """Held-out tasks per block (at most: the blocks are as even as can be). An evaluation plays its tasks in
     fixed blocks, one after another, and stores each finished block, so a retry, a training run resumed after
     a kill, or the next ``horizonrl evaluate`` with the same settings after one was killed starts at the first
-    block not stored instead of replaying them all (a real model's 500-task evaluation on CPU: 20-60 minutes). None: one block, every episode in one batch. Each block
-    samples with its own seed, so the field changes which actions are sampled (not which tasks are played):
-    keep it fixed within a comparison."""
+    block not stored instead of replaying them all (a real model's 500-task evaluation on CPU: 20-60 minutes).
+    None: one block, every episode in one batch. Each block samples with its own seed, so the field changes
+    which actions are sampled (not which tasks are played): keep it fixed within a comparison."""
 
     def tasks_at(self, end: bool) -> int:
         """Held-out tasks in an evaluation: ``n_tasks_ends`` at the run's two ends, else ``n_tasks``."""
