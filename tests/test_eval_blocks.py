@@ -14,7 +14,7 @@ import yaml
 from flowkit import run_of, tiny_config
 from test_reliability import api_url, finish, start_cli  # noqa: F401
 
-from flows.evaluate import CONTINUES_TAG
+from flows.evaluate import CONTINUES_TAG, evaluate_policy
 from horizonrl import store
 from horizonrl.rollout.loop import split_shards
 from horizonrl.run.player import Player
@@ -104,6 +104,7 @@ def test_a_stored_block_is_read_only_when_it_holds_the_episodes_the_block_plays(
 @pytest.mark.slow
 def test_a_killed_model_evaluation_is_continued_by_the_next_with_the_same_settings(
     api_url,  # noqa: F811
+    prefect_harness,
     tiny_policy_dir,
     tmp_path,
     monkeypatch,
@@ -120,10 +121,14 @@ def test_a_killed_model_evaluation_is_continued_by_the_next_with_the_same_settin
     assert finish(killed) == -signal.SIGKILL
     log = tmp_path / "again.log"
     assert finish(start_cli({}, api_url, log, command=args)) == 0, log.read_text()[-3000:]
-    straight = tmp_path / "straight"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{straight}/mlflow.db")
-    other = ["--set", f"data_dir={straight / 'data'}"]
-    assert finish(start_cli({}, api_url, tmp_path / "straight.log", command=args + other)) == 0
+    straight = tmp_path / "straight"  # the same evaluation, never killed: in this process (a process less)
+    evaluate_policy(
+        n_tasks=5,
+        tracking_uri=f"sqlite:///{straight}/mlflow.db",
+        overrides=["eval.block_tasks=2", "eval.greedy=false", f"data_dir={straight / 'data'}"],
+        model=str(tiny_policy_dir),
+        config_path=str(tmp_path / "cfg.yaml"),
+    )
 
     text = log.read_text()
     assert "continuing evaluation run" in text
