@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -106,7 +107,9 @@ def evaluate(
     ``eval.n_tasks_ends`` at the run's two ``end``s); sampling seeds fixed by (seed, iteration). Logs nothing
     until every figure is computed, so a retry logs once. ``env_steps``: the run's environment steps so far
     (the train flow's count); without it (the evaluate command, a warm start) no ``eval/success_by_env_steps``.
-    At an ``end`` after iteration 0, the change from iteration 0 paired by task (``paired_figures``) too."""
+    At an ``end`` after iteration 0, the change from iteration 0 paired by task (``paired_figures``) too; and
+    ``time/eval_s``, the wall seconds of the try that finished it."""
+    t0 = time.perf_counter()
     cfg = ctx.cfg
     n_tasks = cfg.eval.tasks_at(end)
     seed = derive_seed(cfg.seed, "eval", iteration)
@@ -135,6 +138,9 @@ def evaluate(
     if env_steps is not None:
         log_success_by_env_steps(ctx, env_steps, metrics["success_rate"])
     log_stage(ctx, "eval", metrics, iteration)
+    log_stage(
+        ctx, "time", {"eval_s": time.perf_counter() - t0}, iteration
+    )  # this try's; with the iterations', a run's cost
     greedy_text = f" (greedy {metrics['greedy_success_rate']:.3f})" if "greedy_success_rate" in metrics else ""
     paired_text = (
         f"; paired change from iteration 0 {100 * metrics['paired_change']:+.1f} points "

@@ -51,6 +51,8 @@ def test_train_flow_logs_every_stage(prefect_harness, tmp_path, tracking_uri, mo
     for key in ("collect/success_rate", "advantage/kept_fraction", "update/steps", "time/iteration_s"):
         assert steps(c, run.info.run_id, key) == [1, 2], key
     assert steps(c, run.info.run_id, "eval/success_rate") == [0, 1, 2]
+    assert steps(c, run.info.run_id, "time/eval_s") == [0, 1, 2]
+    assert all(m.value > 0 for m in c.get_metric_history(run.info.run_id, "time/eval_s"))
     assert _episodes_by_step(c, run.info.run_id) == {0: 4, 1: 3, 2: 4}, (
         "eval.n_tasks_ends at the two ends, eval.n_tasks between"
     )
