@@ -194,9 +194,10 @@ def real_model_check(path: Path, out: Path, device: str, tolerance: float, tasks
     after the sync and the sync was in place. Returns the figures; prints them."""
     from benchmarks.pipeline import learn
     from horizonrl.config import load_config
-    from horizonrl.engines.vllm import engine_from_config, probe_of
+    from horizonrl.engines.vllm import engine_from_config
     from horizonrl.engines.vllm_server import free_port
     from horizonrl.models.loading import load_policy, resolve_device, resolve_dtype
+    from horizonrl.models.probe import probe_of
     from horizonrl.rollout.loop import SamplingSettings, collect
     from horizonrl.rollout.prompting import ChatFormat
     from horizonrl.run.learner import Learner
