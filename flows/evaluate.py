@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from mlflow.entities import Run
 from mlflow.exceptions import MlflowException
 from prefect import flow
 from pydantic import ValidationError
@@ -33,7 +34,7 @@ from horizonrl.tracking.stats import wilson
 from horizonrl.training.checkpoint import CheckpointRef
 from mlflow import MlflowClient
 from tasks.context import PLAYER, RunContext
-from tasks.evaluate import evaluate, evaluator
+from tasks.evaluate import block_files, evaluate, evaluator
 from tasks.run import run_params
 
 SOURCE_TAG = "horizonrl.source_run_id"
@@ -192,7 +193,7 @@ def mark_killed_evaluations(c: MlflowClient, experiment: str) -> list[str]:
     return marked
 
 
-def continued_evaluation(c: MlflowClient, cfg: TrainConfig, params: dict[str, str]) -> Any | None:
+def continued_evaluation(c: MlflowClient, cfg: TrainConfig, params: dict[str, str]) -> Run | None:
     """The newest evaluation run of ``cfg.experiment`` that ended unfinished (KILLED or FAILED) with these very
     ``params`` but its name, and left blocks of its evaluation stored (``eval.block_tasks``); None if there is
     none. The new evaluation takes its name, and so its folder, and plays only the blocks not stored."""
@@ -207,7 +208,7 @@ def continued_evaluation(c: MlflowClient, cfg: TrainConfig, params: dict[str, st
         if (
             run.info.status in ("KILLED", "FAILED")
             and {k: v for k, v in run.data.params.items() if k != "run_name"} == mine
-            and any(folder.glob("iter=*/eval*-block-*.parquet"))
+            and any(block_files(d, "eval*") for d in folder.glob("iter=*"))
         ):
             return run
     return None

@@ -83,7 +83,7 @@ def _stored_block(paths: list[Path], shard: Shard, samples: int, version: int) -
     if not all(path.is_file() for path in paths):
         return None
     try:
-        turns, episodes = read_table(paths[0], "turns"), read_table(paths[1], "episodes")
+        episodes = read_table(paths[1], "episodes")
     except StoreError:
         return None
     ids = [shard.first_rollout_id + slot for slot in range(len(shard.tasks) * samples)]
@@ -96,7 +96,15 @@ def _stored_block(paths: list[Path], shard: Shard, samples: int, version: int) -
     }
     if any(episodes[name].to_pylist() != values for name, values in want.items()):
         return None
-    return turns, episodes
+    try:  # read only once the episodes say the block is this one
+        return read_table(paths[0], "turns"), episodes
+    except StoreError:
+        return None
+
+
+def block_files(d: Path, kind: str) -> list[Path]:
+    """The stored blocks of ``kind`` evaluations (a glob pattern: ``eval*`` for both kinds) in folder ``d``."""
+    return sorted(d.glob(f"{kind}-block-*.parquet"))
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=1, cache_policy=NONE)
@@ -192,5 +200,5 @@ def store_evaluation(ctx: RunContext, iteration: int, kind: str, episodes: pa.Ta
     d = iteration_dir(cfg.data_dir, cfg.experiment, cfg.run_name, iteration)
     write_table(turns, d / f"{kind}-turns.parquet", "turns")
     write_table(stored, d / f"{kind}-episodes.parquet", "episodes")
-    for block in d.glob(f"{kind}-block-*.parquet"):
+    for block in block_files(d, kind):
         block.unlink()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from horizonrl.rollout.records import ENGINE_FAULT, EpisodeRecord
 
@@ -87,8 +88,9 @@ def branch_metrics(episodes: pa.Table) -> dict[str, float]:
 def sample_episodes(episodes: pa.Table, turns: pa.Table, n: int = 8) -> pd.DataFrame:
     """The first ``n`` episodes of ``episodes`` as a readable table (one row per turn, from ``turns``) for
     MLflow's table view."""
-    first = episodes.slice(0, n).select(["rollout_id", "task_id", "status"]).to_pandas()
-    played = turns.select(["rollout_id", "turn", "observation", "action", "reward", "valid", "won"]).to_pandas()
-    rows = first.merge(played[played["rollout_id"].isin(first["rollout_id"])], on="rollout_id", how="inner")
+    first = episodes.slice(0, n).select(["rollout_id", "task_id", "status"])
+    mine = turns.filter(pc.is_in(turns["rollout_id"], value_set=first["rollout_id"].combine_chunks()))
+    played = mine.select(["rollout_id", "turn", "observation", "action", "reward", "valid", "won"]).to_pandas()
+    rows = first.to_pandas().merge(played, on="rollout_id", how="inner")
     columns = ["rollout_id", "task_id", "turn", "observation", "action", "reward", "valid", "won", "status"]
     return rows[columns].sort_values(["rollout_id", "turn"], kind="stable").reset_index(drop=True)

@@ -60,9 +60,13 @@ class Learner:
         self.current = None
         self._written = (ref, model, tokenizer)
 
+    def holds(self, ref: CheckpointRef) -> bool:
+        """Whether checkpoint ``ref`` is the policy in memory."""
+        return self.current is not None and self.current.ref == ref
+
     def get(self, cfg: TrainConfig, ref: CheckpointRef) -> Policy:
         """Checkpoint ``ref`` in memory on the run's device, with its optimizer state if this learner trains."""
-        if self.current is not None and self.current.ref == ref:
+        if self.holds(ref):
             return self.current
         torch.set_num_threads(max(1, torch.get_num_threads()))
         self.current = None  # the version held so far goes before the next one loads, not after

@@ -102,8 +102,7 @@ class Player:
             return None
         if cfg.engine.name == "vllm":
             return self._serve(cfg, policy)
-        held = self.weights.current
-        if isinstance(self.engine, TransformersEngine) and (held is None or held.ref != policy):
+        if isinstance(self.engine, TransformersEngine) and not self.weights.holds(policy):
             self.engine = None  # it holds the version played so far: let that go before the next one loads
         model = self.weights.get(cfg, policy).model
         if not isinstance(self.engine, TransformersEngine) or self.engine.model is not model:
@@ -178,9 +177,8 @@ class Player:
         stored = stored_probe(policy.path)
         if stored is not None:
             return stored
-        held = self.weights.current
-        if held is not None and held.ref == policy:
-            model = held.model
+        if self.weights.holds(policy):
+            model = self.weights.current.model
         else:
             model = self.weights.load(cfg, policy.path)[0].to(resolve_device(cfg.model.device))
         return probe_of(model, model.get_input_embeddings().num_embeddings)
