@@ -49,7 +49,7 @@ run: setup  ## train the main run (CONFIG=..., ARGS="--set key=value")
 	$(BIN)/horizonrl train --config $(CONFIG) $(ARGS)
 
 test: setup-test lint  ## setup-test, ruff, then the whole suite (what CI runs)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not gpu" $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not gpu" --durations=15 $(ARGS)
 
 # The edit-test loop: unit tests only (no end-to-end run, nothing from setup-test: the tests that need it are
 # marked `extra`; under 2 minutes on 2 cores). CI runs `make test`.
