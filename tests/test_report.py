@@ -366,6 +366,8 @@ def test_the_starting_policy_as_the_cells_evaluated_it_counts_each_seed_once():
         f"| the same, as the cells first evaluated it | 3 | 0.200 [{low:.3f}, {high:.3f}] |"
         in results_page.results_page(cells, CTX, FIGURES)
     )
+    own = results_page.results_page(cells, replace(CTX, warm_start=None), FIGURES)  # each seed warm-started alone
+    assert f"| starting policies | 3 | 0.200 [{low:.3f}, {high:.3f}] |" in own and "the warm start:" not in own
     other = replace(cells[0], success={**cells[0].success, 0: 0.25})  # one cell of seed 0 started elsewhere
     assert report.cells_start([other, *cells[1:]]) is None and report.cells_start(_fixture()) is None  # no counts
 

@@ -138,14 +138,20 @@ def results_page(cells: list[CellHistory], ctx: PageContext, figures: dict[str, 
         "",
         "## Held-out success",
         "",
-        *_table_lines(summaries, ctx.warm_start, cells_start(cells) if ctx.warm_start else None),
+        *_table_lines(summaries, ctx.warm_start, cells_start(cells)),
         "",
         "Each cell: mean over seeds [95% percentile-bootstrap interval of the mean, resampling seeds]; "
-        "the warm start: its own last evaluation, and below it the cells' first evaluations of the same policy "
-        "[95% Wilson interval over the held-out episodes]; they differ only in the sampling seed, so their gap is "
-        "the evaluation's noise. "
-        "AUC: area under success against iteration over the iterations spanned (the curve's mean height). "
-        "Change: final minus the cell's first evaluation (its starting policy, evaluated in the same run).",
+        + (
+            "the warm start: its own last evaluation, and below it the cells' first evaluations of the same policy "
+            "[95% Wilson interval over the held-out episodes]; they differ only in the sampling seed, so their gap "
+            "is the evaluation's noise. "
+            if ctx.warm_start
+            else "the starting policies: each seed's first evaluation (before any update: where the recipe warm-starts "
+            "each seed, that seed's own warm start) pooled over the seeds [95% Wilson interval over the held-out "
+            "episodes]. "
+        )
+        + "AUC: area under success against iteration over the iterations spanned (the curve's mean height). "
+        + "Change: final minus the cell's first evaluation (its starting policy, evaluated in the same run).",
         "",
     ]
     lines += _separation_warnings(summaries)
@@ -223,8 +229,9 @@ def _table_lines(
     if start is not None:
         p, seeds = start
         low, high = wilson(p.rate, p.episodes)
+        label = "the same, as the cells first evaluated it" if warm is not None else "starting policies"
         lines.append(
-            f"| the same, as the cells first evaluated it | {seeds} | {p.rate:.3f} [{low:.3f}, {high:.3f}] | | | | | "
+            f"| {label} | {seeds} | {p.rate:.3f} [{low:.3f}, {high:.3f}] | | | | | "
             "| | "
             f"each seed's first evaluation, pooled over {p.episodes:,} episodes |"
         )
