@@ -54,11 +54,7 @@ def run_quick(tmp_path, capsys, sections: list[str]) -> None:
     assert main(["--quick", "--no-mlflow", "--out", str(tmp_path), "--only", *sections]) == 0
     printed = capsys.readouterr().out
     figures = {f["name"]: f for f in json.loads((tmp_path / "figures.json").read_text())["figures"]}
-    expected = (
-        [name for s in sections for name in FIGURES[s]]
-        + ["suite/seconds"]
-        + (["real/section_s"] if "real" in sections else [])
-    )
+    expected = [name for s in sections for name in FIGURES[s]] + ["suite/seconds"]
     assert sorted(figures) == sorted(expected)
     for name in expected:
         assert math.isfinite(figures[name]["value"]), name

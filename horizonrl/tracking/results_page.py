@@ -110,6 +110,18 @@ def _commit_lines(ctx: PageContext) -> list[str]:
     ]
 
 
+SHARED_START = (
+    "the warm start: its own last evaluation, and below it the cells' first evaluations of the same policy "
+    "[95% Wilson interval over the held-out episodes]; they differ only in the sampling seed, so their gap "
+    "is the evaluation's noise. "
+)
+OWN_STARTS = (
+    "the starting policies: each seed's first evaluation (before any update: where the recipe warm-starts "
+    "each seed, that seed's own warm start) pooled over the seeds [95% Wilson interval over the held-out "
+    "episodes]. "
+)
+
+
 def results_page(cells: list[CellHistory], ctx: PageContext, figures: dict[str, str]) -> str:
     """The published page: ``figures`` maps each x axis of ``X_AXES`` to the figure's file name beside it."""
     summaries = summarize(cells)
@@ -141,17 +153,9 @@ def results_page(cells: list[CellHistory], ctx: PageContext, figures: dict[str, 
         *_table_lines(summaries, ctx.warm_start, cells_start(cells)),
         "",
         "Each cell: mean over seeds [95% percentile-bootstrap interval of the mean, resampling seeds]; "
-        + (
-            "the warm start: its own last evaluation, and below it the cells' first evaluations of the same policy "
-            "[95% Wilson interval over the held-out episodes]; they differ only in the sampling seed, so their gap "
-            "is the evaluation's noise. "
-            if ctx.warm_start
-            else "the starting policies: each seed's first evaluation (before any update: where the recipe warm-starts "
-            "each seed, that seed's own warm start) pooled over the seeds [95% Wilson interval over the held-out "
-            "episodes]. "
-        )
+        + (SHARED_START if ctx.warm_start else OWN_STARTS)
         + "AUC: area under success against iteration over the iterations spanned (the curve's mean height). "
-        + "Change: final minus the cell's first evaluation (its starting policy, evaluated in the same run).",
+        "Change: final minus the cell's first evaluation (its starting policy, evaluated in the same run).",
         "",
     ]
     lines += _separation_warnings(summaries)
