@@ -10,16 +10,17 @@ import pyarrow as pa
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
-from horizonrl import faults
+from horizonrl import faults, shared_eval
 from horizonrl.config import TrainConfig
 from horizonrl.rollout.loop import Shard, split_shards
 from horizonrl.rollout.metrics import TASK_COLUMNS, check_complete, episode_metrics, sample_episodes, task_outcomes
 from horizonrl.run.player import Player
 from horizonrl.seeding import derive_seed
 from horizonrl.store import StoreError, episodes_table, iteration_dir, read_table, turns_table, write_table
+from horizonrl.tracking import mlflow_runs
 from horizonrl.tracking.mlflow_runs import log_table
 from horizonrl.tracking.stats import paired_change
-from horizonrl.training.checkpoint import CheckpointRef
+from horizonrl.training.checkpoint import CheckpointRef, policy_digest
 from tasks.context import GENERATOR, PLAYER, RunContext
 from tasks.tracking import log_stage, log_success_by_env_steps, logged, trace_evaluation
 
@@ -76,6 +77,45 @@ def play(
     return pa.concat_tables(episodes), pa.concat_tables(turns)
 
 
+def played(
+    ctx: RunContext,
+    policy: CheckpointRef,
+    iteration: int,
+    kind: str,
+    n_tasks: int,
+    samples: int,
+    greedy: bool,
+    seed: int,
+) -> tuple[pa.Table, pa.Table]:
+    """``play``, except at iteration 0: a starting evaluation another run played with the same policy and
+    settings (``horizonrl.shared_eval``: a shared warm start's every method) is read instead of played, and
+    one played here is stored for the next run (tag ``horizonrl.eval0.<kind>.played_by``)."""
+    if iteration != 0:
+        return play(ctx, policy, iteration, kind, n_tasks, samples, greedy, seed)
+    cfg = ctx.cfg
+    folder = shared_eval.shared_dir(cfg.data_dir, cfg.experiment, policy_digest(policy), starting_eval_settings(cfg))
+    found = shared_eval.read_shared(folder, kind)
+    if found is None:
+        episodes, turns = play(ctx, policy, iteration, kind, n_tasks, samples, greedy, seed)
+        played_by = {"run_name": cfg.run_name, "mlflow_run_id": ctx.mlflow_run_id}
+        shared_eval.publish(folder, kind, episodes, turns, played_by)
+    else:
+        episodes, turns, played_by = found
+        get_run_logger().info(
+            "iteration 0 %s: read as run %s played it (the same policy and settings)", kind, played_by["run_name"]
+        )
+    mlflow_runs.set_tags(ctx.mlflow(), ctx.mlflow_run_id, {f"horizonrl.eval0.{kind}.played_by": played_by["run_name"]})
+    return episodes, turns
+
+
+def starting_eval_settings(cfg: TrainConfig) -> dict[str, object]:
+    """What decides the episodes of a run's starting evaluation besides its policy: the seed (its sampling
+    seeds) and the sections of the environment, the model's numerics, the rollout, the engine and the
+    evaluation. The rollout's batch sizes are in it too: shared needlessly, they only share less."""
+    sections = ("env", "model", "rollout", "eval", "engine")
+    return {"seed": cfg.seed, **{name: getattr(cfg, name).model_dump(mode="json") for name in sections}}
+
+
 def _stored_block(paths: list[Path], shard: Shard, samples: int, version: int) -> tuple[pa.Table, pa.Table] | None:
     """A block's (turns, episodes) stored by an earlier try, if both files read and hold exactly the episodes
     this block plays: its rollout ids, tasks and sampling seeds, by checkpoint ``version``. Anything else
@@ -121,7 +161,7 @@ def evaluate(
     cfg = ctx.cfg
     n_tasks = cfg.eval.tasks_at(end)
     seed = derive_seed(cfg.seed, "eval", iteration)
-    episodes, turns = play(ctx, policy, iteration, "eval", n_tasks, cfg.eval.samples, False, seed)
+    episodes, turns = played(ctx, policy, iteration, "eval", n_tasks, cfg.eval.samples, False, seed)
     metrics = episode_metrics(episodes)
     metrics[f"pass_at_{cfg.eval.samples}"] = metrics.pop("pass_at_k")
     metrics.pop("mixed_group_fraction")
@@ -130,7 +170,7 @@ def evaluate(
     greedy = None
     if cfg.eval.greedy:
         seed = derive_seed(cfg.seed, "eval-greedy", iteration)
-        greedy = play(ctx, policy, iteration, "eval_greedy", n_tasks, 1, True, seed)
+        greedy = played(ctx, policy, iteration, "eval_greedy", n_tasks, 1, True, seed)
         greedy_metrics = episode_metrics(greedy[0])
         metrics.update(
             {f"greedy_{k}": greedy_metrics[k] for k in ("success_rate", "mean_return", "mean_turns", "invalid_rate")}

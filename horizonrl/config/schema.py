@@ -302,6 +302,12 @@ class WarmStartConfig(Strict):
     resumable at either step. The warm start is its own run, ``<run_name>-warmstart`` (``warm_start_config``),
     registered under that name instead of ``model_name``; it evaluates nothing, since the RL run's first
     evaluation is the warm-started policy on the held-out tasks its last one plays."""
+    share_as: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")
+    """With ``before_rl``: one warm start per seed for every run that names it, run as ``<share_as>-seed<seed>``
+    by the first of them and reused by the rest (a study's methods start from the same policy). Its config is
+    the run's with the RL-only fields (method and its params, the budgets) at their defaults, so two runs that
+    differ only in those share it, and one that differs in anything the warm start reads is refused, naming
+    the field. None: each run its own, ``<run_name>-warmstart``."""
 
 
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -635,13 +641,27 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+RL_ONLY_FIELDS = (
+    "method", "iterations", "time_budget_s", "env_step_budget",
+    "advantage_params", "loss_params", "branching_params", "per_method",
+)  # fmt: skip
+"""The fields a warm start never reads: a shared warm start (``warmstart.share_as``) holds them at their defaults."""
+
+
 def warm_start_config(cfg: TrainConfig) -> TrainConfig:
     """The warm start a train run with ``warmstart.before_rl`` runs first: the same settings under the run
     name ``<run_name>-warmstart``, its policy registered under that name (characters a registered model name
-    cannot hold become ``-``), so every seed or sweep cell has its own."""
-    name = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{cfg.run_name}-warmstart")
-    ws = cfg.warmstart.model_copy(update={"model_name": name, "before_rl": False})
-    return cfg.model_copy(update={"run_name": name, "warmstart": ws})
+    cannot hold become ``-``), so every seed or sweep cell has its own; or, with ``warmstart.share_as``, the
+    seed's shared one, ``<share_as>-seed<seed>``, whose RL-only fields are the defaults."""
+    ws = cfg.warmstart
+    if ws.share_as is None:
+        name = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{cfg.run_name}-warmstart")
+        update: dict[str, Any] = {}
+    else:
+        name = f"{ws.share_as}-seed{cfg.seed}"
+        update = {field: TrainConfig.model_fields[field].default for field in RL_ONLY_FIELDS}
+    shared = ws.model_copy(update={"model_name": name, "before_rl": False})
+    return cfg.model_copy(update={**update, "run_name": name, "warmstart": shared})
 
 
 def run_dir(cfg: TrainConfig) -> Path:

@@ -19,7 +19,7 @@ from horizonrl.envs import EnvSuite, corpus_digest, suite_corpus
 from horizonrl.models import pretrained
 from horizonrl.models.loading import initial_adapter_dir, load_policy, resolve_device, resolve_dtype, tiny_model_dir
 from horizonrl.tracking import mlflow_runs
-from horizonrl.training.checkpoint import CheckpointRef, checkpoint_dir, load_optimizer_state
+from horizonrl.training.checkpoint import CheckpointRef, checkpoint_dir, load_optimizer_state, policy_digest
 from horizonrl.training.parallel import update_backend
 from horizonrl.training.rank_group import RankGroup
 from horizonrl.training.ray_ranks import RayRankGroup
@@ -44,7 +44,7 @@ class Learner:
         self.trains = trains
         self.current: Policy | None = None
         self._written: tuple[CheckpointRef, torch.nn.Module, object] | None = None  # see keep()
-        self._reference: torch.nn.Module | None = None
+        self._reference: tuple[str, torch.nn.Module] | None = None  # (policy digest of checkpoint 0, its model)
         self._ranks: RankGroup | RayRankGroup | None = None
 
     def load(self, cfg: TrainConfig, path: str | Path) -> tuple[torch.nn.Module, object]:
@@ -91,11 +91,16 @@ class Learner:
         self._written = None
 
     def reference(self, cfg: TrainConfig, run_dir: Path) -> torch.nn.Module:
-        """The frozen initial policy (checkpoint 0) for KL-to-reference losses; loaded once."""
-        if self._reference is None:
-            model, _ = self.load(cfg, checkpoint_dir(run_dir, 0))
-            self._reference = model.to(resolve_device(cfg.model.device)).eval().requires_grad_(False)
-        return self._reference
+        """The frozen initial policy of the run in ``run_dir`` (its checkpoint 0) for KL-to-reference losses;
+        loaded once per starting policy, so the cells of an in-process sweep each get their own start's (and
+        cells that share a warm start, one copy)."""
+        start = CheckpointRef(str(checkpoint_dir(run_dir, 0)), 0)
+        digest = policy_digest(start)
+        if self._reference is None or self._reference[0] != digest:
+            self._reference = None  # the previous run's reference goes before this one loads
+            model, _ = self.load(cfg, start.path)
+            self._reference = (digest, model.to(resolve_device(cfg.model.device)).eval().requires_grad_(False))
+        return self._reference[1]
 
     def update_ranks(self, cfg: TrainConfig, run_dir: Path) -> RankGroup | RayRankGroup:
         """The run's update ranks (``update.world_size`` > 1): started on first use, kept across iterations;

@@ -13,6 +13,7 @@ resumed run draws what an uninterrupted one would.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -142,6 +143,18 @@ def verify(ref: CheckpointRef) -> str | None:
                 f"its manifest says {want['sha256'][:12]}...)"
             )
     return None
+
+
+RUN_FILES = (STATE_FILE, "optimizer.pt", "estimator_state.json", "probe.pt")
+"""A checkpoint's files that say where it sits in a run (or are derived from its weights), not which policy it is."""
+
+
+def policy_digest(ref: CheckpointRef) -> str:
+    """Which policy checkpoint ``ref`` holds, from its manifest: a digest of the sha256 of every file but the
+    run's own (``RUN_FILES``), so the same weights and tokenizer give the same digest in any run."""
+    listed = json.loads((Path(ref.path) / MANIFEST).read_text())["files"]
+    policy = {name: entry["sha256"] for name, entry in sorted(listed.items()) if name not in RUN_FILES}
+    return hashlib.sha256(json.dumps(policy, sort_keys=True).encode()).hexdigest()
 
 
 def read_state(ref: CheckpointRef) -> dict[str, Any]:

@@ -1,0 +1,94 @@
+"""What a study's cells of one seed share: one warm start (``warmstart.share_as``), one starting evaluation
+(``horizonrl.shared_eval``), and never a reference model of another cell's start (``Learner.reference``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pytest
+import torch
+from flowkit import run_of, tiny_config
+
+from horizonrl import store
+from horizonrl.config import TrainConfig, warm_start_config
+from horizonrl.models.loading import load_policy
+from horizonrl.run.learner import Learner
+from horizonrl.tracking import mlflow_runs
+from horizonrl.training.checkpoint import CheckpointRef, policy_digest, save_checkpoint
+from mlflow import MlflowClient
+
+
+def _cfg(tmp_path: Path, tracking_uri: str, **fields) -> TrainConfig:
+    cfg = tiny_config(tmp_path, tracking_uri, run_name=f"study--method={fields.get('method', 'loop')}")
+    cfg["warmstart"] = {"before_rl": True, "share_as": "study-ws"}
+    return TrainConfig.model_validate({**cfg, **fields})
+
+
+def test_a_shared_warm_start_is_one_per_seed_whatever_the_method(tmp_path, tracking_uri):
+    loop = warm_start_config(_cfg(tmp_path, tracking_uri, method="loop"))
+    grpo = warm_start_config(_cfg(tmp_path, tracking_uri, method="grpo", iterations=7, loss_params={"kl_coef": 0.1}))
+    seed1 = warm_start_config(_cfg(tmp_path, tracking_uri, method="grpo", seed=1))
+    assert loop.run_name == grpo.run_name == "study-ws-seed3" and seed1.run_name == "study-ws-seed1"
+    assert loop.model_dump() == grpo.model_dump(), "a method's fields never reach its seed's warm start"
+    assert loop.warmstart.model_name == "study-ws-seed3" and not loop.warmstart.before_rl
+    other_lr = warm_start_config(_cfg(tmp_path, tracking_uri, method="grpo", warmstart={"lr": 1e-2, "share_as": "x"}))
+    assert other_lr.warmstart.lr == 1e-2, "what the warm start reads stays: a cell that differs is refused on resume"
+
+
+def _checkpoint_zero(run_dir: Path, policy_dir: Path, scale: float) -> CheckpointRef:
+    model, tokenizer = load_policy(policy_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale)
+    return save_checkpoint(run_dir, 0, model, tokenizer, None, {"mlflow_run_id": str(run_dir)})
+
+
+def test_two_runs_with_different_starts_get_their_own_reference(tmp_path, tracking_uri, tiny_policy_dir):
+    """In one process (an in-process sweep) each run's KL reference is its own checkpoint 0: before the fix,
+    the first run's start served every later run."""
+    cfg = _cfg(tmp_path, tracking_uri, method="grpo")
+    a = _checkpoint_zero(tmp_path / "a", tiny_policy_dir, 1.0)
+    b = _checkpoint_zero(tmp_path / "b", tiny_policy_dir, 0.5)
+    same_as_a = _checkpoint_zero(tmp_path / "c", tiny_policy_dir, 1.0)
+    assert policy_digest(a) == policy_digest(same_as_a) != policy_digest(b)
+    learner = Learner()
+    ref_a = learner.reference(cfg, tmp_path / "a")
+    ref_b = learner.reference(cfg, tmp_path / "b")
+    weights = {name: p.detach().clone() for name, p in ref_a.named_parameters()}
+    for name, p in ref_b.named_parameters():
+        assert torch.allclose(p, 0.5 * weights[name]), name
+    assert learner.reference(cfg, tmp_path / "c") is not ref_b
+    assert learner.reference(cfg, tmp_path / "c") is learner.reference(cfg, tmp_path / "a"), "one start: one copy"
+    assert not any(p.requires_grad for p in ref_b.parameters())
+
+
+@pytest.mark.slow
+def test_the_methods_of_a_seed_share_its_warm_start_and_starting_evaluation(prefect_harness, tmp_path, tracking_uri):
+    """Two methods of one seed: one warm start run and one registered version; the second cell starts from
+    the same model and reads the first cell's iteration-0 evaluation (the same episodes), tagged with who
+    played it; each trains and evaluates its own end."""
+    from flows.train import train
+
+    cfgs = []
+    for method in ("loop", "grpo"):
+        cfg = _cfg(tmp_path, tracking_uri, method=method, iterations=1).model_dump()
+        cfg["rollout"]["context"] = "full"
+        cfg["warmstart"] |= {"demonstrations": 4, "epochs": 1, "minibatch_size": 2, "lr": 3e-3}
+        cfg["eval"] = {"every": 1, "n_tasks": 3, "greedy": False}
+        cfgs.append(cfg)
+        train(config=cfg)
+
+    c = MlflowClient(tracking_uri)
+    assert [int(v.version) for v in c.search_model_versions("name = 'study-ws-seed3'")] == [1]
+    loop, grpo = run_of(c, "study--method=loop"), run_of(c, "study--method=grpo")
+    for run in (loop, grpo):
+        assert run.data.tags[mlflow_runs.INIT_MODEL_TAG] == "models:/study-ws-seed3/1"
+        assert run.data.tags["horizonrl.eval0.eval.played_by"] == "study--method=loop"
+        assert sorted(m.step for m in c.get_metric_history(run.info.run_id, "eval/success_rate")) == [0, 1]
+    data = Path(cfgs[0]["data_dir"]) / "test"
+    first = [store.read_table(data / name / "iter=00000" / "eval-episodes.parquet", "episodes") for name in
+             ("study--method=loop", "study--method=grpo")]  # fmt: skip
+    assert first[0].num_rows == 3 and first[0].equals(first[1])
+    assert pc.sum(first[0]["n_turns"]).as_py() > 0
+    assert len(list((data / "shared-evals").iterdir())) == 1
