@@ -133,6 +133,16 @@ def main(argv: list[str] | None = None) -> int:
             "--instance", help="an instance of a scheduled sweep (<time>-<commit>, the parent run's name after '--')"
         )
         p.add_argument("--out", help="also write the results page here, figures beside it (e.g. docs/results.md)")
+    sd = sub.add_parser(
+        "study",
+        help="compare a sweep's methods task by task: its record (per-task outcomes, progress, cells), its page",
+    )
+    sd.add_argument("sweep_file", help="sweep YAML the study ran from")
+    sd.add_argument("--record", required=True, help="folder of the record's CSV files, committed beside the page")
+    sd.add_argument("--out", required=True, help="the page (markdown), its figures beside it")
+    sd.add_argument(
+        "--offline", action="store_true", help="page from the record alone: no MLflow store or data folder read"
+    )
     ev = sub.add_parser(
         "evaluate", help="evaluate a logged policy, or a model with no run behind it, on a split, in a new MLflow run"
     )
@@ -190,12 +200,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "models":
         return _models(args)
+    if args.command == "study":  # files and the store only: no Prefect
+        return _study(args)
     if args.command not in ("stack", "show"):
         _choose_prefect_api()
     if args.command == "recompute":
         return _recompute(args)
     if args.command == "show":
         return _show(args)
+
     if args.command in ("sweep", "report", "evaluate", "stack"):
         return _SWEEP_COMMANDS[args.command](args)
 
@@ -409,6 +422,30 @@ def _report(args: argparse.Namespace) -> int:
         args.sweep_file,
         args.out,
     )
+    return 0
+
+
+def _study(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from horizonrl.config.sweep import load_sweep
+    from horizonrl.tracking import mlflow_runs, study_page, study_record
+
+    try:
+        spec, cells = load_sweep(args.sweep_file)
+    except ValueError as err:
+        print(f"horizonrl: bad sweep: {err}", file=sys.stderr)
+        return 2
+    record, out = Path(args.record), Path(args.out)
+    if not args.offline:
+        c = mlflow_runs.client(mlflow_runs.tracking_uri(cells[0].config.tracking_uri))
+        counts = study_record.export(cells, c, record)
+        print(f"record: {record} ({', '.join(f'{name} {n} rows' for name, n in counts.items())})")
+    elif not (record / study_record.OUTCOMES).is_file():
+        print(f"horizonrl: no study record in {record} (run without --offline to write it)", file=sys.stderr)
+        return 2
+    study_page.write(record, out, study_page.meta(spec.name, args.sweep_file, args.record, args.out, spec.tuning))
+    print(f"page: {out}")
     return 0
 
 

@@ -64,20 +64,25 @@ def test_two_runs_with_different_starts_get_their_own_reference(tmp_path, tracki
 
 
 @pytest.mark.slow
-def test_the_methods_of_a_seed_share_its_warm_start_and_starting_evaluation(prefect_harness, tmp_path, tracking_uri):
-    """Two methods of one seed: one warm start run and one registered version; the second cell starts from
-    the same model and reads the first cell's iteration-0 evaluation (the same episodes), tagged with who
-    played it; each trains and evaluates its own end."""
-    from flows.train import train
+def test_a_study_shares_its_seed_s_start_and_compares_its_methods_task_by_task(prefect_harness, tmp_path, tracking_uri):
+    """A two-method sweep with a shared warm start: one warm start run and one registered version; the second
+    cell starts from the same model and reads the first cell's iteration-0 evaluation (the same episodes),
+    tagged with who played it; each trains and evaluates its own end. Its record (``horizonrl study``) holds
+    every evaluated episode, and the page made from the record alone pairs the two methods by task."""
+    import yaml
 
-    cfgs = []
-    for method in ("loop", "grpo"):
-        cfg = _cfg(tmp_path, tracking_uri, method=method, iterations=1).model_dump()
-        cfg["rollout"]["context"] = "full"
-        cfg["warmstart"] |= {"demonstrations": 4, "epochs": 1, "minibatch_size": 2, "lr": 3e-3}
-        cfg["eval"] = {"every": 1, "n_tasks": 3, "greedy": False}
-        cfgs.append(cfg)
-        train(config=cfg)
+    from flows.cli import main
+    from flows.sweep import sweep
+    from horizonrl.tracking import study_record
+
+    base = _cfg(tmp_path, tracking_uri, iterations=1).model_dump()
+    base["rollout"]["context"] = "full"
+    base["warmstart"] |= {"demonstrations": 4, "epochs": 1, "minibatch_size": 2, "lr": 3e-3}
+    base["eval"] = {"every": 1, "n_tasks": 3, "greedy": False}
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump({"name": "study", "base": "base.yaml", "grid": {"method": ["loop", "grpo"]}}))
+    sweep(str(path), in_process=True)
 
     c = MlflowClient(tracking_uri)
     assert [int(v.version) for v in c.search_model_versions("name = 'study-ws-seed3'")] == [1]
@@ -86,9 +91,22 @@ def test_the_methods_of_a_seed_share_its_warm_start_and_starting_evaluation(pref
         assert run.data.tags[mlflow_runs.INIT_MODEL_TAG] == "models:/study-ws-seed3/1"
         assert run.data.tags["horizonrl.eval0.eval.played_by"] == "study--method=loop"
         assert sorted(m.step for m in c.get_metric_history(run.info.run_id, "eval/success_rate")) == [0, 1]
-    data = Path(cfgs[0]["data_dir"]) / "test"
-    first = [store.read_table(data / name / "iter=00000" / "eval-episodes.parquet", "episodes") for name in
-             ("study--method=loop", "study--method=grpo")]  # fmt: skip
+    data = Path(base["data_dir"]) / "test"
+    first = [store.read_table(data / f"study--method={m}" / "iter=00000" / "eval-episodes.parquet", "episodes")
+             for m in ("loop", "grpo")]  # fmt: skip
     assert first[0].num_rows == 3 and first[0].equals(first[1])
     assert pc.sum(first[0]["n_turns"]).as_py() > 0
     assert len(list((data / "shared-evals").iterdir())) == 1
+
+    record, page = tmp_path / "record", tmp_path / "page.md"
+    assert main(["study", str(path), "--record", str(record), "--out", str(page)]) == 0
+    outcomes, progress, cells = study_record.load(record)
+    assert len(outcomes) == 2 * (3 + 3) and set(outcomes["method"]) == {"loop", "grpo"}
+    assert list(cells["method"]) == ["loop", "grpo", "warmstart"] and set(cells["status"]) == {"FINISHED"}
+    assert (progress.groupby("method")["iteration"].max() == 1).all()
+    text = page.read_text()
+    last = outcomes[outcomes["iteration"] == 1].pivot(index="task", columns="method", values="won")
+    diff = 100 * (last["loop"] - last["grpo"]).mean() + 0.0
+    assert f"| loop | grpo | {diff:+.1f} [" in text
+    (record / "outcomes.csv").unlink()
+    assert main(["study", str(path), "--record", str(record), "--out", str(page), "--offline"]) == 2

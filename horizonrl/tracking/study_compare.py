@@ -1,0 +1,137 @@
+"""Methods compared task by task: the figures of a study's page, from its record (``study_record``) alone.
+
+Within a seed every cell starts from the same warm start and ends on the same held-out tasks, so two methods'
+final outcomes can be paired by task: the difference of each task's success leaves out how hard the task is.
+Per pair of methods and per seed: the mean paired difference with its 95% percentile-bootstrap interval over
+tasks (``stats.paired_change``) and McNemar's exact test on the tasks the two disagree on. Pooled: the same
+over every (seed, task). A pair is told apart only when every seed's interval and the pooled one exclude 0 on
+the same side; the spread between seeds is shown beside the paired figures, which are each one seed's noise.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from horizonrl.tracking.stats import Interval, interval, paired_change
+
+Z_95, Z_80 = 1.959963984540054, 0.8416212335729143  # two-sided 5% level, 80% power
+CLAIMS = (  # (method claimed better, than, the claim as the study tests it)
+    ("loop", "grpo", "LOOP: its leave-one-out PPO trains long-horizon agents better than GRPO-style baselines"),
+    ("blpo", "gigpo", "BLPO: beats GiGPO at a matched budget (ALFWorld, WebShop)"),
+    ("blpo", "grpo", "BLPO: beats GRPO at a matched budget (ALFWorld, WebShop)"),
+    ("appo", "grpo", "APPO: about 4 points above its GRPO baseline (tool use)"),
+)
+
+
+@dataclass(frozen=True)
+class SeedPair:
+    seed: int
+    change: Interval  # mean over tasks of success(a) - success(b), 95% bootstrap interval over tasks
+    tasks: int
+    a_only: int  # tasks a won and b lost (one sample each)
+    b_only: int
+    mcnemar_p: float
+    sd: float  # standard deviation of the per-task differences
+
+
+@dataclass(frozen=True)
+class Pair:
+    a: str
+    b: str
+    seeds: list[SeedPair]
+    pooled: Interval
+    pooled_tasks: int
+
+    @property
+    def verdict(self) -> str:
+        """``a > b``, ``b > a`` or ``not told apart``: told apart only when every seed and the pool agree."""
+        intervals = [s.change for s in self.seeds] + [self.pooled]
+        if len(self.seeds) >= 1 and all(i.low > 0 for i in intervals):
+            return f"{self.a} > {self.b}"
+        if len(self.seeds) >= 1 and all(i.high < 0 for i in intervals):
+            return f"{self.b} > {self.a}"
+        return "not told apart"
+
+    @property
+    def seed_spread(self) -> float:
+        """Largest minus smallest of the seeds' paired means (NaN for one seed)."""
+        means = [s.change.mean for s in self.seeds]
+        return max(means) - min(means) if len(means) > 1 else float("nan")
+
+
+def finished_finals(outcomes: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame:
+    """The last evaluation of every finished cell: seed, method, task, won (mean over samples)."""
+    done = cells[(cells["status"] == "FINISHED") & (cells["method"] != "warmstart")][["seed", "method"]]
+    o = outcomes.merge(done, on=["seed", "method"])
+    last = o.groupby(["seed", "method"])["iteration"].transform("max")
+    return o[o["iteration"] == last].groupby(["seed", "method", "task"], as_index=False)["won"].mean()
+
+
+def mcnemar_p(a_only: int, b_only: int) -> float:
+    """Two-sided exact McNemar p-value: the discordant tasks split as a binomial(a_only + b_only, 1/2)."""
+    n, k = a_only + b_only, min(a_only, b_only)
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def seed_pair(finals: pd.DataFrame, seed: int, a: str, b: str) -> SeedPair | None:
+    """Methods ``a`` and ``b`` of ``seed`` paired by task; None unless both finished."""
+    side = {m: finals[(finals["seed"] == seed) & (finals["method"] == m)].set_index("task")["won"] for m in (a, b)}
+    if side[a].empty or side[b].empty:
+        return None
+    change, n = paired_change({t: [w] for t, w in side[b].items()}, {t: [w] for t, w in side[a].items()})
+    shared = side[a].index.intersection(side[b].index)
+    d = side[a][shared] - side[b][shared]
+    a_only, b_only = int((d > 0).sum()), int((d < 0).sum())
+    return SeedPair(seed, change, n, a_only, b_only, mcnemar_p(a_only, b_only), float(d.std(ddof=1)) if n > 1 else 0.0)
+
+
+def pairs(finals: pd.DataFrame, methods: list[str]) -> list[Pair]:
+    """Every pair of ``methods`` (in that order) with at least one seed where both finished."""
+    out = []
+    for a, b in itertools.combinations(methods, 2):
+        seeds = [p for s in sorted(finals["seed"].unique()) if (p := seed_pair(finals, int(s), a, b)) is not None]
+        if not seeds:
+            continue
+        diffs = []
+        for p in seeds:
+            both = finals[finals["seed"] == p.seed].pivot(index="task", columns="method", values="won")[[a, b]].dropna()
+            diffs.extend((both[a] - both[b]).tolist())
+        out.append(Pair(a, b, seeds, interval(diffs), len(diffs)))
+    return out
+
+
+def detectable(sd: float, n: int) -> float:
+    """The smallest true paired difference a two-sided 5% test over ``n`` tasks finds with 80% power, for
+    per-task differences of standard deviation ``sd`` (normal approximation)."""
+    return (Z_95 + Z_80) * sd / math.sqrt(n) if n > 0 else float("nan")
+
+
+def power(pair_list: list[Pair]) -> tuple[float, float, int, int]:
+    """(detectable difference in one seed, pooled over the seeds), and the task counts behind them, from the
+    per-task differences' standard deviation pooled over every pair and seed."""
+    sds = [(s.sd, s.tasks) for p in pair_list for s in p.seeds if s.tasks > 1]
+    if not sds:
+        return float("nan"), float("nan"), 0, 0
+    sd = math.sqrt(sum(v * v * (n - 1) for v, n in sds) / sum(n - 1 for _, n in sds))
+    per_seed = int(np.median([n for _, n in sds]))
+    pooled = int(np.median([p.pooled_tasks for p in pair_list]))
+    return detectable(sd, per_seed), detectable(sd, pooled), per_seed, pooled
+
+
+def claim_verdict(pair_list: list[Pair], better: str, than: str) -> tuple[str, Pair | None]:
+    """What the study says of the claim ``better`` > ``than``: agrees, disagrees, not told apart, or not
+    measured (one of the two has no finished cell), with the pair behind it."""
+    for p in pair_list:
+        if {p.a, p.b} == {better, than}:
+            if p.verdict == "not told apart":
+                return "not told apart at this size", p
+            return ("agrees" if p.verdict == f"{better} > {than}" else "disagrees"), p
+    return "not measured", None
