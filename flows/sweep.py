@@ -18,7 +18,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from horizonrl.config.sweep import Cell, instance_name, load_sweep
 from horizonrl.run import preflight
 from horizonrl.tracking import mlflow_runs, sweep_runs
-from tasks.sweep import Link, close_sweep, link_cell, open_sweep, publish_report, register_best, run_cell
+from tasks.sweep import Link, close_sweep, link_cell, open_sweep, publish_report, publish_study, register_best, run_cell
 
 
 @flow(name="sweep", log_prints=True)
@@ -100,7 +100,10 @@ def sweep_report(
         raise ValueError(f"sweep {sweep_name!r} has no finished cell runs under it yet")
     previous = sweep_runs.previous_instance(c, parent)
     ctx = sweep_runs.page_context(c, parent, found, sweep_path, out, previous)
-    return publish_report(uri, parent, list(found.values()), ctx, out)
+    rows = publish_report(uri, parent, list(found.values()), ctx, out)
+    if sweep_path is not None:  # the methods paired by held-out task, from the cells' stored evaluations
+        publish_study(uri, parent.info.run_id, sweep_path, parent.data.tags.get(sweep_runs.INSTANCE_TAG))
+    return rows
 
 
 def _run_here(cells: list[Cell], link: Link, allow_change: list[str]) -> dict[str, str]:
