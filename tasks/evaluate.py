@@ -87,13 +87,14 @@ def played(
     greedy: bool,
     seed: int,
 ) -> tuple[pa.Table, pa.Table]:
-    """``play``, except at iteration 0: a starting evaluation another run played with the same policy and
+    """``play``, except at a checkpoint's iteration 0: a starting evaluation another run played with the same policy and
     settings (``horizonrl.shared_eval``: a shared warm start's every method) is read instead of played, and
     one played here is stored for the next run (tag ``horizonrl.eval0.<kind>.played_by``)."""
-    if iteration != 0:
+    digest = policy_digest(policy) if iteration == 0 else None
+    if digest is None:  # a later iteration, or a policy folder that is no checkpoint
         return play(ctx, policy, iteration, kind, n_tasks, samples, greedy, seed)
     cfg = ctx.cfg
-    folder = shared_eval.shared_dir(cfg.data_dir, cfg.experiment, policy_digest(policy), starting_eval_settings(cfg))
+    folder = shared_eval.shared_dir(cfg.data_dir, cfg.experiment, digest, starting_eval_settings(cfg))
     found = shared_eval.read_shared(folder, kind)
     if found is None:
         episodes, turns = play(ctx, policy, iteration, kind, n_tasks, samples, greedy, seed)
