@@ -131,7 +131,7 @@ def play_groups(ref: AuditRef) -> GroupsRef:
                                                  "appo-turns.parquet")))  # fmt: skip
     if Path(groups.appo_episodes).is_file():
         return groups
-    cfg, t0 = ref.ctx.cfg, time.perf_counter()
+    cfg, t0, cpu0 = ref.ctx.cfg, time.perf_counter(), time.process_time()
     PLAYER.sync(cfg, ref.policy)
     size = cfg.env.train_pool if ref.audit.split == "train" else ref.audit.tasks
     tasks = sample_tasks(
@@ -144,7 +144,8 @@ def play_groups(ref: AuditRef) -> GroupsRef:
                                   (records + branches, groups.appo_episodes, groups.appo_turns)):  # fmt: skip
         store.write_table(store.turns_table(rows, ref.policy.iteration), turns, "turns")
         store.write_table(store.episodes_table(rows, cfg.run_name, 0, ref.policy.iteration), episodes, "episodes")
-    log_stage(ref.ctx, "time", {"play_s": time.perf_counter() - t0}, ref.policy.iteration)
+    spent = {"play_s": time.perf_counter() - t0, "play_cpu_s": time.process_time() - cpu0}
+    log_stage(ref.ctx, "time", spent, ref.policy.iteration)
     return groups
 
 
@@ -196,7 +197,8 @@ def monte_carlo_truth(ref: AuditRef, groups: GroupsRef, points_path: str) -> str
         first += len(plan)
     store.write_table(store.audit_table(truth.with_truth(points, q, v)), points_path, "audit")
     if played:  # what the continuations cost, per point played (the engine's token counts, where it keeps them)
-        figures = {f"{k}_per_point": cost[k] / played for k in ("seconds", "prefill_real", "decode_real") if k in cost}
+        kinds = ("seconds", "cpu_seconds", "prefill_real", "decode_real")
+        figures = {f"{k}_per_point": cost[k] / played for k in kinds if k in cost}
         log_stage(ref.ctx, "audit", {**figures, "continuations": float(first)}, ref.policy.iteration)
         log_stage(ref.ctx, "time", {"continuations_s": cost["seconds"]}, ref.policy.iteration)
     return points_path
@@ -205,8 +207,8 @@ def monte_carlo_truth(ref: AuditRef, groups: GroupsRef, points_path: str) -> str
 def _block(ref: AuditRef, parents: dict, plan: list, b: int, n: int, first: int) -> tuple[pa.Table, Counter]:
     """A block's continuations' episodes table: stored by an earlier try (if it holds exactly these), else
     played now and stored (turns first: the episodes file marks the block complete); and what playing it cost
-    (seconds; the transformers engine's prefilled and decoded tokens; empty: read)."""
-    cfg, t0 = ref.ctx.cfg, time.perf_counter()
+    (wall and this process's CPU seconds; the transformers engine's prefilled and decoded tokens; empty: read)."""
+    cfg, t0, cpu0 = ref.ctx.cfg, time.perf_counter(), time.process_time()
     paths = [ref.ctx.path / "continuations" / f"block-{b:04d}-of-{n:04d}-{t}.parquet" for t in ("turns", "episodes")]
     if paths[1].is_file():
         stored = store.read_table(paths[1], "episodes")
@@ -220,7 +222,8 @@ def _block(ref: AuditRef, parents: dict, plan: list, b: int, n: int, first: int)
     table = store.episodes_table(records, cfg.run_name, 0, ref.policy.iteration)
     store.write_table(table, paths[1], "episodes")
     get_run_logger().info("audit block %d of %d: %d continuations played", b + 1, n, len(records))
-    return table, Counter(getattr(PLAYER.engine, "counts", {})) - before + Counter(seconds=time.perf_counter() - t0)
+    spent = Counter(seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - cpu0)
+    return table, Counter(getattr(PLAYER.engine, "counts", {})) - before + spent
 
 
 @task(name="audit-finish", cache_policy=NONE)

@@ -104,28 +104,30 @@ def test_phases_and_anchor_codes():
 
 
 def _frame() -> pd.DataFrame:
-    """60 decisions: 2 families, 6 groups of 2 episodes of 5 turns, turn 0 an anchor state left two ways."""
+    """60 decisions: 2 families, 6 groups of 2 episodes of 5 turns (one in 6 won), turn 0 an anchor state left
+    two ways."""
     rows = []
     for rid in range(12):
         for t in range(5):
             rows.append({"rollout_id": rid, "group_id": rid // 2, "turn": t, "n_turns": 5, "task_id": f"t{rid // 2}",
                          "family": "f1" if rid < 6 else "f2", "observation": "start" if t == 0 else f"o{rid}-{t}",
-                         "action": f"a{rid % 2}" if t == 0 else "x"})  # fmt: skip
+                         "action": f"a{rid % 2}" if t == 0 else "x", "won": rid % 6 == 0})  # fmt: skip
     frame = pd.DataFrame(rows)
     frame["phase"] = [points.phase(t, n) for t, n in zip(frame["turn"], frame["n_turns"])]
     return frame
 
 
 def test_pick_points_covers_every_stratum_and_anchor_states_in_pairs():
-    picked = points.pick_points(_frame(), 12, 0.5, seed=7)
-    assert len(picked) == 12 and picked["point"].tolist() == list(range(12))
+    picked = points.pick_points(_frame(), 18, 0.3, seed=7)
+    assert len(picked) == 18 and picked["point"].tolist() == list(range(18))
     assert picked[["rollout_id", "turn"]].apply(tuple, axis=1).is_unique
     assert list(zip(picked["rollout_id"], picked["turn"])) == sorted(zip(picked["rollout_id"], picked["turn"]))
-    strata = set(zip(_frame()["family"], _frame()["phase"]))
-    assert set(zip(picked["family"], picked["phase"])) == strata, "every family and phase appears"
+    strata = set(zip(_frame()["family"], _frame()["phase"], _frame()["won"]))
+    assert len(strata) == 12 and set(zip(picked["family"], picked["phase"], picked["won"])) == strata
+    assert picked["won"].sum() >= 6, "won episodes are 1 in 6 of the decisions, at least 1 in 3 of the points"
     anchored = picked[picked["anchor"] >= 0]
-    assert len(anchored) >= 6 and (anchored.groupby("anchor")["action"].nunique() == 2).all()
-    assert points.pick_points(_frame(), 12, 0.5, seed=7).equals(picked), "fixed by the seed"
+    assert len(anchored) >= 4 and (anchored.groupby("anchor")["action"].nunique() == 2).all()
+    assert points.pick_points(_frame(), 18, 0.3, seed=7).equals(picked), "fixed by the seed"
     assert len(points.pick_points(_frame(), 500, 0.3, seed=1)) == 60, "never more than there are"
 
 
@@ -149,3 +151,11 @@ def test_continuations_returns_count_from_the_decision_on():
     assert v.tolist() == [[0.0, 1.0], [0.0, 3.0]]
     assert q[0, 0] == 1.0 and math.isnan(q[0, 1]), "a continuation that failed is no return"
     assert q[1].tolist() == [2.0, 2.0], "the episode ended with the decision: Q is its reward, nothing played"
+
+
+def test_branch_turns_name_the_turn_that_holds_each_of_appos_split_tokens():
+    # rollout 3's turns have 3, 4 and 2 action tokens (flat ends 3, 7, 9): splits 1 and 5 fall in turns 0 and 1
+    turns = pa.table({"rollout_id": [3, 3, 3, 9], "turn": [2, 0, 1, 0], "action_ids": [[1] * 2, [1] * 3, [1] * 4, [1]]})
+    episodes = pa.table({"kind": ["initial", "branch", "branch", "branch"], "parent_rollout": [-1, 3, 3, 9],
+                         "branch_token": [-1, 1, 5, 0]})  # fmt: skip
+    assert points.branch_turns(episodes, turns) == {(3, 0), (3, 1), (9, 0)}

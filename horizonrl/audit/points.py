@@ -9,9 +9,12 @@ out. The draw has two parts, both fixed by the seed:
 * anchor states (GiGPO's: one observation that several episodes of a group reached): states left by at
   least two different actions, in random order, one point per action, up to ``anchor_share`` of the points,
   so that the ordering test has pairs of actions to order;
-* the rest stratified over (task family, phase), phase the turn's third of its episode (early, middle,
-  late): strata in random order, one point from each in turn, until the count is reached, so every family
-  and phase appears before any stratum gets a second point.
+* the rest stratified over (task family, phase, outcome), phase the turn's third of its episode (early,
+  middle, late), outcome whether the episode was won: strata in random order, one point from each in turn,
+  until the count is reached, so every family, phase and outcome appears before any stratum gets a second
+  point. The outcome is a stratum because a policy's decisions in won and lost episodes differ most in their
+  Monte Carlo advantage: drawn in proportion, a policy that wins one episode in five would leave few points
+  where continuations end differently, and a correlation over them would rest on ties.
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ def phase(turn: int, n_turns: int) -> str:
 
 def candidates(episodes: pa.Table, turns: pa.Table) -> pd.DataFrame:
     """Every decision of the played initial rollouts, one row per (rollout_id, turn) in that order, with its
-    group, task, family, episode length, phase, observation and action."""
+    group, task, family, episode length and outcome (``won``), phase, observation and action."""
     played = episodes.filter(pc.and_(pc.equal(episodes["kind"], "initial"), pc.not_equal(episodes["status"], "error")))
-    eps = played.select(["rollout_id", "task_id", "family", "n_turns"]).to_pandas()
+    eps = played.select(["rollout_id", "task_id", "family", "n_turns", "won"]).to_pandas()
     rows = turns.select(["rollout_id", "group_id", "turn", "observation", "action", "policy_mask"]).to_pandas()
     rows = rows[[any(mask) for mask in rows["policy_mask"]]].drop(columns="policy_mask")
     frame = rows.merge(eps, on="rollout_id").sort_values(["rollout_id", "turn"], ignore_index=True)
@@ -81,8 +84,8 @@ def _anchor_draw(frame: pd.DataFrame, quota: int, rng: np.random.Generator) -> l
 
 
 def _stratified_draw(frame: pd.DataFrame, n: int, rng: np.random.Generator) -> list[int]:
-    """Row labels: one from each (family, phase) stratum in turn, strata and rows in random order."""
-    strata = [list(rng.permutation(g.index)) for _, g in frame.groupby(["family", "phase"], sort=True)]
+    """Row labels: one from each (family, phase, outcome) stratum in turn, strata and rows in random order."""
+    strata = [list(rng.permutation(g.index)) for _, g in frame.groupby(["family", "phase", "won"], sort=True)]
     strata = [strata[k] for k in rng.permutation(len(strata))]
     chosen: list[int] = []
     while len(chosen) < n and any(strata):

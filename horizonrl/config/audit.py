@@ -24,7 +24,8 @@ class AuditConfig(Strict):
     take every other one of each arm."""
     anchor_share: float = Field(0.3, ge=0, le=1)
     """Share of the points drawn at anchor states (one observation several episodes of a group reached and
-    left by different actions), for the ordering test; the rest are stratified over task family and phase."""
+    left by different actions), for the ordering test; the rest are stratified over task family, phase (early,
+    middle, late) and outcome (won or not)."""
     block_points: int = Field(8, ge=1)
     """Points whose 2M continuations play as one engine batch and are stored together (what a resumed audit
     does not play again). It bounds memory: the transformers engine holds a KV cache per continuation. The
