@@ -103,6 +103,7 @@ def _summary(ref: AuditRef, result: dict, labels: list[str]) -> dict:
                    "prompt": r.prompt, "action_mode": r.action_mode, "engine": cfg.engine.name, "seed": cfg.seed},
         "audit": ref.audit.model_dump(),
         "points": result["points"],
+        "points_nonzero": result["points_nonzero"],
         "noise_ceiling": result["noise_ceiling"].as_dict(),
         "max_correlation": result["max_correlation"],
         "order": labels,

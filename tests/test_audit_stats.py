@@ -95,6 +95,20 @@ def test_scores_pair_estimators_on_the_same_points_and_score_partial_ones_on_the
     assert 0.8 < result["noise_ceiling"].value < 1 and result["max_correlation"] > result["noise_ceiling"].value
 
 
+def test_a_figure_undefined_in_many_resamples_gets_no_interval():
+    """One informative point in 20 (the rest tie at A_MC = 0): its Spearman correlation is a number, but most
+    resamples leave that point out and are undefined, so no interval is claimed."""
+    a_mc = np.zeros(20)
+    a_mc[3] = -0.25
+    table = pd.DataFrame({"a_mc": a_mc, "se": np.full(20, 0.25), "q_mc": np.zeros(20), "a_half1": a_mc,
+                          "a_half2": np.zeros(20), "anchor": -np.ones(20, int), "action": ["x"] * 20,
+                          "est": np.linspace(-1, 1, 20)})  # fmt: skip
+    result = scores.score(table, ["est"], 1000, 0, 2.0)
+    spear = result["estimators"]["est"]["spearman"]
+    assert np.isfinite(spear.value) and math.isnan(spear.low) and math.isnan(spear.high)
+    assert result["points_nonzero"] == 1 and math.isnan(result["noise_ceiling"].value), "a constant half"
+
+
 def test_phases_and_anchor_codes():
     assert [points.phase(t, 3) for t in range(3)] == ["early", "middle", "late"]
     assert [points.phase(0, 1), points.phase(5, 6), points.phase(1, 6)] == ["early", "late", "early"]

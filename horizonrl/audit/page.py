@@ -114,13 +114,14 @@ def _section(s: dict, picture: str) -> list[str]:
         "",
         f"Policy `{s['policy'] or s['policy_path']}` (iteration {s['policy_iteration']}) on {c['env']} {c['tier']}: "
         f"{s['audit']['tasks']} groups of {c['group_size']}, {c['context']} context, {c['prompt']} prompt, "
-        f"{c['action_mode']} actions, {c['engine']} engine, seed {c['seed']}. {s['points']} decision points, "
+        f"{c['action_mode']} actions, {c['engine']} engine, seed {c['seed']}. {s['points']} decision points "
+        f"({s['points_nonzero']} with A_MC ≠ 0: at the rest every continuation ended alike), "
         f"M = {s['audit']['continuations']} continuations per arm; {_seconds(s)}.",
         "",
         f"**Noise ceiling** (split-half, Spearman-Brown): {_fmt(ceiling)}; the highest correlation with A_MC any "
-        f"estimator can reach: {s['max_correlation']:.2f}.",
+        f"estimator can reach: {_number(s['max_correlation'])}.",
         "",
-        f"| estimator | Spearman with A_MC (ceiling {ceiling['value']:.2f}) | sign agreement where "
+        f"| estimator | Spearman with A_MC (ceiling {_number(ceiling['value'])}) | sign agreement where "
         f"|A_MC| > {s['audit']['sign_z']:g} SE | ordering at anchor states (chance 0.5) |",
         "|---|---|---|---|",
     ]
@@ -142,7 +143,7 @@ def _claim(s: dict, words: str, a: str, b: str | None) -> str:
     e = s["estimators"][a]["spearman"]
     if b is None or b not in s["estimators"]:
         verdict = "tracks A_MC" if e["low"] > 0 else "cannot be told from no correlation"
-        return f"{words}: Spearman {_fmt(e)}, {verdict} (noise ceiling {s['noise_ceiling']['value']:.2f})."
+        return f"{words}: Spearman {_fmt(e)}, {verdict} (noise ceiling {_number(s['noise_ceiling']['value'])})."
     pair = next((p for p in s["pairs"] if {p["a"], p["b"]} == {a, b} and p["metric"] == "spearman"), None)
     if pair is None:
         return f"{words}: not paired (different points)."
@@ -171,8 +172,12 @@ def _fmt(e: dict, absolute: bool = False) -> str:
     if absolute and value < 0:
         value, low, high = (_negated(e)[k] for k in ("value", "low", "high"))
     if any(isinstance(x, float) and math.isnan(x) for x in (value, low, high)):
-        return "n/a" if isinstance(value, float) and math.isnan(value) else f"{value:.2f} (too few for an interval)"
+        return "n/a" if isinstance(value, float) and math.isnan(value) else f"{value:.2f} (no interval: too few points)"
     return f"{value:.2f} [{low:.2f}, {high:.2f}]"
+
+
+def _number(x: float | None) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"{x:.2f}"
 
 
 def _seconds(s: dict) -> str:

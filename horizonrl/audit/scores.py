@@ -34,7 +34,7 @@ def score(table: pd.DataFrame, names: list[str], resamples: int, seed: int, z: f
     pair's paired difference. Points whose Monte Carlo advantage could not be estimated are left out.
 
     Returns:
-        ``{"points", "noise_ceiling", "max_correlation", "estimators": {name: {metric: Estimate}},
+        ``{"points", "points_nonzero", "noise_ceiling", "max_correlation", "estimators": {name: {metric: Estimate}},
         "pairs": [{"a", "b", "metric", "difference": Estimate}]}``.
     """
     table = table[np.isfinite(table["a_mc"].to_numpy(float))].reset_index(drop=True)
@@ -48,6 +48,7 @@ def score(table: pd.DataFrame, names: list[str], resamples: int, seed: int, z: f
     ceiling = noise_ceiling(table, resamples, seed)
     return {
         "points": len(table),
+        "points_nonzero": int((table["a_mc"] != 0).sum()),  # the rest tie at 0: every continuation ended alike
         "noise_ceiling": ceiling,
         "max_correlation": math.sqrt(ceiling.value) if ceiling.value > 0 else float("nan"),
         "estimators": {name: estimators[name] for name in names},

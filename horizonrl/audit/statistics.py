@@ -131,11 +131,17 @@ def bootstrap_spearman(
     return full, np.stack([spearman_rows(e[idx], a_mc[idx]) for e in estimates], axis=1)
 
 
+DEFINED_SHARE = 0.95
+"""The share of resamples a figure must be defined in (a Spearman correlation is not where a resample's A_MC is
+constant) for its interval to be given: percentiles of the rest would describe only the resamples that happened
+to hold the few informative points."""
+
+
 def interval(value: float, samples: np.ndarray, n: int) -> Estimate:
-    """``value`` with the 2.5th and 97.5th percentiles of its resampled ``samples`` (B,) (NaNs left out; NaN
-    with fewer than two units)."""
+    """``value`` with the 2.5th and 97.5th percentiles of its resampled ``samples`` (B,); NaN with fewer than
+    two units or where fewer than ``DEFINED_SHARE`` of the resamples define it."""
     finite = samples[np.isfinite(samples)]
-    if n < 2 or not len(finite):
+    if n < 2 or len(finite) < DEFINED_SHARE * len(samples) or not len(finite):
         return Estimate(float(value), float("nan"), float("nan"), int(n))
     low, high = np.percentile(finite, [2.5, 97.5])
     return Estimate(float(value), float(low), float(high), int(n))
