@@ -54,14 +54,18 @@ def figure(scores: dict, path: Path) -> Path:
             ax.axvline(scores["max_correlation"], color="0.6", ls=":", lw=1, label="its square root")
             ax.axvline(0, color="0.8", lw=1)
             ax.legend(fontsize=7, loc="lower right")
+            ax.set_xlim(-1.05, 1.05)
         else:
             ax.axvline(0.5, color="0.8", lw=1)
+            ax.set_xlim(-0.05, 1.05)
         ax.set_title(f"{METRIC_TITLES[metric]}", fontsize=9)
         ax.grid(alpha=0.3, lw=0.5)
     axes[0].set_yticks(range(len(labels)), [title(label) for label in labels], fontsize=8)
     axes[0].invert_yaxis()
     fig.suptitle(
-        f"{scores['name']}: {scores['points']} decision points, M = {scores['audit']['continuations']}", fontsize=10
+        f"{scores['name']}: {scores['points']} decision points, M = {scores['audit']['continuations']}, noise ceiling "
+        f"{_number(scores['noise_ceiling']['value'])}",
+        fontsize=10,
     )
     fig.tight_layout()
     fig.savefig(path)
