@@ -33,6 +33,7 @@ from horizonrl.config import MODEL_URI_PREFIXES, AuditConfig, TrainConfig
 from horizonrl.files import write_json
 from horizonrl.rollout.branching import collect_branches, plan_branches
 from horizonrl.rollout.loop import SamplingSettings, sample_tasks, split_shards
+from horizonrl.rollout.metrics import check_complete
 from horizonrl.run.learner import initial_model_dir, policy_from_store
 from horizonrl.seeding import derive_seed
 from horizonrl.tracking import mlflow_runs
@@ -140,6 +141,7 @@ def play_groups(ref: AuditRef) -> GroupsRef:
     shard = split_shards(tasks, 1, cfg.rollout.group_size, derive_seed(cfg.seed, "audit", "play"))[0]
     records = PLAYER.play(cfg, shard, cfg.rollout.group_size)
     branches = _appo_branches(cfg, records, derive_seed(cfg.seed, "audit", "branches"))
+    check_complete(records + branches, "audit episodes")
     for rows, episodes, turns in ((records, groups.episodes, groups.turns),
                                   (records + branches, groups.appo_episodes, groups.appo_turns)):  # fmt: skip
         store.write_table(store.turns_table(rows, ref.policy.iteration), turns, "turns")
@@ -218,6 +220,7 @@ def _block(ref: AuditRef, parents: dict, plan: list, b: int, n: int, first: int)
     before = Counter(getattr(PLAYER.engine, "counts", {}))
     settings = SamplingSettings.from_config(cfg, PLAYER.suite(cfg), derive_seed(cfg.seed, "audit", "block", b))
     records = truth.play_block(PLAYER.episodes(cfg), parents, plan, PLAYER.engine, PLAYER.fmt, settings, first)
+    check_complete(records, "continuations")  # a dead server's: never stored as returns; the retry restarts it
     store.write_table(store.turns_table(records, ref.policy.iteration), paths[0], "turns")
     table = store.episodes_table(records, cfg.run_name, 0, ref.policy.iteration)
     store.write_table(table, paths[1], "episodes")

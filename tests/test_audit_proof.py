@@ -16,8 +16,10 @@ import methods
 from horizonrl import store
 from horizonrl.audit import points as audit_points
 from horizonrl.audit import scores, statistics, truth
+from horizonrl.engines.base import Generation
 from horizonrl.models.tokenizers import train_word_tokenizer
 from horizonrl.rollout.loop import SamplingSettings, collect
+from horizonrl.rollout.metrics import EvaluationIncomplete, check_complete
 from horizonrl.rollout.prompting import ChatFormat
 from horizonrl.training.sequences import step_batch
 
@@ -83,3 +85,27 @@ def test_the_audit_ranks_the_truth_above_loop_and_loop_above_a_shuffled_control(
     # the truth is 0 away from the decisive turn, where a chance |A_MC| > 2 SE (1 point in 20) counts 1/2
     assert oracle["sign_agreement"].value >= 0.95 and oracle["sign_agreement"].n >= 30
     assert oracle["ordering"].low > 0.5 and oracle["ordering"].n >= 5, "actions ordered above chance at anchors"
+
+
+class _DeadEngine(OracleEngine):
+    """The oracle policy behind a server that died: every generation comes back with the engine's error."""
+
+    def generate(self, request):
+        return [Generation([], [], [], [], error="vLLM server unreachable") for _ in request.prompts]
+
+
+def test_continuations_a_dead_engine_ended_are_refused_and_never_taken_for_returns():
+    suite = ChainSuite()
+    fmt = ChatFormat.for_tokenizer(train_word_tokenizer(suite.corpus(), fallback=False))
+    settings = SamplingSettings("admissible", "full", 2, suite.max_turns("easy"), 4, 1.0, 0)
+    played = collect(suite, suite.tasks("train", "easy", 1), 2, OracleEngine(), fmt, settings)
+    parents = {r.rollout_id: r for r in played}
+    block = pd.DataFrame({"point": [0], "rollout_id": [0], "turn": [1]})
+    plan = truth.plan(block, parents, 2)
+    records = truth.play_block(suite, parents, plan, _DeadEngine(), fmt, settings, first_rollout_id=10)
+    with pytest.raises(EvaluationIncomplete, match="4 of 4 continuations were ended by the sampler"):
+        check_complete(records, "continuations")
+    stored = store.episodes_table(records, "chain", 0, 0)
+    assert not truth.matches(stored, plan, parents, 10), "a resumed audit plays such a block again"
+    good = truth.play_block(suite, parents, plan, OracleEngine(), fmt, settings, first_rollout_id=10)
+    assert truth.matches(store.episodes_table(good, "chain", 0, 0), plan, parents, 10)

@@ -27,7 +27,7 @@ from horizonrl.envs.batch import EpisodeBatch
 from horizonrl.rollout.branching import collect_branches, turn_start
 from horizonrl.rollout.loop import SamplingSettings
 from horizonrl.rollout.prompting import ChatFormat
-from horizonrl.rollout.records import EpisodeRecord
+from horizonrl.rollout.records import ENGINE_FAULT, EpisodeRecord
 
 FRESH, FIXED = "fresh", "fixed"
 
@@ -68,13 +68,15 @@ def play_block(
 
 
 def matches(episodes: pa.Table, continuations: list[Continuation], parents: dict, first_rollout_id: int) -> bool:
-    """Whether a stored block's ``episodes`` are exactly these continuations (ids, parents and splits, in order)."""
-    cols = episodes.select(["rollout_id", "parent_rollout", "branch_token"]).to_pydict()
+    """Whether a stored block's ``episodes`` are exactly these continuations (ids, parents and splits, in order),
+    each played out (none ended by the sampler: a dead server's episodes are no returns)."""
+    cols = episodes.select(["rollout_id", "parent_rollout", "branch_token", "error"]).to_pydict()
     want = [turn_start(parents[c.parent], c.start) for c in continuations]
     return (
         cols["rollout_id"] == list(range(first_rollout_id, first_rollout_id + len(continuations)))
         and cols["parent_rollout"] == [c.parent for c in continuations]
         and cols["branch_token"] == [s.split for s in want]
+        and not any(e.startswith(ENGINE_FAULT) for e in cols["error"])
     )
 
 
