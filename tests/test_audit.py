@@ -20,6 +20,7 @@ from flows.cli import main
 from horizonrl import store
 from horizonrl.audit.page import write_page
 from horizonrl.audit.policy import training_run
+from horizonrl.models import pretrained
 from horizonrl.training.checkpoint import checkpoint_dir
 from mlflow import MlflowClient
 from tasks.audit import audited_policy
@@ -141,8 +142,10 @@ def test_the_report_refuses_a_folder_that_holds_no_finished_audit(capsys, tmp_pa
 @pytest.mark.slow
 def test_the_audit_of_smollm2_on_the_transformers_engine(prefect_harness, tmp_path):
     """The real pretrained model through the whole audit, at the smallest counts (seconds per point logged)."""
+    model = pretrained.fetch("smollm2-135m-instruct", ROOT / "data")  # the suite's cache (make setup-test fills it)
     overrides = ["engine.name=transformers", "rollout.max_staleness=0", "env.max_turns=3", "rollout.group_size=2",
-                 f"data_dir={tmp_path}", f"tracking_uri=sqlite:///{tmp_path}/mlflow.db"]  # fmt: skip
+                 f"model.path={model}", f"data_dir={tmp_path}",
+                 f"tracking_uri=sqlite:///{tmp_path}/mlflow.db"]  # fmt: skip
     given = {**SMALL, "tasks": 2, "points": 3}
     cfg, settings, name = audit_settings(None, "configs/smollm2_household_easy.yaml", overrides, given, None)
     scores = audit(config=cfg.model_dump(), settings=settings.model_dump(), name=name)
