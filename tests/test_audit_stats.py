@@ -34,6 +34,7 @@ def test_spearman_by_hand_with_and_without_ties():
 def test_spearman_brown_corrects_a_half_to_the_whole():
     assert statistics.spearman_brown(0.5) == pytest.approx(2 / 3)
     assert [statistics.spearman_brown(r) for r in (0.0, 1.0, -1.0)] == [0.0, 1.0, -1.0]
+    assert statistics.spearman_brown(np.array([0.5, -2.0])) == pytest.approx([2 / 3, -1.0])
     assert math.isnan(statistics.spearman_brown(NAN))
 
 

@@ -62,8 +62,7 @@ def noise_ceiling(table: pd.DataFrame, resamples: int, seed: int) -> Estimate:
     half1, half2 = (table[c].to_numpy(float) for c in ("a_half1", "a_half2"))
     ok = np.isfinite(half1) & np.isfinite(half2)
     full, boot = bootstrap_spearman(half1[ok][None, :], half2[ok], resamples, seed)
-    corrected = np.vectorize(spearman_brown)(boot[:, 0]) if len(boot) else boot[:, 0]
-    return interval(spearman_brown(float(full[0])), corrected, int(ok.sum()))
+    return interval(spearman_brown(float(full[0])), spearman_brown(boot[:, 0]), int(ok.sum()))
 
 
 def _metrics(

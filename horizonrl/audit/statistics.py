@@ -65,9 +65,13 @@ def spearman_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         return np.where(denominator > 0, (rx * ry).sum(axis=1) / denominator, np.nan)
 
 
-def spearman_brown(r: float) -> float:
-    """The reliability of the whole from the correlation ``r`` of its two halves: 2r / (1 + r) (§8.3)."""
-    return -1.0 if r <= -1 else 2 * r / (1 + r)  # NaN stays NaN
+def spearman_brown(r: float | np.ndarray) -> float | np.ndarray:
+    """The reliability of the whole from the correlation ``r`` of its two halves: 2r / (1 + r) (§8.3); elementwise
+    over an array, NaN staying NaN."""
+    x = np.asarray(r, dtype=float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = np.where(x <= -1, -1.0, 2 * x / (1 + x))
+    return float(out) if out.ndim == 0 else out
 
 
 def agreement(estimate: np.ndarray, truth: np.ndarray) -> np.ndarray:
