@@ -174,3 +174,16 @@ def test_branch_turns_name_the_turn_that_holds_each_of_appos_split_tokens():
     episodes = pa.table({"kind": ["initial", "branch", "branch", "branch"], "parent_rollout": [-1, 3, 3, 9],
                          "branch_token": [-1, 1, 5, 0]})  # fmt: skip
     assert points.branch_turns(episodes, turns) == {(3, 0), (3, 1), (9, 0)}
+
+
+def test_blpo_is_warmed_from_every_batch_before_the_checkpoint_or_from_none(tmp_path):
+    from horizonrl.audit.policy import stored_batches
+
+    run = tmp_path / "exp" / "run"
+    for i in (1, 2):
+        (run / f"iter={i:05d}").mkdir(parents=True)
+        for name in ("episodes.parquet", "turns.parquet"):
+            (run / f"iter={i:05d}" / name).touch()
+    assert [d.name for d in stored_batches(run, 2)] == ["iter=00001", "iter=00002"]
+    assert stored_batches(run, 3) == [], "iteration 3's batch is missing: no partial memory"
+    assert stored_batches(run, 0) == []

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mlflow.exceptions import MlflowException
+
 from horizonrl.store import iteration_dir
 from horizonrl.training.checkpoint import STATE_FILE, CheckpointRef
 from mlflow import MlflowClient
@@ -39,7 +41,10 @@ def training_run(ref: CheckpointRef, c: MlflowClient | None) -> Path | None:
         run_id = json.loads((path / STATE_FILE).read_text()).get("mlflow_run_id") if is_checkpoint(path) else None
         if c is None or not run_id:
             return None
-        params = c.get_run(run_id).data.params
+        try:
+            params = c.get_run(run_id).data.params
+        except MlflowException:  # the run that wrote it is in another store
+            return None
         if not {"data_dir", "experiment", "run_name"} <= params.keys():
             return None
         folder = Path(params["data_dir"]) / params["experiment"] / params["run_name"]
@@ -47,8 +52,10 @@ def training_run(ref: CheckpointRef, c: MlflowClient | None) -> Path | None:
 
 
 def stored_batches(run_dir: str | Path, iteration: int) -> list[Path]:
-    """The iteration folders of ``run_dir`` whose rollouts went into checkpoint ``iteration`` (1 to
-    ``iteration``, each with its episodes and turns stored), in order."""
-    folders = [iteration_dir(Path(run_dir).parent.parent, Path(run_dir).parent.name, Path(run_dir).name, i)
-               for i in range(1, iteration + 1)]  # fmt: skip
-    return [d for d in folders if (d / "episodes.parquet").is_file() and (d / "turns.parquet").is_file()]
+    """The iteration folders of ``run_dir`` whose rollouts went into checkpoint ``iteration``, 1 to ``iteration`` in
+    order; none unless every one holds its episodes and turns (a memory rebuilt from some of them would be another
+    run's)."""
+    run = Path(run_dir)
+    folders = [iteration_dir(run.parent.parent, run.parent.name, run.name, i) for i in range(1, iteration + 1)]
+    whole = all((d / "episodes.parquet").is_file() and (d / "turns.parquet").is_file() for d in folders)
+    return folders if whole else []
