@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     md.add_argument("action", choices=["fetch", "list"])
     md.add_argument("names", nargs="*", help="models to fetch (horizonrl models list names them)")
     md.add_argument("--data-dir", default="data", help="the cache is <data-dir>/models/<name> (default data/)")
+    _add_audit_commands(sub)
     args = parser.parse_args(argv)
     if args.command == "models":
         return _models(args)
@@ -204,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         return _study(args)
     if args.command not in ("stack", "show"):
         _choose_prefect_api()
+    if args.command in _AUDIT_COMMANDS:
+        return _AUDIT_COMMANDS[args.command](args)
     if args.command == "recompute":
         return _recompute(args)
     if args.command == "show":
@@ -557,6 +560,80 @@ def _stack(args: argparse.Namespace) -> int:
 
 
 _SWEEP_COMMANDS = {"sweep": _sweep, "report": _report, "evaluate": _evaluate, "stack": _stack}
+
+
+def _add_audit_commands(sub: argparse._SubParsersAction) -> None:
+    """``audit`` (the credit audit, its flags the fields of ``AuditConfig``) and ``audit-report`` (its page)."""
+    from horizonrl.config import AuditConfig
+
+    au = sub.add_parser(
+        "audit",
+        help="score every advantage estimator against Monte Carlo returns from the same states (credit audit)",
+        description="The credit audit (docs/algorithms.md §8): play groups as training collects them, draw decision "
+        "points, estimate A_MC = Q(s_t, a_t) - V(s_t) at each from continuations that replay the episode, and score "
+        "every estimator of methods.ADVANTAGES against it, in an MLflow run of its own. The same command resumes it.",
+    )
+    au.add_argument(
+        "--policy",
+        help="a model folder, a pretrained model's name, models:/<name>/<version>, runs:/<run id>, or a run's "
+        "checkpoint folder (data/<experiment>/<run>/checkpoints/iter=<n>: BLPO is then also audited warm, from the "
+        "run's batches before it); default: the config's model",
+    )
+    au.add_argument("--config", help="the train config the policy plays by (default: the policy's run's config)")
+    au.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field of the config")
+    au.add_argument("--name", help="the audit's name (default <policy>--audit-<env>-<tier>-s<seed>)")
+    for field, info in AuditConfig.model_fields.items():
+        about = " ".join(info.description.replace("``", "").replace("%", "%%").split())
+        au.add_argument(f"--{field.replace('_', '-')}", type=info.annotation, help=f"{about} (default {info.default})")
+    ar = sub.add_parser(
+        "audit-report", help="write the credit audit's page from audit folders (generated, never typed)"
+    )
+    ar.add_argument("audits", nargs="*", help="audit folders (data/<experiment>/<name>); none: a page that says so")
+    ar.add_argument("--out", default="docs/credit-audit.md", help="the page (default docs/credit-audit.md)")
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from flows.audit import audit, audit_settings
+    from flows.evaluate import one_line
+    from horizonrl.config import AuditConfig
+
+    given = {field: getattr(args, field) for field in AuditConfig.model_fields}
+    try:  # before the flow: bad input is one line and no run is created
+        cfg, settings, name = audit_settings(args.policy, args.config, args.set, given, args.name)
+    except ValueError as err:
+        print(f"horizonrl: audit: {one_line(err)}", file=sys.stderr)
+        return 2
+    try:
+        with _OneLineErrors():
+            scores = audit(config=cfg.model_dump(), settings=settings.model_dump(), name=name, policy=args.policy)
+    except Exception as err:  # noqa: BLE001 - a run-time failure: one line; the MLflow run is marked FAILED
+        why = f"{one_line(err)} (its MLflow run is marked FAILED; the same command resumes it)"
+        print(f"horizonrl: audit failed: {why}", file=sys.stderr)
+        return 1
+    print(f"\n== horizonrl: audit {name} finished: {scores['points']} decision points ==")
+    print(f"noise ceiling {scores['noise_ceiling']['value']:.2f}; Spearman with A_MC:")
+    for label in scores["order"]:
+        e = scores["estimators"][label]["spearman"]
+        print(f"  {label:24s} {e['value']:+.2f} [{e['low']:+.2f}, {e['high']:+.2f}]")
+    print(f"data: {os.path.join(cfg.data_dir, cfg.experiment, name)}; page: horizonrl audit-report <that folder>")
+    return 0
+
+
+def _audit_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from horizonrl.audit.page import SCORES_FILE, write_page
+
+    missing = [a for a in args.audits if not (Path(a) / SCORES_FILE).is_file()]
+    if missing:
+        print(f"horizonrl: audit-report: {missing[0]} holds no {SCORES_FILE} (not an audit folder, or the audit has "
+              "not finished: run the same `horizonrl audit` again)", file=sys.stderr)  # fmt: skip
+        return 2
+    print(write_page([Path(a) for a in args.audits], Path(args.out)))
+    return 0
+
+
+_AUDIT_COMMANDS = {"audit": _audit, "audit-report": _audit_report}
 
 
 if __name__ == "__main__":
