@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import errno
 import logging
 import os
 import sys
@@ -82,9 +81,16 @@ def _temporary_server_in_background() -> threading.Thread | None:
     return thread
 
 
+DESCRIPTION = (
+    "horizonrl: train, evaluate and compare critic-free RL agents on long-horizon tasks; each command runs its "
+    "Prefect flow here with progress on the terminal and logs to MLflow (README.md)."
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     _env_defaults()
-    parser = argparse.ArgumentParser(prog="horizonrl", description=__doc__)
+    parser = argparse.ArgumentParser(prog="horizonrl", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train one method (runs the Prefect 'train' flow)")
     tr.add_argument("--config", help="YAML config file")
@@ -159,11 +165,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     sh = sub.add_parser("show", help="print a stored iteration's episodes, or one episode turn by turn (Parquet store)")
     sh.add_argument("run", help="run folder (data/<experiment>/<run_name>) or a run name under data/")
-    sh.add_argument("--iteration", type=int, required=True)
+    sh.add_argument(
+        "--iteration", type=int, required=True, help="the stored iteration (iter=<n>; 0 holds the first evaluation)"
+    )
     sh.add_argument("--episode", type=int, help="rollout id; without it, the iteration's episodes are listed")
     sh.add_argument("--data-dir", default="data", help="where run names are looked up (default data/)")
     st = sub.add_parser("stack", help="local prefect server + process worker + mlflow server on 127.0.0.1")
-    st.add_argument("action", choices=["up", "down", "status"])
+    st.add_argument(
+        "action",
+        choices=["up", "down", "status"],
+        help="up: start the servers and the worker (and print their addresses); down: stop them, the worker "
+        "first; status: which are running",
+    )
     st.add_argument("--home", default=".stack", help="pid files and logs (default .stack/)")
     st.add_argument(
         "--store",
@@ -204,12 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.set)
     except ValueError as err:
-        print(f"horizonrl: bad configuration: {err}", file=sys.stderr)
+        _print_lines(err)
         return 2
     from horizonrl.run import preflight
 
     try:  # what the user brings (model folder, environment, engine) and what a resume changes: before any run
-        preflight.check_start(cfg, args.allow_change)
+        preflight.check_start(
+            cfg, args.allow_change, "warmstart.epochs" if args.command == "warmstart" else "iterations"
+        )
     except ValueError as err:
         print(f"horizonrl: run {cfg.run_name!r} not started: {err}", file=sys.stderr)
         return 2
@@ -222,19 +237,19 @@ def main(argv: list[str] | None = None) -> int:
         from horizonrl.store import StoreError
         from horizonrl.tracking.mlflow_runs import ArtifactStoreUnwritable, tracking_uri
         from horizonrl.training.checkpoint import CheckpointDamaged
+        from tasks.run import known_failure
 
         os.environ[STARTED_AT] = str(psutil.Process().create_time())  # the flow logs time/startup_s from it
         if server is not None:
             server.join()
         try:
-            refused = (RunInUse, CheckpointDamaged, StoreError, ArtifactStoreUnwritable)
-            with _OneLineErrors(lambda err: isinstance(err, refused) or _disk_error(err)):  # reported below
+            with _OneLineErrors(known_failure):  # reported below
                 summary = train(config=cfg.model_dump(), allow_change=args.allow_change)
-        except refused as err:
+        except (RunInUse, CheckpointDamaged, StoreError, ArtifactStoreUnwritable) as err:
             print(f"horizonrl: run {cfg.run_name!r} not started: {err}", file=sys.stderr)
             return 1
         except OSError as err:
-            if not _disk_error(err):
+            if not known_failure(err):
                 raise
             print(
                 f"horizonrl: run {cfg.run_name!r} failed: {err} (its MLflow run is marked FAILED; "
@@ -242,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
+        _stop_temporary_server()  # its "Stopping" line would follow the summary
         uri = tracking_uri(cfg.tracking_uri)
         print("\n== horizonrl: run finished ==")
         print(
@@ -267,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         from flows.warmstart import warmstart
 
         summary = warmstart(config=cfg.model_dump(), allow_change=args.allow_change)
+        _stop_temporary_server()
         print("\n== horizonrl: warm start finished ==")
         print(
             f"held-out success (sampled, {cfg.eval.tasks_at(end=True)} tasks): {summary['initial_success_rate']:.3f} "
@@ -279,6 +296,29 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"demonstrations: {os.path.join(cfg.data_dir, cfg.experiment, cfg.run_name, 'demonstrations')}")
     return 0
+
+
+def _print_lines(err: ValueError) -> None:
+    """A refused config on stderr: each of its lines (``config: <field> <problem> (got <value>)``) once."""
+    for text in str(err).splitlines():
+        print(f"horizonrl: {text}", file=sys.stderr)
+
+
+def _version() -> str:
+    """The installed distribution's version, and the checkout's commit where the code runs from one (an
+    editable install)."""
+    import subprocess
+    from importlib import metadata
+    from pathlib import Path
+
+    version, root = metadata.version("horizonrl"), Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():  # installed from a wheel: no checkout to ask
+        return version
+    try:
+        done = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    except OSError:
+        return version
+    return f"{version} (commit {done.stdout.strip()})" if done.returncode == 0 else version
 
 
 def _recompute(args: argparse.Namespace) -> int:
@@ -446,14 +486,16 @@ def _evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _disk_error(err: BaseException) -> bool:
-    """A write the disk refused (full, read-only, over quota; or a checkpoint that could not be written,
-    whose writers raise their own error types): the machine's state, not a bug to debug."""
-    from horizonrl.training.checkpoint import CheckpointWriteError
+def _stop_temporary_server() -> None:
+    """Stop Prefect's temporary API server of this process, if it started one, once the flow is done: else
+    it stops at exit and its "Stopping temporary server" line follows the command's summary."""
+    from prefect.settings import get_current_settings
 
-    return isinstance(err, CheckpointWriteError) or (
-        isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
-    )
+    if get_current_settings().api.url:  # a server of its own (the stack's, PREFECT_API_URL): nothing to stop
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    SubprocessASGIServer().stop()
 
 
 class _OneLineErrors(logging.Filter):

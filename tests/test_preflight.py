@@ -141,7 +141,7 @@ def test_a_resume_with_changed_settings_is_refused_naming_each_change(tmp_path, 
     unless it only extends the run; an ``--allow-change`` that names no field is refused too."""
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "data" / "horizonrl" / "r"
-    run.mkdir(parents=True)
+    (run / "checkpoints" / "iter=00001").mkdir(parents=True)  # it finished an iteration: a start is a resume
     ran = TrainConfig(run_name="r", iterations=1).model_dump()
     (run / "config.yaml").write_text(yaml.safe_dump(ran))
     _refused(
@@ -156,7 +156,7 @@ def test_a_resume_with_changed_settings_is_refused_naming_each_change(tmp_path, 
         "--allow-change update.lrr: not a field or section of the config",
     )
     assert yaml.safe_load((run / "config.yaml").read_text()) == ran
-    assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
 
 

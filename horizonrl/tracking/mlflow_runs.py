@@ -36,13 +36,21 @@ FAILURE_TAG = "horizonrl.failure"  # why a run was marked FAILED (or KILLED), in
 DEFAULT_STORE = "mlflow"
 
 
-def tracking_uri(configured: str | None = None) -> str:
-    """Config value, else $MLFLOW_TRACKING_URI, else SQLite under ./mlflow (created on first use)."""
+def tracking_uri(configured: str | None = None, create: bool = True) -> str:
+    """Config value, else $MLFLOW_TRACKING_URI, else SQLite under ./mlflow (its folder created on first use,
+    unless ``create`` is False: a check that must leave nothing behind)."""
     uri = configured or os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
         return uri
-    Path(DEFAULT_STORE).mkdir(exist_ok=True)
+    if create:
+        Path(DEFAULT_STORE).mkdir(exist_ok=True)
     return f"sqlite:///{DEFAULT_STORE}/mlflow.db"
+
+
+def store_exists(uri: str) -> bool:
+    """False for a SQLite store whose file is not there yet (it holds nothing, and opening it would create
+    it); True for any other store (a server's is asked when used)."""
+    return not uri.startswith("sqlite:///") or Path(uri.removeprefix("sqlite:///")).is_file()
 
 
 def client(uri: str) -> MlflowClient:
@@ -192,6 +200,22 @@ def create_run(c: MlflowClient, experiment: str, run_name: str, tags: dict[str, 
     return c.create_run(experiment_id(c, experiment), run_name=run_name, tags=all_tags).info.run_id
 
 
+REPLACES_TAG = "horizonrl.replaces_failed_start"  # the run of a start that finished no iteration, set aside
+
+
+def supersede_run(c: MlflowClient, run: Run, new_name: str, reason: str, carried: dict[str, str]) -> str:
+    """Set ``run`` (a start that finished no iteration) aside for a fresh start under its name: renamed
+    ``new_name``, FAILED, ``reason`` in its failure tag; and create the run that takes the name (no params
+    yet: the start logs the new settings'), tagged with the old run's id and the ``carried`` tags (its links
+    to a sweep). Returns the new run's id. MLflow cannot change a logged param, hence a new run."""
+    old_id, name = run.info.run_id, run.data.tags.get(RUN_NAME_TAG, run.info.run_name)
+    set_tags(c, old_id, {RUN_NAME_TAG: new_name, "mlflow.runName": new_name, FAILURE_TAG: reason[:4000]})
+    if run.info.status in ("RUNNING", "SCHEDULED"):
+        c.set_terminated(old_id, "FAILED")
+    experiment = c.get_experiment(run.info.experiment_id).name
+    return create_run(c, experiment, name, {**carried, REPLACES_TAG: old_id})
+
+
 def log_params(c: MlflowClient, run_id: str, params: dict[str, str]) -> None:
     items = [Param(k, str(v)[:6000]) for k, v in sorted(params.items())]
     for i in range(0, len(items), 100):
@@ -295,28 +319,31 @@ def set_tags(c: MlflowClient, run_id: str, tags: dict[str, Any]) -> None:
     c.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in sorted(tags.items())])
 
 
-def resolve_policy(c: MlflowClient, source: str) -> tuple[str, str]:
+def resolve_policy(c: MlflowClient, source: str, what: str = "source") -> tuple[str, str]:
     """(source run id, model URI) of a run id, ``runs:/<id>`` or ``models:/<name>/<version>``; a source
-    the store does not hold raises ``ValueError`` naming it and the store."""
+    the store does not hold raises ``ValueError`` naming it (as ``what``: ``source``, ``model.path =``) and
+    the store."""
     mlflow.set_tracking_uri(c.tracking_uri)  # the fluent API (logged models) reads the global URI
     if source.startswith("models:/"):
         name, _, version = source.removeprefix("models:/").partition("/")
         if not version:
-            raise ValueError(f"source {source!r}: give models:/<name>/<version>")
+            raise ValueError(f"{what} {source!r}: give models:/<name>/<version>")
         try:
             return c.get_model_version(name, version).run_id, source
         except mlflow.exceptions.MlflowException as err:
             raise ValueError(
-                f"source {source!r}: no version {version} of a registered model {name!r} in {c.tracking_uri}"
+                f"{what} {source!r}: no version {version} of a registered model {name!r} in {c.tracking_uri}"
             ) from err
     run_id = source.removeprefix("runs:/").split("/")[0]
     try:
         c.get_run(run_id)
     except mlflow.exceptions.MlflowException as err:
-        raise ValueError(f"source {source!r}: no run with id {run_id!r} in {c.tracking_uri}") from err
+        raise ValueError(f"{what} {source!r}: no run with id {run_id!r} in {c.tracking_uri}") from err
     models = policy_models(c, run_id)
     if not models:
-        raise ValueError(f"source run {run_id} has no logged policy model (it logs one when its training finishes)")
+        raise ValueError(
+            f"{what} {source!r}: run {run_id} has no logged policy model (it logs one when its training finishes)"
+        )
     return run_id, f"models:/{models[0].model_id}"
 
 
