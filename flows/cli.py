@@ -453,11 +453,21 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from flows.evaluate import checked_policy, evaluate_policy, evaluation_config, model_evaluation_config, one_line
+    from flows.evaluate import (
+        checked_policy,
+        evaluate_policy,
+        evaluation_config,
+        evaluation_store,
+        model_evaluation_config,
+        one_line,
+    )
     from horizonrl.tracking import mlflow_runs
 
     try:  # before the flow, so that bad input is one line, not a flow's traceback, and no run is created
-        c = mlflow_runs.client(mlflow_runs.tracking_uri())
+        uri = evaluation_store(args.set)  # --set tracking_uri=... is where the source is and the run goes
+        if args.source is not None and not mlflow_runs.store_exists(uri):
+            raise ValueError(f"source {args.source!r}: the tracking store {uri} does not exist")
+        c = mlflow_runs.client(uri)
         if args.model is not None:
             model_uri = None
             cfg = model_evaluation_config(c, args.model, args.config, args.split, args.n_tasks, args.samples, args.set)

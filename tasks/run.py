@@ -322,11 +322,29 @@ def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
         if state_file.is_file():  # BLPO memory: load with methods.state_from_json, inspect with .records()
             c.log_artifact(ctx.mlflow_run_id, str(state_file), artifact_path="estimator_state")
         r = ctx.cfg.rollout
-        chat = {"prompt": r.prompt, "free_format": r.free_format, "enable_thinking": r.enable_thinking}
-        mlflow_runs.log_policy(c, ctx.mlflow_run_id, policy.path, policy.iteration, chat)
+        decoding = {
+            "prompt": r.prompt,
+            "free_format": r.free_format,
+            "enable_thinking": r.enable_thinking,
+            "action_mode": r.action_mode,
+            "max_action_tokens": r.max_action_tokens,
+        }
+        mlflow_runs.log_policy(c, ctx.mlflow_run_id, policy.path, policy.iteration, decoding, policy_example(ctx.cfg))
     c.set_terminated(ctx.mlflow_run_id, "FINISHED")
     get_run_logger().info("run %s finished: held-out success %.3f -> %.3f", ctx.cfg.run_name, first, last)
     return summary
+
+
+def policy_example(cfg: TrainConfig) -> dict[str, object]:
+    """One input row of the run's logged policy (its input example, checked against its signature): the
+    first turn of the first held-out task, as the policy was prompted with it."""
+    suite = PLAYER.suite(cfg)
+    env = suite.make()
+    try:
+        observation, info = env.reset(suite.tasks(cfg.eval.split, cfg.env.tier, 1)[0])
+    finally:
+        env.close()
+    return {"goal": info.get("goal", ""), "observation": observation, "admissible": list(info["admissible_commands"])}
 
 
 def end_failed_run(flow: object, flow_run: FlowRun, state: State) -> None:

@@ -37,7 +37,10 @@ CONFIG = "config.yaml"
         (
             "method: loop\nrollout:\n  group_size: 1\n",
             [],
-            ["config: rollout.group_size is too small: method 'loop' needs at least 2", "(got 1 in config.yaml line 3)"],
+            [
+                "config: rollout.group_size is too small: method 'loop' needs at least 2",
+                "(got 1 in config.yaml line 3)",
+            ],
         ),
         ("model:\n  path: ./no-such-model\n", [], ["config: model.path is not a folder here", "'./no-such-model'"]),
         (

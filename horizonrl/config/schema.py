@@ -316,6 +316,10 @@ class WarmStartConfig(Strict):
     the field. None: each run its own, ``<run_name>-warmstart``."""
 
 
+PROJECT_DIR = Path(__file__).resolve().parents[2]
+"""The project's folder (the checkout an editable install runs from): relative paths of the project's own
+environments (``engine.vllm.python``) are taken from here."""
+
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Head sizes vLLM 0.32's CPU attention kernel serves (another starts, reports healthy, then dies at the first
 request)."""
@@ -334,7 +338,9 @@ class VLLMConfig(Strict):
     url: str | None = None
     """Base URL of a running server (e.g. http://127.0.0.1:8000); None starts one on 127.0.0.1."""
     python: str = ".venv-vllm/bin/python"
-    """Interpreter of vLLM's environment, used to start the server."""
+    """Interpreter of vLLM's environment, used to start the server. A relative path is taken from the
+    project's folder (where ``make vllm-venv`` puts ``.venv-vllm``), not the current directory, so a command
+    run from elsewhere finds the project's (``interpreter``)."""
     port: int = Field(8011, ge=1, le=65535)
     gpu_memory_utilization: float = Field(0.45, gt=0, le=1)
     """Share of GPU memory vLLM takes; the trainer shares the GPU on a one-GPU machine."""
@@ -358,6 +364,11 @@ class VLLMConfig(Strict):
     sync_tolerance: float | None = Field(None, gt=0)
     """Largest probe log-prob difference (nats) a weight sync accepts before it restarts the server; None: 1e-4
     (float32). A bfloat16 sampler needs ~0.1."""
+
+    def interpreter(self) -> Path:
+        """``python`` as the server is started with it: a relative path under ``PROJECT_DIR``."""
+        path = Path(self.python).expanduser()
+        return path if path.is_absolute() else PROJECT_DIR / path
 
 
 class RayConfig(Strict):
@@ -473,10 +484,7 @@ class TrainConfig(Strict):
         from horizonrl.envs import check_games, check_tier
 
         if self.env.games is not None and (info.context or {}).get("read_files", True):  # loads every game file
-            try:
-                check_games(self.env.name, self.env.games, self.env.suite_seed)
-            except ValueError as err:
-                raise FieldProblem("env.games", f"cannot be played: {err}", self.env.games) from err
+            check_games(self.env.name, self.env.games, self.env.suite_seed)  # its lines name env.games and each file
         if self.env.games is None or self.env.max_turns is None:  # the user's games take the tier's horizon
             try:
                 check_tier(self.env.name, self.env.tier)

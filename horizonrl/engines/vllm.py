@@ -410,7 +410,7 @@ def engine_from_config(cfg: TrainConfig, policy_path: str, end_ids: list[int]) -
     source = lora.base_model_path(policy_path) if is_lora else str(policy_path)
     model_dir = source if is_lora else str(serving_copy(source, root / f"weights-{v.port}" / "w000000").resolve())
     spec = ServerSpec(
-        python=v.python,
+        python=str(v.interpreter()),
         model=model_dir,
         port=v.port,
         gpu_memory_utilization=v.gpu_memory_utilization,

@@ -410,11 +410,13 @@ def check_engine(cfg: TrainConfig) -> None:
                 f"it with --served-model-name {SERVED_NAME} (docs/deploy.md)"
             )
         return
-    found = vllm_version(v.python)
+    python = v.interpreter()
+    found = vllm_version(str(python))
     if found != VLLM_VERSION:
+        where = "" if str(python) == v.python else f" ({python})"
         raise PreflightError(
-            f"engine.vllm.python = {v.python!r}: {found}, expected vLLM {VLLM_VERSION}: run `make vllm-venv`, or set "
-            "engine.vllm.url to a running server"
+            f"engine.vllm.python = {v.python!r}{where}: {found}, expected vLLM {VLLM_VERSION}: run `make vllm-venv`, "
+            "or set engine.vllm.url to a running server"
         )
 
 

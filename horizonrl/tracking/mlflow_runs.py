@@ -9,11 +9,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import importlib
 import json
 import os
 import shutil
 import sqlite3
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -420,25 +422,61 @@ def download_policy(model_uri: str, cache: Path) -> CheckpointRef:
 POLICY_ITERATION_TAG = "horizonrl.iteration"  # on a logged policy model: the checkpoint it packs
 
 
-def log_policy(
-    c: MlflowClient, run_id: str, checkpoint: str | Path, iteration: int, chat: dict[str, object] | None = None
-) -> None:
-    """Log a checkpoint as the run's ``policy`` pyfunc model, from code (``policy_model.py``, the file the
-    project ships), so the model holds no pickle; the checkpoint folder is its ``policy`` artifact and
-    ``chat`` (``ChatFormat.for_tokenizer``'s settings: the run's prompt) its model config."""
-    from horizonrl.tracking import policy_model
+SERVING_REQUIREMENTS = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pydantic", "pyyaml")
+"""What the logged policy's code imports (``policy_model.py`` and the library under it), pinned at logging to
+the versions it ran with (torch without its local build tag, so a GPU machine brings its own build); a LoRA
+policy adds peft. mlflow, pandas and their dependencies come with MLflow's own requirement."""
 
-    mlflow.set_tracking_uri(c.tracking_uri)  # the fluent API (logged models) reads the global URI
-    with mlflow.start_run(run_id=run_id):
-        mlflow.pyfunc.log_model(
-            name="policy",
-            python_model=policy_model.__file__,
-            artifacts={"policy": str(checkpoint)},
-            signature=policy_model.SIGNATURE,
-            pip_requirements=["torch", "transformers", "safetensors"],
-            tags={POLICY_ITERATION_TAG: str(iteration)},
-            model_config=chat or {},
-        )
+
+def log_policy(
+    c: MlflowClient,
+    run_id: str,
+    checkpoint: str | Path,
+    iteration: int,
+    model_config: dict[str, object] | None = None,
+    example: dict[str, object] | None = None,
+) -> None:
+    """Log a checkpoint as the run's ``policy`` pyfunc model that serves anywhere: from code
+    (``policy_model.py``), so it holds no pickle; the checkpoint's policy as its ``policy`` artifact (not the
+    optimizer's state: ``copy_policy``), a LoRA policy's base model as ``base``; the library's code
+    (``horizonrl``, ``methods``) in the model and its requirements pinned (``SERVING_REQUIREMENTS``), so a
+    fresh environment with only those installed loads and serves it; ``model_config`` (the run's prompt and
+    decoding: ``policy_model.CHAT_KEYS``, ``action_mode``, ``max_action_tokens``) and ``example`` (one
+    input row: goal, observation, admissible) with its signature."""
+    from importlib import metadata
+
+    from horizonrl.tracking import policy_model
+    from horizonrl.training.checkpoint import copy_policy
+
+    adapter = lora.is_adapter_dir(checkpoint)
+    pins = [
+        f"{p}=={metadata.version(p).split('+')[0]}" for p in (*SERVING_REQUIREMENTS, *(["peft"] if adapter else []))
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        artifacts = {"policy": str(copy_policy(checkpoint, Path(tmp) / "policy"))}
+        if adapter:
+            artifacts["base"] = lora.base_model_path(checkpoint)
+        code = [_code_copy(package, Path(tmp) / "code") for package in ("horizonrl", "methods")]
+        mlflow.set_tracking_uri(c.tracking_uri)  # the fluent API (logged models) reads the global URI
+        with mlflow.start_run(run_id=run_id), no_progress_bar():
+            mlflow.pyfunc.log_model(
+                name="policy",
+                python_model=policy_model.__file__,
+                artifacts=artifacts,
+                code_paths=[str(p) for p in code],
+                signature=policy_model.SIGNATURE,
+                input_example=pd.DataFrame([example]) if example else None,
+                pip_requirements=pins,
+                tags={POLICY_ITERATION_TAG: str(iteration)},
+                model_config=model_config or {},
+            )
+
+
+def _code_copy(package: str, dest: Path) -> Path:
+    """The source of our top-level ``package`` (``horizonrl``, ``methods``) copied under ``dest``, without
+    compiled files: the code a logged model carries."""
+    source = Path(importlib.import_module(package).__file__).parent
+    return Path(shutil.copytree(source, dest / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")))
 
 
 def register_policy(c: MlflowClient, run_id: str, model_name: str) -> str:
