@@ -7,7 +7,6 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable
 
 
 def _env_defaults() -> None:
@@ -242,9 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[STARTED_AT] = str(psutil.Process().create_time())  # the flow logs time/startup_s from it
         if server is not None:
             server.join()
-        try:
-            with _OneLineErrors(known_failure):  # reported below
-                summary = train(config=cfg.model_dump(), allow_change=args.allow_change)
+        try:  # a known failure's traceback is one line in the flow's log (tasks.run.one_line_failures), reported below
+            summary = train(config=cfg.model_dump(), allow_change=args.allow_change)
         except (RunInUse, CheckpointDamaged, StoreError, ArtifactStoreUnwritable) as err:
             print(f"horizonrl: run {cfg.run_name!r} not started: {err}", file=sys.stderr)
             return 1
@@ -462,6 +460,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         one_line,
     )
     from horizonrl.tracking import mlflow_runs
+    from tasks.run import OneLineErrors
 
     try:  # before the flow, so that bad input is one line, not a flow's traceback, and no run is created
         uri = evaluation_store(args.set)  # --set tracking_uri=... is where the source is and the run goes
@@ -480,7 +479,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         print(f"horizonrl: evaluate: {one_line(err)}", file=sys.stderr)
         return 2
     try:
-        with _OneLineErrors():
+        with OneLineErrors():
             evaluate_policy(
                 args.source,
                 args.split,
@@ -506,35 +505,6 @@ def _stop_temporary_server() -> None:
     from prefect.server.api.server import SubprocessASGIServer
 
     SubprocessASGIServer().stop()
-
-
-class _OneLineErrors(logging.Filter):
-    """Prefect logs a failed flow or task with its traceback; on the terminal of a command that reports the
-    failure in one line itself, the exception's own line is kept and the traceback dropped (for the
-    exceptions ``only`` accepts where given: the others keep theirs, to be debugged)."""
-
-    LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
-
-    def __init__(self, only: Callable[[BaseException], bool] = lambda err: True) -> None:
-        super().__init__()
-        self.only = only
-
-    def __enter__(self) -> _OneLineErrors:
-        """On Prefect's run loggers for the block only (an in-process caller's later logs keep theirs)."""
-        for name in self.LOGGERS:
-            logging.getLogger(name).addFilter(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name in self.LOGGERS:
-            logging.getLogger(name).removeFilter(self)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.exc_info[1] is not None and self.only(record.exc_info[1]):
-            err = record.exc_info[1]
-            record.msg = f"{record.getMessage()} {type(err).__name__}: {err}".replace("\n", " ")
-            record.args, record.exc_info, record.exc_text = None, None, None
-        return True
 
 
 def _stack(args: argparse.Namespace) -> int:

@@ -256,3 +256,19 @@ def test_disk_refusals_are_reported_in_one_line_and_other_errors_keep_their_trac
     assert known_failure(CheckpointWriteError("could not write checkpoint x: disk full"))
     assert known_failure(ConfigError(["config: x must be y"])) and known_failure(PreflightError("model.path"))
     assert not known_failure(OSError(errno.ENOENT, "missing")) and not known_failure(ValueError("bug"))
+
+
+def test_the_command_line_says_its_version_and_helps_without_markup(capsys):
+    """``--version`` names the installed version (and the checkout's commit); the top-level help has no
+    reStructuredText markup; ``show --iteration`` and the ``stack`` actions say what they are."""
+    from importlib import metadata
+
+    for args in (["--version"], ["--help"], ["show", "--help"], ["stack", "--help"]):
+        with pytest.raises(SystemExit) as stop:
+            main(args)
+        assert stop.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"horizonrl {metadata.version('horizonrl')}")
+    assert "``" not in out
+    assert "the stored iteration (iter=<n>; 0 holds the first evaluation)" in " ".join(out.split())
+    assert "up: start the servers and the worker" in " ".join(out.split())

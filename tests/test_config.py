@@ -411,3 +411,15 @@ def test_validation_for_a_failure_hook_reads_no_game_file(tmp_path, monkeypatch)
     assert train_config(None, None, raw, read_files=False).env.games == str(tmp_path / "games") and opened == []
     train_config(None, None, raw)
     assert len(opened) == 1, "the normal path checks the games before any work starts"
+
+
+def test_the_default_vllm_interpreter_is_the_projects_from_any_folder(tmp_path, monkeypatch):
+    """``engine.vllm.python`` relative (the default ``.venv-vllm/bin/python``) is taken from the project's
+    folder, not the current directory: a command run from elsewhere starts the project's vLLM."""
+    from horizonrl.config import VLLMConfig
+    from horizonrl.config.schema import PROJECT_DIR
+
+    monkeypatch.chdir(tmp_path)
+    assert VLLMConfig().interpreter() == Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+    assert PROJECT_DIR == Path(__file__).resolve().parents[1]
+    assert VLLMConfig(python="/opt/vllm/bin/python").interpreter() == Path("/opt/vllm/bin/python")

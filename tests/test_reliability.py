@@ -498,6 +498,9 @@ def test_second_process_refused_and_a_killed_run_leaves_no_server(api_url, tmp_p
     assert finish(third) == 0, (tmp_path / "third.log").read_text()[-3000:]
     out = (tmp_path / "third.log").read_text()
     assert f"stopped Prefect's temporary API server (pid {orphans[0]})" in out and "crashed" in out, out[-3000:]
+    # the summary is the last thing said: the run's own temporary server is stopped before it
+    assert out.index("Stopping temporary server") < out.index("== horizonrl: run finished ==")
+    assert out.strip().splitlines()[-1] == f"data: {tmp_path / 'data' / 'test' / RUN}", out[-1000:]
     assert leftovers(str(home)) == []
     assert flow_run_state(home, holder["flow_run_id"]) == "CRASHED"
     assert run_of(MlflowClient(f"sqlite:///{tmp_path}/mlflow.db"), RUN).info.status == "FINISHED"

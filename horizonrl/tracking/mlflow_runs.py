@@ -26,7 +26,7 @@ from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModel, Logged
 from mlflow.exceptions import MlflowException
 
 import mlflow
-from horizonrl.files import folder_digest, remove_temporary
+from horizonrl.files import folder_digest, machine_cache, remove_temporary
 from horizonrl.models import lora
 from mlflow import MlflowClient
 
@@ -86,7 +86,7 @@ def _file_lock(lock: Path) -> Iterator[None]:
 def _empty_store() -> Path:
     """An empty store migrated by MLflow itself, cached as ``$XDG_CACHE_HOME/horizonrl/mlflow-<version>.db``
     (built on first use, under a lock: concurrent first runs build it once)."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "horizonrl"
+    cache = machine_cache()
     cache.mkdir(parents=True, exist_ok=True)
     template = cache / f"mlflow-{mlflow.__version__}.db"
     with _file_lock(cache / f"{template.name}.lock"):
