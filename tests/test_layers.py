@@ -18,7 +18,7 @@ LIBRARY_RANKS = [
     ("horizonrl.models",),
     ("horizonrl.engines",),
     ("horizonrl.rollout",),
-    ("horizonrl.store",),
+    ("horizonrl.store", "horizonrl.shared_eval"),
     ("horizonrl.training",),
     ("horizonrl.tracking",),
     ("horizonrl.run",),

@@ -163,7 +163,12 @@ def test_changes_are_named_by_field_sections_allow_them_and_a_retry_records_once
         "update.lr 0.001 -> 0.5",
     ]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(before.model_dump()))
-    assert config_history.resume_changes(tmp_path, after, []) == []  # no iteration finished: no resume
+    # no iteration finished: a change starts the run afresh (no resume to refuse), one that only extends it resumes
+    assert config_history.failed_start(tmp_path, after) == changes
+    assert config_history.resume_changes(tmp_path, after, []) == []
+    longer = TrainConfig(run_name="r", iterations=61)
+    assert config_history.failed_start(tmp_path, longer) == []
+    assert [str(c) for c in config_history.resume_changes(tmp_path, longer)] == ["iterations 60 -> 61"]
     (tmp_path / "checkpoints" / "iter=00001").mkdir(parents=True)
     with pytest.raises(config_history.ConfigChangeRefused, match="advantage_params.normalize_std"):
         config_history.resume_changes(tmp_path, after, ["update"])

@@ -56,10 +56,10 @@ def resume_changes(
     naming every such field with its old and new value; so does a ``length`` (``iterations``, or a warm
     start's ``warmstart.epochs``) below the iterations the run has finished."""
     before = last_config(run_folder)
-    done = finished_iterations(run_folder)
-    if before is None or not done:
+    if before is None or failed_start(run_folder, cfg):
         return []
     changes = config_changes(before, cfg)
+    done = finished_iterations(run_folder)
     asked = int(cfg.flat()[length])
     if asked < done:
         raise ConfigChangeRefused(
@@ -101,12 +101,14 @@ def finished_iterations(run_folder: str | Path) -> int:
 
 def failed_start(run_folder: str | Path, cfg: TrainConfig) -> list[Change]:
     """The settings ``cfg`` changes against a start of the run that finished no iteration (it failed in its
-    start or first iteration), or [] (a new run, a run with a finished iteration, or the same settings, which
-    resume as they are). Such a start is not a resume: the changed run starts afresh (``set_aside``)."""
+    start or first iteration), or [] (a new run, a run with a finished iteration, or the same settings, or
+    only ``EXTENDING`` ones, which resume as they are). Such a start is not a resume: the changed run starts
+    afresh (``set_aside``)."""
     before = last_config(run_folder)
     if before is None or finished_iterations(run_folder):
         return []
-    return config_changes(before, cfg)
+    changes = config_changes(before, cfg)
+    return changes if any(not _covered(c.field, EXTENDING) for c in changes) else []
 
 
 def set_aside(run_folder: str | Path) -> Path:
