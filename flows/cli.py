@@ -89,7 +89,7 @@ DESCRIPTION = (
 def main(argv: list[str] | None = None) -> int:
     _env_defaults()
     parser = argparse.ArgumentParser(prog="horizonrl", description=DESCRIPTION)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action=_ShowVersion, nargs=0, help="show the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train one method (runs the Prefect 'train' flow)")
     tr.add_argument("--config", help="YAML config file")
@@ -302,6 +302,14 @@ def _print_lines(err: ValueError) -> None:
         print(f"horizonrl: {text}", file=sys.stderr)
 
 
+class _ShowVersion(argparse.Action):
+    """``--version``: asked only when given (it runs ``git``)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        print(f"horizonrl {_version()}")
+        parser.exit()
+
+
 def _version() -> str:
     """The installed distribution's version, and the checkout's commit where the code runs from one (an
     editable install)."""
@@ -463,6 +471,8 @@ def _evaluate(args: argparse.Namespace) -> int:
     from tasks.run import OneLineErrors
 
     try:  # before the flow, so that bad input is one line, not a flow's traceback, and no run is created
+        if args.source is not None and args.config is not None:
+            raise ValueError("--config goes with --model; a --source plays with its own run's config")
         uri = evaluation_store(args.set)  # --set tracking_uri=... is where the source is and the run goes
         if args.source is not None and not mlflow_runs.store_exists(uri):
             raise ValueError(f"source {args.source!r}: the tracking store {uri} does not exist")
@@ -470,8 +480,6 @@ def _evaluate(args: argparse.Namespace) -> int:
         if args.model is not None:
             model_uri = None
             cfg = model_evaluation_config(c, args.model, args.config, args.split, args.n_tasks, args.samples, args.set)
-        elif args.config is not None:
-            raise ValueError("--config goes with --model; a --source plays with its own run's config")
         else:
             _, model_uri, cfg = evaluation_config(c, args.source, args.split, args.n_tasks, args.samples, args.set)
         checked_policy(cfg, model_uri, args.split)

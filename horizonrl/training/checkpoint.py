@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from horizonrl.faults import kill_point
-from horizonrl.files import file_digest, fsync_dir
+from horizonrl.files import file_digest, folder_digest, fsync_dir
 from horizonrl.models.lora import is_adapter_dir
 from horizonrl.models.probe import save_probe
 
@@ -171,7 +171,10 @@ def copy_policy(src: str | Path, dest: Path) -> Path:
 
 def policy_digest(ref: CheckpointRef) -> str:
     """Which policy checkpoint ``ref`` holds, from its manifest: a digest of the sha256 of every file but the
-    run's own (``RUN_FILES``), so the same weights and tokenizer give the same digest in any run."""
+    run's own (``RUN_FILES``), so the same weights and tokenizer give the same digest in any run. A model
+    folder that is no checkpoint (``horizonrl evaluate --model``: no manifest) is digested from its files."""
+    if not (Path(ref.path) / MANIFEST).is_file():
+        return folder_digest(ref.path)
     listed = json.loads((Path(ref.path) / MANIFEST).read_text())["files"]
     policy = {name: entry["sha256"] for name, entry in sorted(listed.items()) if name not in RUN_FILES}
     return hashlib.sha256(json.dumps(policy, sort_keys=True).encode()).hexdigest()
