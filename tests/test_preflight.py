@@ -266,6 +266,7 @@ def test_a_logged_policy_the_store_does_not_hold_is_named(tmp_path, monkeypatch,
     from horizonrl.tracking.mlflow_runs import client
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # the default store, ./mlflow: not there
     run = "runs:/0123456789abcdef0123456789abcdef"
     _refused(
         ["train", f"--set=model.path={run}"], capsys, f"model.path = '{run}': the tracking store", "does not exist"

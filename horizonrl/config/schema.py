@@ -555,7 +555,7 @@ class TrainConfig(Strict):
         if self.engine.name != "vllm" or self.engine.vllm.url is not None or self.vllm_device() != "cpu":
             return self
         if self.model.path is None:
-            t, field, value = self.model.tiny, "model.tiny", NO_VALUE
+            t, field, value = self.model.tiny, "model.tiny.hidden_size / model.tiny.num_heads", NO_VALUE
             head_dim = t.hidden_size // t.num_heads
         elif self.model.path in KNOWN:
             head_dim, field, value = KNOWN[self.model.path].head_dim, "model.path", self.model.path
@@ -566,7 +566,7 @@ class TrainConfig(Strict):
         if head_dim not in CPU_HEAD_DIMS:
             raise FieldProblem(
                 field,
-                f"has head_dim {head_dim}, which vLLM's CPU build does not serve (engine.name = 'vllm' on CPU); "
+                f"gives head_dim {head_dim}, which vLLM's CPU build does not serve (engine.name = 'vllm' on CPU); "
                 f"allowed head_dim: {', '.join(map(str, CPU_HEAD_DIMS))}",
                 value,
             )

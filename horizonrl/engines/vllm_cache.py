@@ -38,7 +38,11 @@ def cache_root() -> Path:
 
 
 def warm(python: str | Path, architectures: tuple[str, ...] = ARCHITECTURES) -> None:
-    """Fill the cache's model information for ``architectures`` with the vLLM that ``python`` imports."""
+    """Fill the cache's model information for ``architectures`` with the vLLM that ``python`` imports; nothing
+    to do (not even importing vLLM) where every one has its file already (a server whose vLLM finds one of
+    another vLLM version inspects again, once)."""
+    if all(list((cache_root() / "modelinfos").glob(f"*-{arch}.json")) for arch in architectures):
+        return
     env = {**os.environ, "VLLM_CACHE_ROOT": str(cache_root()), "HF_HUB_OFFLINE": "1"}
     subprocess.run([str(python), "-c", INSPECT, *architectures], env=env, check=True, timeout=1800)
 
