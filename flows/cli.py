@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import errno
 import logging
 import os
 import sys
 import threading
-from collections.abc import Callable
 
 
 def _env_defaults() -> None:
@@ -82,9 +80,16 @@ def _temporary_server_in_background() -> threading.Thread | None:
     return thread
 
 
+DESCRIPTION = (
+    "horizonrl: train, evaluate and compare critic-free RL agents on long-horizon tasks; each command runs its "
+    "Prefect flow here with progress on the terminal and logs to MLflow (README.md)."
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     _env_defaults()
-    parser = argparse.ArgumentParser(prog="horizonrl", description=__doc__)
+    parser = argparse.ArgumentParser(prog="horizonrl", description=DESCRIPTION)
+    parser.add_argument("--version", action=_ShowVersion, nargs=0, help="show the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train one method (runs the Prefect 'train' flow)")
     tr.add_argument("--config", help="YAML config file")
@@ -169,11 +174,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     sh = sub.add_parser("show", help="print a stored iteration's episodes, or one episode turn by turn (Parquet store)")
     sh.add_argument("run", help="run folder (data/<experiment>/<run_name>) or a run name under data/")
-    sh.add_argument("--iteration", type=int, required=True)
+    sh.add_argument(
+        "--iteration", type=int, required=True, help="the stored iteration (iter=<n>; 0 holds the first evaluation)"
+    )
     sh.add_argument("--episode", type=int, help="rollout id; without it, the iteration's episodes are listed")
     sh.add_argument("--data-dir", default="data", help="where run names are looked up (default data/)")
     st = sub.add_parser("stack", help="local prefect server + process worker + mlflow server on 127.0.0.1")
-    st.add_argument("action", choices=["up", "down", "status"])
+    st.add_argument(
+        "action",
+        choices=["up", "down", "status"],
+        help="up: start the servers and the worker (and print their addresses); down: stop them, the worker "
+        "first; status: which are running",
+    )
     st.add_argument("--home", default=".stack", help="pid files and logs (default .stack/)")
     st.add_argument(
         "--store",
@@ -220,12 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.set)
     except ValueError as err:
-        print(f"horizonrl: bad configuration: {err}", file=sys.stderr)
+        _print_lines(err)
         return 2
     from horizonrl.run import preflight
 
     try:  # what the user brings (model folder, environment, engine) and what a resume changes: before any run
-        preflight.check_start(cfg, args.allow_change)
+        preflight.check_start(
+            cfg, args.allow_change, "warmstart.epochs" if args.command == "warmstart" else "iterations"
+        )
     except ValueError as err:
         print(f"horizonrl: run {cfg.run_name!r} not started: {err}", file=sys.stderr)
         return 2
@@ -238,19 +252,18 @@ def main(argv: list[str] | None = None) -> int:
         from horizonrl.store import StoreError
         from horizonrl.tracking.mlflow_runs import ArtifactStoreUnwritable, tracking_uri
         from horizonrl.training.checkpoint import CheckpointDamaged
+        from tasks.run import known_failure
 
         os.environ[STARTED_AT] = str(psutil.Process().create_time())  # the flow logs time/startup_s from it
         if server is not None:
             server.join()
-        try:
-            refused = (RunInUse, CheckpointDamaged, StoreError, ArtifactStoreUnwritable)
-            with _OneLineErrors(lambda err: isinstance(err, refused) or _disk_error(err)):  # reported below
-                summary = train(config=cfg.model_dump(), allow_change=args.allow_change)
-        except refused as err:
+        try:  # a known failure's traceback is one line in the flow's log (tasks.run.one_line_failures), reported below
+            summary = train(config=cfg.model_dump(), allow_change=args.allow_change)
+        except (RunInUse, CheckpointDamaged, StoreError, ArtifactStoreUnwritable) as err:
             print(f"horizonrl: run {cfg.run_name!r} not started: {err}", file=sys.stderr)
             return 1
         except OSError as err:
-            if not _disk_error(err):
+            if not known_failure(err):
                 raise
             print(
                 f"horizonrl: run {cfg.run_name!r} failed: {err} (its MLflow run is marked FAILED; "
@@ -258,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
+        _stop_temporary_server()  # its "Stopping" line would follow the summary
         uri = tracking_uri(cfg.tracking_uri)
         print("\n== horizonrl: run finished ==")
         print(
@@ -283,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         from flows.warmstart import warmstart
 
         summary = warmstart(config=cfg.model_dump(), allow_change=args.allow_change)
+        _stop_temporary_server()
         print("\n== horizonrl: warm start finished ==")
         print(
             f"held-out success (sampled, {cfg.eval.tasks_at(end=True)} tasks): {summary['initial_success_rate']:.3f} "
@@ -295,6 +310,37 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"demonstrations: {os.path.join(cfg.data_dir, cfg.experiment, cfg.run_name, 'demonstrations')}")
     return 0
+
+
+def _print_lines(err: ValueError) -> None:
+    """A refused config on stderr: each of its lines (``config: <field> <problem> (got <value>)``) once."""
+    for text in str(err).splitlines():
+        print(f"horizonrl: {text}", file=sys.stderr)
+
+
+class _ShowVersion(argparse.Action):
+    """``--version``: asked only when given (it runs ``git``)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        print(f"horizonrl {_version()}")
+        parser.exit()
+
+
+def _version() -> str:
+    """The installed distribution's version, and the checkout's commit where the code runs from one (an
+    editable install)."""
+    import subprocess
+    from importlib import metadata
+    from pathlib import Path
+
+    version, root = metadata.version("horizonrl"), Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():  # installed from a wheel: no checkout to ask
+        return version
+    try:
+        done = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    except OSError:
+        return version
+    return f"{version} (commit {done.stdout.strip()})" if done.returncode == 0 else version
 
 
 def _recompute(args: argparse.Namespace) -> int:
@@ -453,16 +499,27 @@ def _study(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from flows.evaluate import checked_policy, evaluate_policy, evaluation_config, model_evaluation_config, one_line
+    from flows.evaluate import (
+        checked_policy,
+        evaluate_policy,
+        evaluation_config,
+        evaluation_store,
+        model_evaluation_config,
+        one_line,
+    )
     from horizonrl.tracking import mlflow_runs
+    from tasks.run import OneLineErrors
 
     try:  # before the flow, so that bad input is one line, not a flow's traceback, and no run is created
-        c = mlflow_runs.client(mlflow_runs.tracking_uri())
+        if args.source is not None and args.config is not None:
+            raise ValueError("--config goes with --model; a --source plays with its own run's config")
+        uri = evaluation_store(args.set)  # --set tracking_uri=... is where the source is and the run goes
+        if args.source is not None and not mlflow_runs.store_exists(uri):
+            raise ValueError(f"source {args.source!r}: the tracking store {uri} does not exist")
+        c = mlflow_runs.client(uri)
         if args.model is not None:
             model_uri = None
             cfg = model_evaluation_config(c, args.model, args.config, args.split, args.n_tasks, args.samples, args.set)
-        elif args.config is not None:
-            raise ValueError("--config goes with --model; a --source plays with its own run's config")
         else:
             _, model_uri, cfg = evaluation_config(c, args.source, args.split, args.n_tasks, args.samples, args.set)
         checked_policy(cfg, model_uri, args.split)
@@ -470,7 +527,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         print(f"horizonrl: evaluate: {one_line(err)}", file=sys.stderr)
         return 2
     try:
-        with _OneLineErrors():
+        with OneLineErrors():
             evaluate_policy(
                 args.source,
                 args.split,
@@ -486,43 +543,16 @@ def _evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _disk_error(err: BaseException) -> bool:
-    """A write the disk refused (full, read-only, over quota; or a checkpoint that could not be written,
-    whose writers raise their own error types): the machine's state, not a bug to debug."""
-    from horizonrl.training.checkpoint import CheckpointWriteError
+def _stop_temporary_server() -> None:
+    """Stop Prefect's temporary API server of this process, if it started one, once the flow is done: else
+    it stops at exit and its "Stopping temporary server" line follows the command's summary."""
+    from prefect.settings import get_current_settings
 
-    return isinstance(err, CheckpointWriteError) or (
-        isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
-    )
+    if get_current_settings().api.url:  # a server of its own (the stack's, PREFECT_API_URL): nothing to stop
+        return
+    from prefect.server.api.server import SubprocessASGIServer
 
-
-class _OneLineErrors(logging.Filter):
-    """Prefect logs a failed flow or task with its traceback; on the terminal of a command that reports the
-    failure in one line itself, the exception's own line is kept and the traceback dropped (for the
-    exceptions ``only`` accepts where given: the others keep theirs, to be debugged)."""
-
-    LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
-
-    def __init__(self, only: Callable[[BaseException], bool] = lambda err: True) -> None:
-        super().__init__()
-        self.only = only
-
-    def __enter__(self) -> _OneLineErrors:
-        """On Prefect's run loggers for the block only (an in-process caller's later logs keep theirs)."""
-        for name in self.LOGGERS:
-            logging.getLogger(name).addFilter(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name in self.LOGGERS:
-            logging.getLogger(name).removeFilter(self)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.exc_info[1] is not None and self.only(record.exc_info[1]):
-            err = record.exc_info[1]
-            record.msg = f"{record.getMessage()} {type(err).__name__}: {err}".replace("\n", " ")
-            record.args, record.exc_info, record.exc_text = None, None, None
-        return True
+    SubprocessASGIServer().stop()
 
 
 def _stack(args: argparse.Namespace) -> int:
@@ -596,6 +626,7 @@ def _audit(args: argparse.Namespace) -> int:
     from flows.audit import audit, audit_settings
     from flows.evaluate import one_line
     from horizonrl.config import AuditConfig
+    from tasks.run import OneLineErrors
 
     given = {field: getattr(args, field) for field in AuditConfig.model_fields}
     try:  # before the flow: bad input is one line and no run is created
@@ -604,7 +635,7 @@ def _audit(args: argparse.Namespace) -> int:
         print(f"horizonrl: audit: {one_line(err)}", file=sys.stderr)
         return 2
     try:
-        with _OneLineErrors():
+        with OneLineErrors():
             scores = audit(config=cfg.model_dump(), settings=settings.model_dump(), name=name, policy=args.policy)
     except Exception as err:  # noqa: BLE001 - a run-time failure: one line; the MLflow run is marked FAILED
         why = f"{one_line(err)} (its MLflow run is marked FAILED; the same command resumes it)"

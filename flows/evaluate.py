@@ -22,10 +22,17 @@ import psutil
 from mlflow.entities import Run
 from mlflow.exceptions import MlflowException
 from prefect import flow
-from pydantic import ValidationError
 
 import mlflow
-from horizonrl.config import CONFIG_FILE, MODEL_URI_PREFIXES, TrainConfig, apply_overrides, load_config, override_keys
+from horizonrl.config import (
+    CONFIG_FILE,
+    MODEL_URI_PREFIXES,
+    TrainConfig,
+    apply_overrides,
+    load_config,
+    override_keys,
+    validated,
+)
 from horizonrl.envs import make_suite
 from horizonrl.run import preflight
 from horizonrl.run.learner import initial_model_dir
@@ -50,6 +57,7 @@ EVAL_SETTABLE = (
     "seed",
     "experiment",
     "data_dir",
+    "tracking_uri",
     "model.device",
     "model.dtype",
     "model.attn_implementation",
@@ -71,6 +79,17 @@ EVAL_SETTABLE = (
         )
     ),
 )
+
+
+def evaluation_store(overrides: list[str] | None, tracking_uri: str | None = None) -> str:
+    """The tracking store an evaluation finds its source in and logs its run to: ``--set tracking_uri=...``
+    (read from ``overrides`` before any config), else ``tracking_uri`` (the flow's parameter), else
+    $MLFLOW_TRACKING_URI or the default store. The two set apart are refused: one store per evaluation."""
+    chosen = [item for item, key in zip(overrides or [], override_keys(overrides or [])) if key == "tracking_uri"]
+    named = apply_overrides({}, chosen).get("tracking_uri")
+    if named is not None and tracking_uri is not None and named != tracking_uri:
+        raise ValueError(f"--set tracking_uri={named} and the flow's tracking_uri {tracking_uri}: give one store")
+    return mlflow_runs.tracking_uri(named or tracking_uri, create=False)  # client() creates a new store
 
 
 def evaluation_config(
@@ -144,8 +163,8 @@ def _evaluation(
     raw["run_name"] = f"{raw['run_name']}--eval-{split}-{time.strftime('%Y%m%dT%H%M%S')}"
     raw["tracking_uri"] = c.tracking_uri
     try:
-        cfg = TrainConfig.model_validate(raw)
-    except ValidationError as err:
+        cfg = validated(raw)
+    except ValueError as err:
         raise ValueError(one_line(err)) from err
     try:
         suite = make_suite(cfg.env.name, cfg.env.suite_seed, cfg.env.games, cfg.data_dir)
@@ -232,7 +251,7 @@ def evaluate_policy(
     ``source``, evaluate that model as the config says (``model_evaluation_config``), its run tagged with the
     model's lineage. Everything is checked before the run is created; a failure after marks it FAILED with
     the cause (tag ``horizonrl.failure``) and is raised."""
-    c = mlflow_runs.client(mlflow_runs.tracking_uri(tracking_uri))
+    c = mlflow_runs.client(evaluation_store(overrides, tracking_uri))
     mlflow.set_tracking_uri(c.tracking_uri)  # the fluent API (logged models, downloads) reads the global URI
     if (source is None) == (model is None):
         raise ValueError("evaluate: give a source run or model (--source), or a model with a config (--model)")

@@ -35,7 +35,7 @@ from tasks.advantage import advantages
 from tasks.collect import RolloutRef, collect_rollouts
 from tasks.context import CLUSTER, GENERATOR, RunContext
 from tasks.evaluate import evaluate
-from tasks.run import end_failed_run, finish_run, start_run
+from tasks.run import end_failed_run, finish_run, one_line_failures, start_afresh, start_run
 from tasks.tracking import Progress, log_stage, logged
 from tasks.update import update
 
@@ -43,6 +43,7 @@ STARTED_AT = "HORIZONRL_STARTED_AT"  # set by `horizonrl train`: when its proces
 
 
 @flow(name="train", log_prints=True, on_failure=[end_failed_run], on_crashed=[end_failed_run])
+@one_line_failures  # a refused start (bad input, run in use, full disk): one line in the run's state, no traceback
 def train(
     config_path: str | None = None,
     overrides: list[str] | None = None,
@@ -52,9 +53,10 @@ def train(
     """Train one method on one environment; returns the summary figures (held-out success before/after).
     ``allow_change``: fields a resume may change beyond those that only extend the run (``--allow-change``)."""
     cfg = train_config(config_path, overrides, config)
+    changes = preflight.check_start(cfg, allow_change or [])  # a deployment's run too: before its folder and run
     with runlock.hold(run_dir(cfg)) as lock:
         lock.record(flow_run_id=flow_run.get_id())
-        changes = preflight.check_start(cfg, allow_change or [])  # a deployment's run too, before its MLflow run
+        start_afresh(cfg)  # a start that finished no iteration, run again with other settings, is no resume
         initial = None
         if cfg.warmstart.before_rl and not preflight.has_checkpoint(run_dir(cfg)):  # 0. the recipe's warm start
             ws = warmstart(config=warm_start_config(cfg).model_dump(), allow_change=allow_change, held_out=False)

@@ -20,12 +20,13 @@ from horizonrl.config import run_dir, train_config
 from horizonrl.run import preflight, runlock
 from horizonrl.tracking import mlflow_runs
 from tasks.evaluate import evaluate
-from tasks.run import end_failed_run, finish_run, start_run
+from tasks.run import end_failed_run, finish_run, one_line_failures, start_afresh, start_run
 from tasks.tracking import logged
 from tasks.warmstart import clone, log_losses, record_demonstrations
 
 
 @flow(name="warmstart", log_prints=True, on_failure=[end_failed_run], on_crashed=[end_failed_run])
+@one_line_failures  # a refused start: one line in the run's state, no traceback
 def warmstart(
     config_path: str | None = None,
     overrides: list[str] | None = None,
@@ -37,9 +38,10 @@ def warmstart(
     model's URI under ``model_uri``. ``allow_change``: as for ``train``. ``held_out`` off evaluates nothing:
     the warm start of a train run's recipe (``warmstart.before_rl``), whose RL run evaluates its policy."""
     cfg = train_config(config_path, overrides, config)
+    changes = preflight.check_start(cfg, allow_change or [], length="warmstart.epochs")
     with runlock.hold(run_dir(cfg)) as lock:  # one process per run name, as for train
         lock.record(flow_run_id=flow_run.get_id())
-        changes = preflight.check_start(cfg, allow_change or [])
+        start_afresh(cfg)
         run = start_run(cfg, lock.previous, changes)
         ctx, policy = run.ctx, run.policy
         mlflow_runs.set_tags(ctx.mlflow(), ctx.mlflow_run_id, {"horizonrl.kind": "warmstart"})

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import errno
+import functools
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 from uuid import UUID
 
 import yaml
@@ -12,26 +16,110 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 from prefect.client.schemas.objects import FlowRun, State
 from prefect.settings import PREFECT_HOME
+from prefect.states import Failed
 
 from horizonrl import store
-from horizonrl.config import CONFIG_FILE, TrainConfig, run_dir, train_config
+from horizonrl.config import CONFIG_FILE, ConfigError, TrainConfig, run_dir, train_config
 from horizonrl.models.loading import in_memory
 from horizonrl.models.tokenizers import describe_tokenizer
 from horizonrl.rollout.loop import turn_horizon
-from horizonrl.run import config_history, runlock
+from horizonrl.run import config_history, preflight, runlock
 from horizonrl.run.learner import initial_model_dir
 from horizonrl.store import StoreError, remove_stale_temporaries
-from horizonrl.tracking import mlflow_runs
+from horizonrl.tracking import mlflow_runs, sweep_runs
 from horizonrl.tracking.sweep_runs import PAIRED
 from horizonrl.training.checkpoint import (
     CheckpointDamaged,
     CheckpointRef,
+    CheckpointWriteError,
     read_state,
     resume_checkpoint,
     save_checkpoint,
 )
 from tasks.context import CLUSTER, LEARNER, PLAYER, RunContext
 from tasks.tracking import log_stage
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+KNOWN_FAILURES = (
+    ConfigError,
+    preflight.PreflightError,
+    config_history.ConfigChangeRefused,
+    runlock.RunInUse,
+    CheckpointDamaged,
+    StoreError,
+    mlflow_runs.ArtifactStoreUnwritable,
+    CheckpointWriteError,
+)
+"""Errors whose one line says it all, the run's state rather than a bug: bad input or a refused start (the
+config, what the preflight checks, a changed resume, the run in use, a damaged checkpoint or store), or a
+checkpoint or model the disk would not take."""
+
+
+def known_failure(err: BaseException) -> bool:
+    """One of ``KNOWN_FAILURES``, or a write the disk refused (full, read-only, over quota)."""
+    return isinstance(err, KNOWN_FAILURES) or (
+        isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
+    )
+
+
+class OneLineErrors(logging.Filter):
+    """Prefect logs a failed flow or task with its traceback; for the exceptions ``only`` accepts (all where
+    not given) the exception's own line is kept and the traceback dropped. A command that reports a failure
+    in one line itself holds it for a block (``with``); a flow of ``one_line_failures`` installs it for
+    known failures in its process."""
+
+    LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+
+    def __init__(self, only: Callable[[BaseException], bool] = lambda err: True) -> None:
+        super().__init__()
+        self.only = only
+
+    def install(self) -> None:
+        """On Prefect's run loggers (once: a logger keeps one copy of a filter)."""
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self)
+
+    def __enter__(self) -> OneLineErrors:
+        """On Prefect's run loggers for the block only (an in-process caller's later logs keep theirs)."""
+        self.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None and self.only(record.exc_info[1]):
+            err = record.exc_info[1]
+            record.msg = f"{record.getMessage()} {type(err).__name__}: {err}".replace("\n", "; ")
+            record.args, record.exc_info, record.exc_text = None, None, None
+        return True
+
+
+KNOWN_FAILURES_IN_ONE_LINE = OneLineErrors(known_failure)
+
+
+def one_line_failures(flow_fn: Callable[P, R]) -> Callable[P, R | State]:
+    """A flow function whose known failures (``known_failure``) end its run in a Failed state that carries
+    the error: its message is the error's one line, which ``prefect deployment run --watch`` prints, and an
+    in-process caller gets the error itself raised. Their tracebacks are one line in Prefect's logs of this
+    process (a task's failure, and the engine's own report of a failed run in a deployment's process). The
+    failure hooks run as for a raised error. Other errors are raised as they are, to be debugged."""
+
+    @functools.wraps(flow_fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R | State:
+        KNOWN_FAILURES_IN_ONE_LINE.install()
+        try:
+            return flow_fn(*args, **kwargs)
+        except Exception as err:
+            if not known_failure(err):
+                raise
+            return Failed(message=f"{type(err).__name__}: {'; '.join(str(err).splitlines())}", data=err)
+
+    return run
 
 
 @dataclass(frozen=True)
@@ -40,6 +128,35 @@ class RunStart:
     policy: CheckpointRef  # newest complete checkpoint (iteration 0 = initial weights)
     elapsed_s: float  # training wall time already spent by earlier attempts
     resumed: bool
+
+
+@task(name="start-afresh", cache_policy=NONE)
+def start_afresh(cfg: TrainConfig) -> None:
+    """A start of this run that finished no iteration, run again with other settings (the corrected
+    command after a failed start), is no resume: its files move to ``failed-starts/<n>/`` in the run folder
+    and its MLflow run, renamed ``<run_name>.failed-start-<n>``, is marked FAILED naming what changed; a new
+    MLflow run takes the name (with the old one's sweep links), so the run's params are the new settings'.
+    Nothing for any other start. Called under the run folder's lock, before ``start_run``."""
+    d = run_dir(cfg)
+    changes = config_history.failed_start(d, cfg)
+    if not changes:
+        return
+    aside = config_history.set_aside(d)
+    reason = (
+        f"a start that finished no iteration, replaced by one with other settings ({'; '.join(map(str, changes))}); "
+        f"its files are in {aside}"
+    )
+    c = mlflow_runs.client(mlflow_runs.tracking_uri(cfg.tracking_uri))  # the store start_run opens next
+    old = mlflow_runs.find_run(c, cfg.experiment, cfg.run_name)
+    new_name = f"{cfg.run_name}.failed-start-{aside.name}"
+    if old is not None:
+        mlflow_runs.supersede_run(c, old, new_name, reason, sweep_runs.link_tags(old.data.tags))
+    get_run_logger().warning(
+        "run %s starts afresh: %s%s",
+        cfg.run_name,
+        reason,
+        f"; its MLflow run {old.info.run_id} is renamed {new_name}" if old is not None else "",
+    )
 
 
 @task(name="start-run", retries=1, retry_delay_seconds=2, cache_policy=NONE)
@@ -109,12 +226,6 @@ def start_run(
         history = config_history.record(d, config_history.current_config(d), changes, start)
         mlflow_runs.set_tags(c, run_id, config_history.tags(history))
         c.log_artifact(run_id, str(history))
-        log.warning(
-            "run %s resumes at iteration %d with changed settings: %s",
-            cfg.run_name,
-            start,
-            "; ".join(map(str, changes)),
-        )
     (d / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=True))
     c.log_artifact(run_id, str(d / CONFIG_FILE))  # the run's current config: the evaluate flow reloads it
     ctx = RunContext(cfg, str(d), uri, run_id)
@@ -143,12 +254,15 @@ def start_run(
     log_stage(
         ctx, "update", state.get("update_stats", {}), policy.iteration
     )  # if a crash came between checkpoint and log
-    log.info(
-        "run %s (MLflow %s): %s at iteration %d",
+    log.log(
+        logging.WARNING if changes else logging.INFO,
+        "run %s (MLflow %s): %s%s",
         cfg.run_name,
         run_id,
-        "resumed" if policy.iteration else "starting",
-        policy.iteration,
+        f"resumes after iteration {policy.iteration}" if policy.iteration else "starts at iteration 1",
+        f", with changed settings from iteration {policy.iteration + 1} on: {'; '.join(map(str, changes))}"
+        if changes
+        else "",
     )
     return RunStart(ctx, policy, float(state.get("elapsed_s", 0.0)), resumed or policy.iteration > 0)
 
@@ -247,11 +361,29 @@ def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
         if state_file.is_file():  # BLPO memory: load with methods.state_from_json, inspect with .records()
             c.log_artifact(ctx.mlflow_run_id, str(state_file), artifact_path="estimator_state")
         r = ctx.cfg.rollout
-        chat = {"prompt": r.prompt, "free_format": r.free_format, "enable_thinking": r.enable_thinking}
-        mlflow_runs.log_policy(c, ctx.mlflow_run_id, policy.path, policy.iteration, chat)
+        decoding = {
+            "prompt": r.prompt,
+            "free_format": r.free_format,
+            "enable_thinking": r.enable_thinking,
+            "action_mode": r.action_mode,
+            "max_action_tokens": r.max_action_tokens,
+        }
+        mlflow_runs.log_policy(c, ctx.mlflow_run_id, policy.path, policy.iteration, decoding, policy_example(ctx.cfg))
     c.set_terminated(ctx.mlflow_run_id, "FINISHED")
     get_run_logger().info("run %s finished: held-out success %.3f -> %.3f", ctx.cfg.run_name, first, last)
     return summary
+
+
+def policy_example(cfg: TrainConfig) -> dict[str, object]:
+    """One input row of the run's logged policy (its input example, checked against its signature): the
+    first turn of the first held-out task, as the policy was prompted with it."""
+    suite = PLAYER.suite(cfg)
+    env = suite.make()
+    try:
+        observation, info = env.reset(suite.tasks(cfg.eval.split, cfg.env.tier, 1)[0])
+    finally:
+        env.close()
+    return {"goal": info.get("goal", ""), "observation": observation, "admissible": list(info["admissible_commands"])}
 
 
 def end_failed_run(flow: object, flow_run: FlowRun, state: State) -> None:
@@ -270,7 +402,7 @@ def end_failed_run(flow: object, flow_run: FlowRun, state: State) -> None:
     if runlock.held_elsewhere(run_dir(cfg)):  # refused because another process runs it: not ours to mark
         return
     uri = mlflow_runs.tracking_uri(cfg.tracking_uri)
-    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+    if not mlflow_runs.store_exists(uri):
         return  # stopped before its store was created: nothing to mark, and no store to create now
     c = mlflow_runs.client(uri)
     run = mlflow_runs.find_run(c, cfg.experiment, cfg.run_name)

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from horizonrl.config import TrainConfig
+from horizonrl.engines import vllm_cache
 from horizonrl.engines.base import Generation, SampleRequest, TokenTrie
 from horizonrl.engines.vllm_server import (
     SERVED_NAME,
@@ -410,7 +411,7 @@ def engine_from_config(cfg: TrainConfig, policy_path: str, end_ids: list[int]) -
     source = lora.base_model_path(policy_path) if is_lora else str(policy_path)
     model_dir = source if is_lora else str(serving_copy(source, root / f"weights-{v.port}" / "w000000").resolve())
     spec = ServerSpec(
-        python=v.python,
+        python=str(v.interpreter()),
         model=model_dir,
         port=v.port,
         gpu_memory_utilization=v.gpu_memory_utilization,
@@ -419,7 +420,7 @@ def engine_from_config(cfg: TrainConfig, policy_path: str, end_ids: list[int]) -
         dtype=dtype.removeprefix("torch."),
         seed=cfg.seed,
         device=device,
-        cache_root=str((Path(cfg.data_dir) / "cache" / "vllm").resolve()),
+        cache_root=str(vllm_cache.cache_root()),
         cpu_kvcache_gib=v.cpu_kvcache_gib,
         dev_mode=v.reload_in_place and not is_lora,
         max_model_len=max_positions(source),
