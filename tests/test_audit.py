@@ -18,7 +18,7 @@ import methods
 from flows.audit import audit, audit_settings
 from flows.cli import main
 from horizonrl import store
-from horizonrl.audit.page import write_page
+from horizonrl.audit.page import recorded_audits, write_page
 from horizonrl.audit.policy import training_run
 from horizonrl.models import pretrained
 from horizonrl.training.checkpoint import checkpoint_dir
@@ -95,6 +95,9 @@ def test_a_rerun_resumes_from_the_store_and_the_page_is_generated_from_it(traine
     text = page.read_text()
     assert f"## {name}" in text and "**Noise ceiling**" in text and "| BLPO, warm memory |" in text
     assert (tmp_path / "credit-audit" / f"{name}.png").is_file() and "No audit has been run" not in text
+    assert recorded_audits(page) == [tmp_path / "credit-audit" / name]
+    recorded, written = (json.loads((f / "scores.json").read_text()) for f in (page.with_suffix("") / name, folder))
+    assert json.dumps(recorded, sort_keys=True) == json.dumps(written, sort_keys=True), "the page's record"
 
 
 @pytest.mark.slow
@@ -111,9 +114,11 @@ def test_a_logged_policy_brings_its_runs_config_and_its_runs_batches(trained, mo
 
 
 def test_the_shipped_page_is_the_generated_one(tmp_path):
-    """docs/credit-audit.md is what ``horizonrl audit-report`` writes (no audit in it yet): never typed."""
-    page = write_page([], tmp_path / "credit-audit.md")
-    assert (ROOT / "docs" / "credit-audit.md").read_text() == page.read_text()
+    """docs/credit-audit.md is what ``horizonrl audit-report`` writes from the audits' scores recorded beside it
+    (docs/credit-audit/<name>/scores.json, in the page's order): never typed."""
+    shipped = ROOT / "docs" / "credit-audit.md"
+    page = write_page(recorded_audits(shipped), tmp_path / "credit-audit.md")
+    assert shipped.read_text() == page.read_text()
 
 
 @pytest.mark.parametrize(

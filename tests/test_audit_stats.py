@@ -36,6 +36,8 @@ def test_spearman_brown_corrects_a_half_to_the_whole():
     assert [statistics.spearman_brown(r) for r in (0.0, 1.0, -1.0)] == [0.0, 1.0, -1.0]
     assert statistics.spearman_brown(np.array([0.5, -2.0])) == pytest.approx([2 / 3, -1.0])
     assert math.isnan(statistics.spearman_brown(NAN))
+    assert statistics.spearman_brown(2 / 3, k=0.5) == pytest.approx(0.5), "half of the whole is one half"
+    assert statistics.spearman_brown(0.5, k=3) == pytest.approx(0.75)
 
 
 def test_monte_carlo_advantage_its_standard_error_and_halves():
@@ -187,3 +189,12 @@ def test_blpo_is_warmed_from_every_batch_before_the_checkpoint_or_from_none(tmp_
     assert [d.name for d in stored_batches(run, 2)] == ["iter=00001", "iter=00002"]
     assert stored_batches(run, 3) == [], "iteration 3's batch is missing: no partial memory"
     assert stored_batches(run, 0) == []
+
+
+def test_the_page_states_the_trade_off_in_m_from_the_measured_ceiling():
+    """At M = 4 with ceiling 2/3: half the continuations give 0.50, twice give 0.80 (Spearman-Brown)."""
+    from horizonrl.audit.page import _tradeoff
+
+    line = _tradeoff(2 / 3, 4)
+    assert "at M = 2: 0.50" in line and "at M = 8: 0.80" in line
+    assert _tradeoff(float("nan"), 4) == "" and _tradeoff(1.0, 4) == ""

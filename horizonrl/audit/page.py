@@ -8,6 +8,7 @@ import json
 import math
 from pathlib import Path
 
+from horizonrl.audit.statistics import spearman_brown
 from methods.presets import METHODS
 
 METRIC_TITLES = {"spearman": "Spearman with A_MC", "sign_agreement": "sign agreement", "ordering": "ordering test"}
@@ -74,17 +75,27 @@ def figure(scores: dict, path: Path) -> Path:
 
 
 def write_page(folders: list[Path], out: Path) -> Path:
-    """``out`` (docs/credit-audit.md): one section per audit folder (its settings, noise ceiling, every
-    estimator's figures, the claims, the ordered pairs), each with its figure in ``<out stem>/``."""
+    """``out`` (docs/credit-audit.md): one section per audit folder, in the order given (its settings, noise
+    ceiling, every estimator's figures, the claims, the ordered pairs). Beside the page, in ``<out stem>/``,
+    each audit's figure and a copy of its ``scores.json`` (``<name>/scores.json``): the page's record, which
+    travels with the repository where the audits' folders do not (``recorded_audits`` reads it back)."""
     audits = [json.loads((Path(f) / SCORES_FILE).read_text()) for f in folders]
     lines = [HEADER, "", "# Credit assignment, measured", "", *_intro(len(audits))]
     for scores in audits:
+        record = out.parent / out.stem / scores["name"]
+        record.mkdir(parents=True, exist_ok=True)
+        (record / SCORES_FILE).write_text(json.dumps(scores, indent=1, sort_keys=True) + "\n")
         picture = out.parent / out.stem / f"{scores['name']}.png"
-        picture.parent.mkdir(parents=True, exist_ok=True)
         figure(scores, picture)
         lines += _section(scores, picture.relative_to(out.parent).as_posix())
     out.write_text("\n".join(lines) + "\n")
     return out
+
+
+def recorded_audits(page: Path) -> list[Path]:
+    """The record folders of a written page (``<page stem>/<name>/``), in the page's order of sections."""
+    names = [line.removeprefix("## ") for line in page.read_text().splitlines() if line.startswith("## ")]
+    return [page.parent / page.stem / name for name in names]
 
 
 def _intro(n: int) -> list[str]:
@@ -123,7 +134,8 @@ def _section(s: dict, picture: str) -> list[str]:
         f"M = {s['audit']['continuations']} continuations per arm; {_seconds(s)}.",
         "",
         f"**Noise ceiling** (split-half, Spearman-Brown): {_fmt(ceiling)}; the highest correlation with A_MC any "
-        f"estimator can reach: {_number(s['max_correlation'])}.",
+        f"estimator can reach: {_number(s['max_correlation'])}. "
+        + _tradeoff(ceiling["value"], s["audit"]["continuations"]),
         "",
         f"| estimator | Spearman with A_MC (ceiling {_number(ceiling['value'])}) | sign agreement where "
         f"|A_MC| > {s['audit']['sign_z']:g} SE | ordering at anchor states (chance 0.5) |",
@@ -140,6 +152,16 @@ def _section(s: dict, picture: str) -> list[str]:
     lines += ["", f"Pairs whose paired interval excludes 0 ({len(ordered)} of {len(s['pairs'])}):", ""]
     lines += [f"- {_pair(p)}" for p in ordered] or ["- none: at this size no two estimators are told apart"]
     return [*lines, ""]
+
+
+def _tradeoff(ceiling: float, m: int) -> str:
+    """The choice of M in numbers: a point costs 2M continuations, and the ceiling at half or twice M follows
+    from the measured one by Spearman-Brown (the continuations are exchangeable)."""
+    if not 0 < ceiling < 1:
+        return ""
+    at = {k: _number(spearman_brown(ceiling, k)) for k in (0.5, 2)}
+    return (f"A point costs 2M continuations; the ceiling predicted at M = {m / 2:g}: {at[0.5]}, "
+            f"at M = {2 * m}: {at[2]} (twice the cost).")  # fmt: skip
 
 
 def _claim(s: dict, words: str, a: str, b: str | None) -> str:

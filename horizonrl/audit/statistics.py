@@ -65,12 +65,14 @@ def spearman_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         return np.where(denominator > 0, (rx * ry).sum(axis=1) / denominator, np.nan)
 
 
-def spearman_brown(r: float | np.ndarray) -> float | np.ndarray:
-    """The reliability of the whole from the correlation ``r`` of its two halves: 2r / (1 + r) (§8.3); elementwise
-    over an array, NaN staying NaN."""
+def spearman_brown(r: float | np.ndarray, k: float = 2.0) -> float | np.ndarray:
+    """The reliability of a measure ``k`` times as long as one whose reliability is ``r``: kr / (1 + (k - 1)r)
+    (§8.3). With k = 2 and ``r`` the correlation of two halves it is the whole's reliability; with ``r`` the
+    whole's it predicts the noise ceiling at k times M continuations (k = 0.5: half). Elementwise over an array,
+    NaN staying NaN."""
     x = np.asarray(r, dtype=float)
     with np.errstate(invalid="ignore", divide="ignore"):
-        out = np.where(x <= -1, -1.0, 2 * x / (1 + x))
+        out = np.where(x <= -1, -1.0, k * x / (1 + (k - 1) * x))
     return float(out) if out.ndim == 0 else out
 
 
