@@ -1,4 +1,6 @@
-"""Opening and closing a training run: MLflow run (found again by name), initial checkpoint, final model."""
+"""Opening and closing a training run, one job a task: clean up after a killed process, verify the store,
+open the MLflow run (found again by name), the starting policy (checkpoint 0 of a new run), and at the end
+the final model and the run's close."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from prefect.settings import PREFECT_HOME
 
 from horizonrl import store
 from horizonrl.config import CONFIG_FILE, TrainConfig, run_dir, train_config
+from horizonrl.envs import EnvSuite
 from horizonrl.models.loading import in_memory
 from horizonrl.models.tokenizers import describe_tokenizer
 from horizonrl.rollout.loop import turn_horizon
@@ -30,39 +33,42 @@ from horizonrl.training.checkpoint import (
     resume_checkpoint,
     save_checkpoint,
 )
-from tasks.context import CLUSTER, LEARNER, PLAYER, RunContext
+from tasks.context import RunContext, close_owners, owners
 from tasks.tracking import log_stage
 
 
 @dataclass(frozen=True)
+class Found:
+    """What a run's folder holds at its start: the newest checkpoint that verifies (None: a new run)."""
+
+    policy: CheckpointRef | None
+
+
+@dataclass(frozen=True)
 class RunStart:
-    ctx: RunContext
     policy: CheckpointRef  # newest complete checkpoint (iteration 0 = initial weights)
     elapsed_s: float  # training wall time already spent by earlier attempts
-    resumed: bool
 
 
-@task(name="start-run", retries=1, retry_delay_seconds=2, cache_policy=NONE)
-def start_run(
-    cfg: TrainConfig,
-    killed_holder: dict[str, Any] | None = None,
-    changes: list[config_history.Change] | None = None,
-    initial: str | None = None,
-) -> RunStart:
-    """Resume from the newest checkpoint that verifies if this run name has one, else start fresh.
-
-    Called under the run folder's lock (``horizonrl.run.runlock``). ``killed_holder`` is what a previous
-    process that died holding the lock recorded: its Prefect flow run is marked crashed. Temporary Prefect
-    servers left by killed processes, of this run or another, are stopped. ``changes``: the settings this
-    resume changes (``preflight.check_start``), recorded beside the run's config and in MLflow. ``initial``:
-    the model a new run starts from instead of ``model.path`` (its warm start's ``models:/`` URI), tagged as
-    its lineage; the run's config keeps ``model.path`` as written, so a resume compares like with like."""
-    log = get_run_logger()
+@task(name="clean-up-killed", retries=1, retry_delay_seconds=2, cache_policy=NONE)
+def clean_up_killed(killed_holder: dict[str, Any] | None) -> None:
+    """After a process killed holding the run's lock (``killed_holder``: what it recorded): its Prefect flow
+    run marked crashed; and temporary Prefect servers left by killed processes, of this run or another,
+    stopped. Retried: it speaks to Prefect's API."""
     for pid in runlock.stop_orphaned_prefect_servers(PREFECT_HOME.value()):
-        log.warning("stopped Prefect's temporary API server (pid %d) left running by a killed process", pid)
+        get_run_logger().warning(
+            "stopped Prefect's temporary API server (pid %d) left running by a killed process", pid
+        )
     if killed_holder:
         _mark_crashed(killed_holder)
-    d = run_dir(cfg)
+
+
+@task(name="verify-store", cache_policy=NONE)
+def verify_store(cfg: TrainConfig) -> Found:
+    """The run folder as an earlier attempt left it: partial files removed, the newest checkpoint that verifies
+    against its manifest found (a damaged newer one named and replayed). Called under the run folder's lock
+    (``horizonrl.run.runlock``). Not retried: a damaged store stays damaged."""
+    log, d = get_run_logger(), run_dir(cfg)
     for p in remove_stale_temporaries(d):
         log.warning("removed a partial file left by an interrupted run: %s", p)
     policy, damaged = resume_checkpoint(d)  # verified before anything is logged
@@ -81,10 +87,47 @@ def start_run(
             policy.iteration + 1,
             damaged[0][0].iteration,
         )
+    return Found(policy)
+
+
+@task(name="open-run", retries=1, retry_delay_seconds=2, cache_policy=NONE)
+def open_run(
+    cfg: TrainConfig,
+    found: Found,
+    changes: list[config_history.Change] | None = None,
+    initial: str | None = None,
+    kind: str | None = None,
+) -> RunContext:
+    """The run's MLflow run, found again by name or created (tagged, its params logged), with the stored
+    rollouts of a resumed run checked against what it recorded, the settings a resume changes (``changes``,
+    ``preflight.check_start``) recorded beside the run's config and in MLflow, and the run's current config
+    logged. ``initial``: the model a new run starts from instead of ``model.path`` (its warm start's
+    ``models:/`` URI), tagged as its lineage; ``kind``: tag ``horizonrl.kind`` (``warmstart``). Retried: it
+    writes to the tracking store."""
     uri = mlflow_runs.tracking_uri(cfg.tracking_uri)
-    c = mlflow_runs.client(uri)
+    c, d = mlflow_runs.client(uri), run_dir(cfg)
+    tags = {**_run_tags(c, cfg, initial), **({"horizonrl.kind": kind} if kind else {})}
+    mlflow_runs.check_artifact_store(c, cfg.experiment)  # a read-only or full disk: named, before the run is touched
+    run_id, resumed = mlflow_runs.find_or_create_run(c, cfg.experiment, cfg.run_name, tags)
+    if resumed and not c.get_run(run_id).data.params:  # created ahead by a sweep, to nest it in the UI
+        mlflow_runs.set_tags(c, run_id, tags)
+        resumed = False
+    if resumed:
+        check_finished_rollouts(c, run_id, cfg, found.policy)
+        mlflow_runs.record_commit(c, run_id, tags["git_commit"])
+    else:
+        mlflow_runs.log_params(c, run_id, run_params(cfg, owners(d).suite))
+    if changes:  # before config.yaml is replaced: the history keeps the first start's config
+        _record_changes(c, run_id, cfg, found, changes)
+    (d / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=True))
+    c.log_artifact(run_id, str(d / CONFIG_FILE))  # the run's current config: the evaluate flow reloads it
+    return RunContext(cfg, str(d), uri, run_id)
+
+
+def _run_tags(c: Any, cfg: TrainConfig, initial: str | None) -> dict[str, str]:
+    """A train run's tags: method, environment, seed, context, the commit, and where its policy came from."""
     commit = mlflow_runs.git_commit()
-    tags = {
+    return {
         "method": cfg.method,
         "env": cfg.env.name,
         "tier": cfg.env.tier,
@@ -94,63 +137,44 @@ def start_run(
         mlflow_runs.COMMITS_TAG: commit,
         **mlflow_runs.lineage_tags(c, initial or cfg.model.path),
     }
-    mlflow_runs.check_artifact_store(c, cfg.experiment)  # a read-only or full disk: named, before the run is touched
-    run_id, resumed = mlflow_runs.find_or_create_run(c, cfg.experiment, cfg.run_name, tags)
-    if resumed and not c.get_run(run_id).data.params:  # created ahead by a sweep, to nest it in the UI
-        mlflow_runs.set_tags(c, run_id, tags)
-        resumed = False
-    if resumed:
-        check_finished_rollouts(c, run_id, cfg, policy)
-        mlflow_runs.record_commit(c, run_id, commit)
-    else:
-        mlflow_runs.log_params(c, run_id, run_params(cfg))
-    if changes:  # before config.yaml is replaced: the history keeps the first start's config
-        start = policy.iteration + 1 if policy is not None else 1
-        history = config_history.record(d, config_history.current_config(d), changes, start)
-        mlflow_runs.set_tags(c, run_id, config_history.tags(history))
-        c.log_artifact(run_id, str(history))
-        log.warning(
-            "run %s resumes at iteration %d with changed settings: %s",
-            cfg.run_name,
-            start,
-            "; ".join(map(str, changes)),
-        )
-    (d / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=True))
-    c.log_artifact(run_id, str(d / CONFIG_FILE))  # the run's current config: the evaluate flow reloads it
-    ctx = RunContext(cfg, str(d), uri, run_id)
-    if policy is None:
-        start = (
-            cfg if initial is None else cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": initial})})
-        )
-        model, tokenizer = LEARNER.load(cfg, initial_model_dir(start, PLAYER.suite(cfg)))
-        in_memory(model)  # the run plays its own checkpoint 0, not the folder it came from (changed or not)
-        policy = save_checkpoint(
-            d,
-            0,
-            model,
-            tokenizer,
-            None,
-            {
-                "nonfinite_steps": 0,
-                "elapsed_s": 0.0,
-                "mlflow_run_id": run_id,
-                "seed": cfg.seed,
-                "config_digest": cfg.digest(),
-            },
-        )
-        LEARNER.keep(policy, model, tokenizer)
-    state = read_state(policy)
-    log_stage(
-        ctx, "update", state.get("update_stats", {}), policy.iteration
-    )  # if a crash came between checkpoint and log
-    log.info(
-        "run %s (MLflow %s): %s at iteration %d",
-        cfg.run_name,
-        run_id,
-        "resumed" if policy.iteration else "starting",
-        policy.iteration,
+
+
+def _record_changes(c: Any, run_id: str, cfg: TrainConfig, found: Found, changes: list[config_history.Change]) -> None:
+    """The settings a resume changes: into the run's config history (an artifact) and its tags."""
+    d = run_dir(cfg)
+    start = found.policy.iteration + 1 if found.policy is not None else 1
+    history = config_history.record(d, config_history.current_config(d), changes, start)
+    mlflow_runs.set_tags(c, run_id, config_history.tags(history))
+    c.log_artifact(run_id, str(history))
+    get_run_logger().warning(
+        "run %s resumes at iteration %d with changed settings: %s", cfg.run_name, start, "; ".join(map(str, changes))
     )
-    return RunStart(ctx, policy, float(state.get("elapsed_s", 0.0)), resumed or policy.iteration > 0)
+
+
+@task(name="starting-policy", retries=1, retry_delay_seconds=2, cache_policy=NONE)
+def starting_policy(ctx: RunContext, found: Found, initial: str | None = None) -> RunStart:
+    """The policy the run goes on from: the checkpoint found, or for a new run its initial weights (``initial``,
+    else ``model.path`` or the tiny model) written as checkpoint 0 and handed to the learner, which plays it
+    without reading it back. Logs the checkpoint's update figures if a crash came between checkpoint and log.
+    Retried: loading a model can read from the network (a hub id, a logged policy)."""
+    cfg, policy = ctx.cfg, found.policy
+    if policy is None:
+        run = owners(ctx)
+        start = cfg.model.model_copy(update={"path": initial}) if initial is not None else cfg.model
+        model, tokenizer = run.learner.weights.load(
+            initial_model_dir(cfg.model_copy(update={"model": start}), run.suite)
+        )
+        in_memory(model)  # the run plays its own checkpoint 0, not the folder it came from (changed or not)
+        state = {"nonfinite_steps": 0, "elapsed_s": 0.0, "mlflow_run_id": ctx.mlflow_run_id, "seed": cfg.seed}
+        policy = save_checkpoint(ctx.path, 0, model, tokenizer, None, {**state, "config_digest": cfg.digest()})
+        run.learner.weights.keep(policy, model, tokenizer)
+    state = read_state(policy)
+    log_stage(ctx, "update", state.get("update_stats", {}), policy.iteration)
+    started = "resumed" if policy.iteration else "starting"
+    get_run_logger().info(
+        "run %s (MLflow %s): %s at iteration %d", cfg.run_name, ctx.mlflow_run_id, started, policy.iteration
+    )
+    return RunStart(policy, float(state.get("elapsed_s", 0.0)))
 
 
 def check_finished_rollouts(c: Any, run_id: str, cfg: TrainConfig, policy: CheckpointRef | None) -> None:
@@ -175,15 +199,15 @@ def check_finished_rollouts(c: Any, run_id: str, cfg: TrainConfig, policy: Check
         )
 
 
-def run_params(cfg: TrainConfig, policy_dir: str | Path | None = None) -> dict[str, str]:
+def run_params(cfg: TrainConfig, suite: EnvSuite, policy_dir: str | Path | None = None) -> dict[str, str]:
     """A run's MLflow params: its config, plus what the config leaves to the code, so the params are true
-    to the run: ``env.horizon``, the turn horizon episodes are cut at (``env.max_turns`` or the suite's
+    to the run: ``env.horizon``, the turn horizon episodes are cut at (``env.max_turns`` or ``suite``'s
     for the tier), and with a model folder (``model.path``, or ``policy_dir``: the policy evaluated) the
     tokenizer that folder holds as ``model.tokenizer`` instead of the unused tiny-model setting."""
     params = cfg.flat()
-    params["env.horizon"] = str(turn_horizon(cfg, PLAYER.suite(cfg)))
+    params["env.horizon"] = str(turn_horizon(cfg.env, suite))
     if policy_dir is None and cfg.model.path is not None:
-        policy_dir = initial_model_dir(cfg, PLAYER.suite(cfg))
+        policy_dir = initial_model_dir(cfg, suite)
     if policy_dir is not None:
         params["model.tokenizer"] = describe_tokenizer(policy_dir)
     return params
@@ -222,14 +246,11 @@ def _mark_crashed(holder: dict[str, Any]) -> None:
 
 @task(name="finish-run", retries=1, retry_delay_seconds=2, cache_policy=NONE)
 def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
-    """Stop the environment workers and leave the Ray cluster; log the final policy as an MLflow model and
-    the headline numbers; close the run."""
-    PLAYER.close_episodes()
-    CLUSTER.leave()
-    LEARNER.close_update_ranks()
+    """Close the run's owners (environment workers, vLLM server, update ranks, Ray cluster); log the final
+    policy as an MLflow model and the headline numbers; close the run."""
+    close_owners(ctx.run_dir)
     c = ctx.mlflow()
-    history = c.get_metric_history(ctx.mlflow_run_id, "eval/success_rate")
-    by_step = {m.step: m.value for m in history}
+    by_step = {m.step: m.value for m in c.get_metric_history(ctx.mlflow_run_id, "eval/success_rate")}
     first, last = (by_step[min(by_step)], by_step[max(by_step)]) if by_step else (float("nan"), float("nan"))
     summary = {"iterations": float(policy.iteration)}
     if by_step:  # a recipe's warm start evaluates nothing (``warmstart.before_rl``): no NaN figures
@@ -239,36 +260,41 @@ def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
         at_last = [m.value for m in c.get_metric_history(ctx.mlflow_run_id, key) if m.step == max(by_step)]
         if at_last:
             summary[key.removeprefix("eval/")] = at_last[0]
-    logged = mlflow_runs.policy_models(c, ctx.mlflow_run_id)
-    if not any(
-        m.name == "policy" and m.tags.get(mlflow_runs.POLICY_ITERATION_TAG) == str(policy.iteration) for m in logged
-    ):
-        state_file = Path(policy.path) / "estimator_state.json"
-        if state_file.is_file():  # BLPO memory: load with methods.state_from_json, inspect with .records()
-            c.log_artifact(ctx.mlflow_run_id, str(state_file), artifact_path="estimator_state")
-        r = ctx.cfg.rollout
-        chat = {"prompt": r.prompt, "free_format": r.free_format, "enable_thinking": r.enable_thinking}
-        mlflow_runs.log_policy(c, ctx.mlflow_run_id, policy.path, policy.iteration, chat)
+    _log_final_policy(ctx, policy)
     c.set_terminated(ctx.mlflow_run_id, "FINISHED")
     get_run_logger().info("run %s finished: held-out success %.3f -> %.3f", ctx.cfg.run_name, first, last)
     return summary
 
 
+def _log_final_policy(ctx: RunContext, policy: CheckpointRef) -> None:
+    """The final policy as the run's MLflow model ``policy`` (once), with its estimator state and chat format."""
+    c = ctx.mlflow()
+    logged = mlflow_runs.policy_models(c, ctx.mlflow_run_id)
+    if any(
+        m.name == "policy" and m.tags.get(mlflow_runs.POLICY_ITERATION_TAG) == str(policy.iteration) for m in logged
+    ):
+        return
+    state_file = Path(policy.path) / "estimator_state.json"
+    if state_file.is_file():  # BLPO memory: load with methods.state_from_json, inspect with .records()
+        c.log_artifact(ctx.mlflow_run_id, str(state_file), artifact_path="estimator_state")
+    r = ctx.cfg.rollout
+    chat = {"prompt": r.prompt, "free_format": r.free_format, "enable_thinking": r.enable_thinking}
+    mlflow_runs.log_policy(c, ctx.mlflow_run_id, policy.path, policy.iteration, chat)
+
+
 def end_failed_run(flow: object, flow_run: FlowRun, state: State) -> None:
-    """Train flow hook (failure, crash): stop the environment workers and the Ray cluster, and mark the
-    run FAILED in MLflow with the cause (tag ``horizonrl.failure``) so the UI does not show a dead run as
-    running. Running the same run name again
-    resumes it (RUNNING again). A config too broken to name a run leaves nothing to mark."""
-    PLAYER.close_episodes()
-    CLUSTER.leave()
-    LEARNER.close_update_ranks()
+    """Train flow hook (failure, crash): close the run's owners (environment workers, vLLM server, update
+    ranks, Ray cluster), and mark the run FAILED in MLflow with the cause (tag ``horizonrl.failure``) so the
+    UI does not show a dead run as running. Running the same run name again resumes it (RUNNING again). A
+    config too broken to name a run leaves nothing to close or mark."""
     params = flow_run.parameters
     try:
         cfg = train_config(params.get("config_path"), params.get("overrides"), params.get("config"), read_files=False)
     except (ValueError, OSError):
         return
-    if runlock.held_elsewhere(run_dir(cfg)):  # refused because another process runs it: not ours to mark
+    if runlock.held_elsewhere(run_dir(cfg)):  # refused because another process runs it: not ours to close or mark
         return
+    close_owners(run_dir(cfg))
     uri = mlflow_runs.tracking_uri(cfg.tracking_uri)
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
         return  # stopped before its store was created: nothing to mark, and no store to create now

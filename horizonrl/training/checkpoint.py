@@ -104,11 +104,6 @@ def checkpoints(run_dir: Path) -> list[CheckpointRef]:
     return [CheckpointRef(str(p), int(p.name.split("=")[1])) for p in found]
 
 
-def latest_checkpoint(run_dir: Path) -> CheckpointRef | None:
-    """The newest checkpoint that verifies against its manifest, or None."""
-    return resume_checkpoint(run_dir)[0]
-
-
 def resume_checkpoint(run_dir: Path) -> tuple[CheckpointRef | None, list[tuple[CheckpointRef, str]]]:
     """(the newest checkpoint that verifies or None, [(newer checkpoint, what is wrong with it)])."""
     damaged = []
