@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         return err.code
 
 
-def _config_args(p: argparse.ArgumentParser, example: str) -> None:
-    p.add_argument("--config", help="YAML config file")
+def _config_args(p: argparse.ArgumentParser, example: str, config: str = "YAML config file") -> None:
+    p.add_argument("--config", help=config)
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help=f"override a config field, e.g. {example}"
     )
@@ -215,8 +215,7 @@ def _print_run_summary(cfg, summary: dict[str, float]) -> None:
 
 
 def _warmstart_args(p: argparse.ArgumentParser) -> None:
-    _config_args(p, "warmstart.epochs=3")
-    p.set_defaults()  # the config's section warmstart: demonstrations, epochs, ...
+    _config_args(p, "warmstart.epochs=3", "YAML config file (section warmstart: demonstrations, epochs, ...)")
 
 
 def _warmstart(args: argparse.Namespace) -> int:

@@ -109,12 +109,13 @@ class Player:
             self._episodes = None
 
     def close(self) -> None:
-        """The run ended: stop the environments and the vLLM server this player owns."""
+        """The run ended: stop the environments and the vLLM server this player owns (a server another
+        process owns goes on)."""
         self.close_episodes()
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        self.engine = None
+        for engine in (self._server, self._followed[1] if self._followed else None):
+            if engine is not None:
+                engine.close()
+        self._server, self._followed, self.engine = None, None, None
 
     def chat_format(self, policy: CheckpointRef) -> ChatFormat:
         """The run's chat format, read off ``policy``'s tokenizer the first time (every checkpoint of a run has
