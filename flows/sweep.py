@@ -22,6 +22,7 @@ from tasks.sweep import (
     link_cell,
     open_sweep,
     publish_report,
+    publish_study,
     register_best,
     report_inputs,
     run_cell,
@@ -89,7 +90,10 @@ def sweep_report(
     """Compare a sweep's finished cells from their MLflow metrics (``horizonrl.tracking.report``) and publish
     the page on the parent run (and at ``out``, e.g. ``docs/results.md``). Same store in, same page out."""
     uri, parent, cells, ctx = report_inputs(sweep_name, experiment, tracking_uri, sweep_path, out)
-    return publish_report(uri, parent, cells, ctx, out)
+    rows = publish_report(uri, parent, cells, ctx, out)
+    if sweep_path is not None:  # the methods paired by held-out task, from the cells' stored evaluations
+        publish_study(uri, parent, sweep_path)
+    return rows
 
 
 def _run_here(cells: list[Cell], link: Link, allow_change: list[str]) -> dict[str, str]:

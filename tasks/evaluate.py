@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -23,36 +24,39 @@ from tasks.context import RunContext, owners
 from tasks.tracking import log_stage, log_success_by_env_steps, logged, set_run_tags, trace_evaluation
 
 
-def play(
-    ctx: RunContext,
-    policy: CheckpointRef,
-    iteration: int,
-    kind: str,
-    n_tasks: int,
-    samples: int,
-    greedy: bool,
-    seed: int,
-) -> tuple[pa.Table, pa.Table]:
+@dataclass(frozen=True)
+class Plays:
+    """What one evaluation plays: its kind (``eval``, ``eval_greedy``: the stored files' prefix), the first
+    ``n_tasks`` held-out tasks, ``samples`` episodes each, greedy or sampled, with sampling seeds from ``seed``."""
+
+    kind: str
+    n_tasks: int
+    samples: int
+    greedy: bool
+    seed: int
+
+
+def play(ctx: RunContext, policy: CheckpointRef, iteration: int, what: Plays) -> tuple[pa.Table, pa.Table]:
     """The held-out episodes and turns as played (rows of kind ``initial``), every episode played out: one the
     sampler failed (a vLLM server that died) fails the task before its block is stored, and the retry syncs,
     restarting a dead server. Played in ``eval.block_tasks`` blocks (``split_shards``: rollout and group ids
     as one batch numbers them); with more than one, each finished block is stored
     (``<kind>-block-<b>-of-<n>-*.parquet`` in the iteration's folder) and a block stored by an earlier try of
     this very evaluation (same checkpoint, tasks and sampling seeds) is read instead of played again."""
-    cfg = ctx.cfg
+    cfg, kind, samples = ctx.cfg, what.kind, what.samples
     p = owners(ctx).evaluator  # in an asynchronous vLLM run the generator: it owns the run's one server
-    tasks = p.task_pool(cfg.eval.split, n_tasks)
+    tasks = p.task_pool(cfg.eval.split, what.n_tasks)
     n_blocks = math.ceil(len(tasks) / cfg.eval.block_tasks) if cfg.eval.block_tasks else 1
     d = iteration_dir(cfg.data_dir, cfg.experiment, cfg.run_name, iteration)
     synced, episodes, turns = False, [], []
-    for shard in split_shards(tasks, n_blocks, samples, seed):
+    for shard in split_shards(tasks, n_blocks, samples, what.seed):
         paths = [d / f"{kind}-block-{shard.index:04d}-of-{n_blocks:04d}-{t}.parquet" for t in ("turns", "episodes")]
         stored = _stored_block(paths, shard, samples, policy.iteration) if n_blocks > 1 else None
         if stored is None:
             if not synced:
                 p.sync(policy)
                 synced = True
-            records = p.play(shard, greedy)
+            records = p.play(shard, what.greedy)
             check_complete(records)
             stored = (
                 turns_table(records, policy.iteration),
@@ -69,26 +73,18 @@ def play(
     return pa.concat_tables(episodes), pa.concat_tables(turns)
 
 
-def played(
-    ctx: RunContext,
-    policy: CheckpointRef,
-    iteration: int,
-    kind: str,
-    n_tasks: int,
-    samples: int,
-    greedy: bool,
-    seed: int,
-) -> tuple[pa.Table, pa.Table]:
-    """``play``, except at iteration 0: a starting evaluation another run played with the same policy and
-    settings (``horizonrl.shared_eval``: a shared warm start's every method) is read instead of played, and
-    one played here is stored for the next run (tag ``horizonrl.eval0.<kind>.played_by``)."""
-    if iteration != 0:
-        return play(ctx, policy, iteration, kind, n_tasks, samples, greedy, seed)
-    cfg = ctx.cfg
-    folder = shared_eval.shared_dir(cfg.data_dir, cfg.experiment, policy_digest(policy), starting_eval_settings(cfg))
+def played(ctx: RunContext, policy: CheckpointRef, iteration: int, what: Plays) -> tuple[pa.Table, pa.Table]:
+    """``play``, except at a checkpoint's iteration 0: a starting evaluation another run played with the same
+    policy and settings (``horizonrl.shared_eval``: a shared warm start's every method) is read instead of
+    played, and one played here is stored for the next run (tag ``horizonrl.eval0.<kind>.played_by``)."""
+    digest = policy_digest(policy) if iteration == 0 else None
+    if digest is None:  # a later iteration, or a policy folder that is no checkpoint
+        return play(ctx, policy, iteration, what)
+    cfg, kind = ctx.cfg, what.kind
+    folder = shared_eval.shared_dir(cfg.data_dir, cfg.experiment, digest, starting_eval_settings(cfg))
     found = shared_eval.read_shared(folder, kind)
     if found is None:
-        episodes, turns = play(ctx, policy, iteration, kind, n_tasks, samples, greedy, seed)
+        episodes, turns = play(ctx, policy, iteration, what)
         played_by = {"run_name": cfg.run_name, "mlflow_run_id": ctx.mlflow_run_id}
         shared_eval.publish(folder, kind, episodes, turns, played_by)
     else:
@@ -153,7 +149,7 @@ def evaluate(
     cfg = ctx.cfg
     n_tasks = cfg.eval.tasks_at(end)
     seed = derive_seed(cfg.seed, "eval", iteration)
-    episodes, turns = played(ctx, policy, iteration, "eval", n_tasks, cfg.eval.samples, False, seed)
+    episodes, turns = played(ctx, policy, iteration, Plays("eval", n_tasks, cfg.eval.samples, False, seed))
     metrics = episode_metrics(episodes)
     metrics[f"pass_at_{cfg.eval.samples}"] = metrics.pop("pass_at_k")
     metrics.pop("mixed_group_fraction")
@@ -162,7 +158,7 @@ def evaluate(
     greedy = None
     if cfg.eval.greedy:
         seed = derive_seed(cfg.seed, "eval-greedy", iteration)
-        greedy = played(ctx, policy, iteration, "eval_greedy", n_tasks, 1, True, seed)
+        greedy = played(ctx, policy, iteration, Plays("eval_greedy", n_tasks, 1, True, seed))
         greedy_metrics = episode_metrics(greedy[0])
         metrics.update({f"greedy_{k}": greedy_metrics[k] for k in GREEDY_FIGURES})
     store_evaluation(ctx, iteration, "eval", episodes, turns)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import tempfile
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,9 +23,18 @@ from prefect.flow_runs import wait_for_flow_run
 from prefect.states import Crashed
 
 from horizonrl.config import run_dir
-from horizonrl.config.sweep import Cell, SweepConfig
+from horizonrl.config.sweep import Cell, SweepConfig, load_sweep
 from horizonrl.run import runlock
-from horizonrl.tracking import mlflow_runs, plots, report, results_page, sweep_runs
+from horizonrl.tracking import (
+    mlflow_runs,
+    plots,
+    report,
+    results_page,
+    study_compare,
+    study_page,
+    study_record,
+    sweep_runs,
+)
 
 UNFINISHED = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING]
 
@@ -198,6 +208,24 @@ def _publish_drift(c: Any, parent: Any, summaries: list[report.VariantSummary], 
         parent.info.run_id,
         {sweep_runs.PREVIOUS_TAG: ctx.previous, "horizonrl.drifted": ",".join(d.variant for d in drifted)},
     )
+
+
+@task(name="sweep-publish-study", cache_policy=NONE)
+def publish_study(tracking_uri: str, parent: Any, sweep_path: str) -> int:
+    """The cells compared task by task, on the parent run: the study's record and page (``horizonrl study``)
+    under ``study/``, and each pair of methods' pooled paired difference and verdict as
+    ``compare/<a>-vs-<b>/...`` metrics beside the variants' figures. Returns how many figures it logged."""
+    spec, cells = load_sweep(sweep_path, parent.data.tags.get(sweep_runs.INSTANCE_TAG))
+    c, parent_id = mlflow_runs.client(tracking_uri), parent.info.run_id
+    with tempfile.TemporaryDirectory() as tmp:
+        record, out = Path(tmp) / "record", Path(tmp) / "page.md"
+        study_record.export(cells, tracking_uri, record)
+        study_page.write(record, out, study_page.meta(spec.name, sweep_path, "record", "page.md", spec.tuning))
+        c.log_artifacts(parent_id, tmp, "study")
+        outcomes, _, status = study_record.load(record)
+    figures = study_compare.pair_figures(outcomes, status)
+    mlflow_runs.log_metrics(c, parent_id, "compare", figures, 0)
+    return len(figures)
 
 
 @task(name="sweep-register-best", cache_policy=NONE)

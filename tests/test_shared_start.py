@@ -97,6 +97,10 @@ def test_a_study_shares_its_seed_s_start_and_compares_its_methods_task_by_task(p
     assert pc.sum(first[0]["n_turns"]).as_py() > 0
     assert len(list((data / "shared-evals").iterdir())) == 1
 
+    parent = run_of(c, "study")
+    assert {f"compare/loop-vs-grpo/paired_{k}" for k in ("mean", "low", "high")} <= set(parent.data.metrics)
+    assert "study/page.md" in {f.path for f in c.list_artifacts(parent.info.run_id, "study")}
+
     record, page = tmp_path / "record", tmp_path / "page.md"
     assert main(["study", str(path), "--record", str(record), "--out", str(page)]) == 0
     outcomes, progress, cells = study_record.load(record)

@@ -484,6 +484,9 @@ def test_mlflow_ui_compares_the_cells_on_the_sweep_run(swept):
         assert {
             f"compare/{method}/{k}" for k in ("final_mean", "final_low", "final_high", "best_mean", "auc_mean", "seeds")
         } <= set(metrics)
+    assert {f"compare/loop-vs-grpo/{k}" for k in ("paired_mean", "paired_low", "paired_high", "verdict")} <= set(
+        metrics
+    )
     shot, chart = (
         REPO / "test-artifacts" / "mlflow_sweep_comparison.png",
         REPO / "test-artifacts" / "mlflow_success_vs_env_steps.png",

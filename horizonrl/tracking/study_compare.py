@@ -135,3 +135,19 @@ def claim_verdict(pair_list: list[Pair], better: str, than: str) -> tuple[str, P
                 return "not told apart at this size", p
             return ("agrees" if p.verdict == f"{better} > {than}" else "disagrees"), p
     return "not measured", None
+
+
+def pair_figures(outcomes: pd.DataFrame, cells: pd.DataFrame) -> dict[str, float]:
+    """Each pair's pooled paired difference and verdict (1: the first better, -1: the second, 0: not told
+    apart) as ``<a>-vs-<b>/<figure>``: what a sweep's parent run shows of the task-by-task comparison."""
+    methods = [m for m in dict.fromkeys(cells["method"]) if m != "warmstart"]
+    figures = {}
+    for p in pairs(finished_finals(outcomes, cells), methods):
+        sign = {f"{p.a} > {p.b}": 1.0, f"{p.b} > {p.a}": -1.0}.get(p.verdict, 0.0)
+        figures |= {
+            f"{p.a}-vs-{p.b}/paired_mean": p.pooled.mean,
+            f"{p.a}-vs-{p.b}/paired_low": p.pooled.low,
+            f"{p.a}-vs-{p.b}/paired_high": p.pooled.high,
+            f"{p.a}-vs-{p.b}/verdict": sign,
+        }
+    return figures

@@ -144,10 +144,14 @@ RUN_FILES = (STATE_FILE, "optimizer.pt", "estimator_state.json", "probe.pt")
 """A checkpoint's files that say where it sits in a run (or are derived from its weights), not which policy it is."""
 
 
-def policy_digest(ref: CheckpointRef) -> str:
+def policy_digest(ref: CheckpointRef) -> str | None:
     """Which policy checkpoint ``ref`` holds, from its manifest: a digest of the sha256 of every file but the
-    run's own (``RUN_FILES``), so the same weights and tokenizer give the same digest in any run."""
-    listed = json.loads((Path(ref.path) / MANIFEST).read_text())["files"]
+    run's own (``RUN_FILES``), so the same weights and tokenizer give the same digest in any run. None for a
+    policy folder that is no checkpoint (no manifest: a model evaluated with no run behind it)."""
+    manifest = Path(ref.path) / MANIFEST
+    if not manifest.is_file():
+        return None
+    listed = json.loads(manifest.read_text())["files"]
     policy = {name: entry["sha256"] for name, entry in sorted(listed.items()) if name not in RUN_FILES}
     return hashlib.sha256(json.dumps(policy, sort_keys=True).encode()).hexdigest()
 
