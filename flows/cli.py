@@ -519,6 +519,75 @@ def _stack(args: argparse.Namespace) -> int:
     return 0
 
 
+def _audit_args(p: argparse.ArgumentParser) -> None:
+    """``audit``'s flags: the policy, the config it plays by, and the fields of ``AuditConfig``."""
+    from horizonrl.config import AuditConfig
+
+    p.description = (
+        "The credit audit (docs/algorithms.md §8): play groups as training collects them, draw decision points, "
+        "estimate A_MC = Q(s_t, a_t) - V(s_t) at each from continuations that replay the episode, and score every "
+        "estimator of methods.ADVANTAGES against it, in an MLflow run of its own. The same command resumes it."
+    )
+    p.add_argument(
+        "--policy",
+        help="a model folder, a pretrained model's name, models:/<name>/<version>, runs:/<run id>, or a run's "
+        "checkpoint folder (data/<experiment>/<run>/checkpoints/iter=<n>: BLPO is then also audited warm, from the "
+        "run's batches before it); default: the config's model",
+    )
+    p.add_argument("--config", help="the train config the policy plays by (default: the policy's run's config)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field of the config")
+    p.add_argument("--name", help="the audit's name (default <policy>--audit-<env>-<tier>-s<seed>)")
+    for field, info in AuditConfig.model_fields.items():
+        about = " ".join(info.description.replace("``", "").replace("%", "%%").split())
+        p.add_argument(f"--{field.replace('_', '-')}", type=info.annotation, help=f"{about} (default {info.default})")
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from flows.audit import audit
+    from horizonrl.config import AuditConfig
+    from tasks.audit_settings import audit_settings
+    from tasks.evaluation_run import one_line
+
+    given = {field: getattr(args, field) for field in AuditConfig.model_fields}
+    try:  # before the flow: bad input is one line and no run is created
+        cfg, settings, name = audit_settings(args.policy, args.config, args.set, given, args.name)
+    except ValueError as err:
+        raise Refused(f"audit: {one_line(err)}") from err
+    try:
+        with _OneLineErrors():
+            scores = audit(config=cfg.model_dump(), settings=settings.model_dump(), name=name, policy=args.policy)
+    except Exception as err:  # noqa: BLE001 - a run-time failure: one line; the MLflow run is marked FAILED
+        why = f"{one_line(err)} (its MLflow run is marked FAILED; the same command resumes it)"
+        raise Refused(f"audit failed: {why}", 1) from err
+    print(f"\n== horizonrl: audit {name} finished: {scores['points']} decision points ==")
+    print(f"noise ceiling {scores['noise_ceiling']['value']:.2f}; Spearman with A_MC:")
+    for label in scores["order"]:
+        e = scores["estimators"][label]["spearman"]
+        print(f"  {label:24s} {e['value']:+.2f} [{e['low']:+.2f}, {e['high']:+.2f}]")
+    print(f"data: {os.path.join(cfg.data_dir, cfg.experiment, name)}; page: horizonrl audit-report <that folder>")
+    return 0
+
+
+def _audit_report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("audits", nargs="*", help="audit folders (data/<experiment>/<name>); none: a page that says so")
+    p.add_argument("--out", default="docs/credit-audit.md", help="the page (default docs/credit-audit.md)")
+
+
+def _audit_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from horizonrl.audit.page import SCORES_FILE, write_page
+
+    missing = [a for a in args.audits if not (Path(a) / SCORES_FILE).is_file()]
+    if missing:
+        raise Refused(
+            f"audit-report: {missing[0]} holds no {SCORES_FILE} (not an audit folder, or the audit has not "
+            "finished: run the same `horizonrl audit` again)"
+        )
+    print(write_page([Path(a) for a in args.audits], Path(args.out)))
+    return 0
+
+
 def _disk_error(err: BaseException) -> bool:
     """A write the disk refused (full, read-only, over quota; or a checkpoint that could not be written,
     whose writers raise their own error types): the machine's state, not a bug to debug."""
@@ -591,6 +660,16 @@ COMMANDS: dict[str, Command] = {
     "stack": Command("local prefect server + process worker + mlflow server on 127.0.0.1", _stack_args, _stack, False),
     "models": Command(
         "the pretrained models model.path can name: list them, or fetch and convert them", _models_args, _models, False
+    ),
+    "audit": Command(
+        "score every advantage estimator against Monte Carlo returns from the same states (credit audit)",
+        _audit_args,
+        _audit,
+    ),
+    "audit-report": Command(
+        "write the credit audit's page from audit folders (generated, never typed)",
+        _audit_report_args,
+        _audit_report,
     ),
 }
 """The subcommands, in the order ``horizonrl --help`` lists them."""

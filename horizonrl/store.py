@@ -1,7 +1,9 @@
 """The trajectory store: Parquet tables per iteration, written atomically, schema-versioned.
 
 Layout: ``<data_dir>/<experiment>/<run_name>/iter=<n>/{episodes,turns,advantages-<method>}.parquet``
-(and ``estimator_state-<method>.json`` for a stateful estimator). The Arrow schemas below are the only
+(and ``estimator_state-<method>.json`` for a stateful estimator); a credit audit's folder holds the same
+tables of the groups it played, its continuations (episodes of kind ``audit``) and its decision points (table
+kind ``audit``, ``horizonrl.audit``). The Arrow schemas below are the only
 place a stored column's type is defined, and the ``*_table`` functions the only place tables are built. Rollout tables
 are immutable once written; advantages are a separate table keyed by (rollout_id, turn), so several methods
 can be computed over the same rollouts.
@@ -18,8 +20,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from horizonrl.engines.base import Generation
+from horizonrl.envs.base import Task
 from horizonrl.files import file_digest, remove_temporary, write_json
-from horizonrl.rollout.records import EpisodeRecord
+from horizonrl.rollout.records import EpisodeRecord, TurnRecord
 
 SCHEMA_VERSION = "2"  # 2: turns carry policy_version
 # The versions this code still reads, and the columns each lacks by kind: those are filled on reading with
@@ -97,7 +101,31 @@ ADVANTAGES = pa.schema(
     ]
 )
 
-_SCHEMAS = {"episodes": EPISODES, "turns": TURNS, "advantages": ADVANTAGES}
+AUDIT = pa.schema(
+    [
+        ("point", pa.int32()),
+        ("rollout_id", pa.int64()),
+        ("group_id", pa.int64()),
+        ("turn", pa.int32()),
+        ("n_turns", pa.int32()),
+        ("task_id", pa.string()),
+        ("family", pa.string()),
+        ("phase", pa.string()),  # early | middle | late: the turn's third of its episode
+        ("anchor", pa.int64()),  # anchor state shared with another point that left it by another action; -1 none
+        ("action", pa.string()),
+        ("q_returns", pa.list_(pa.float64())),  # M returns from s_t with a_t fixed (NaN: failed); empty: not played
+        ("v_returns", pa.list_(pa.float64())),  # M returns from s_t with a fresh action
+        ("q_mc", pa.float64()),
+        ("v_mc", pa.float64()),
+        ("a_mc", pa.float64()),  # Q - V (docs/algorithms.md §8.2)
+        ("se", pa.float64()),
+        ("a_half1", pa.float64()),  # A_MC of each half of the continuations (the noise ceiling)
+        ("a_half2", pa.float64()),
+    ]
+)
+"""The credit audit's decision points and their Monte Carlo truth (``horizonrl.audit``), one row per point."""
+
+_SCHEMAS = {"episodes": EPISODES, "turns": TURNS, "advantages": ADVANTAGES, "audit": AUDIT}
 
 
 class StoreError(RuntimeError):
@@ -186,6 +214,29 @@ def turns_table(records: list[EpisodeRecord], policy_version: int = -1) -> pa.Ta
     return pa.table(rows, schema=TURNS)
 
 
+def records(episodes: pa.Table, turns: pa.Table) -> list[EpisodeRecord]:
+    """The records an episodes and a turns table were built from (``episodes_table``, ``turns_table``), in the
+    episodes' order: what a stage that plays on from stored episodes needs (the credit audit's replays)."""
+    by_rollout: dict[int, list[TurnRecord]] = {}
+    for t in sorted(turns.to_pylist(), key=lambda row: (row["rollout_id"], row["turn"])):
+        gen = Generation(t["action_ids"], t["logprobs"], t["entropy"], t["policy_mask"], t["allowed"], t["finished"])
+        names = ("observation", "action", "prompt_ids", "reward", "done", "won", "valid", "format_valid", "score")
+        rest = ("progress_key", "abstract_action", "n_admissible", "gen_s", "env_s")
+        fields = {name: t[name] for name in (*names, *rest)}
+        by_rollout.setdefault(t["rollout_id"], []).append(TurnRecord(turn=t["turn"], gen=gen, **fields))
+    out = []
+    for e in episodes.to_pylist():
+        index = int(e["task_id"].rsplit("/", 1)[1])
+        task = Task(e["env"], e["split"], e["tier"], index, e["task_seed"], e["family"])
+        kept = ("kind", "parent_rollout", "branch_token", "status", "error", "branch_score")
+        rec = EpisodeRecord(
+            e["rollout_id"], e["group_id"], task, e["context"], e["sample_seed"], **{k: e[k] for k in kept}
+        )
+        rec.turns = by_rollout.get(e["rollout_id"], [])
+        out.append(rec)
+    return out
+
+
 def advantages_table(
     rollout_id: np.ndarray,
     turn: np.ndarray,
@@ -224,6 +275,11 @@ def advantages_table(
         },
         schema=ADVANTAGES,
     )
+
+
+def audit_table(columns: dict[str, object]) -> pa.Table:
+    """The credit audit's decision points (``AUDIT``'s columns, one entry per point)."""
+    return pa.table(columns, schema=AUDIT)
 
 
 def write_advantages(

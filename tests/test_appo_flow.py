@@ -8,7 +8,7 @@ from flowkit import run_of, steps, tiny_config
 
 from horizonrl import store
 from horizonrl.envs.household import HouseholdSuite
-from horizonrl.rollout.branching import collect_branches, plan_branches
+from horizonrl.rollout.branching import collect_branches, plan_branches, turn_start
 from horizonrl.rollout.loop import SamplingSettings, collect
 from methods.appo import BranchingParams
 from mlflow import MlflowClient
@@ -64,6 +64,27 @@ def test_branch_split_is_never_the_last_token_of_an_action(tiny_policy):
             total += len(turn.gen.token_ids)
             ends.add(total - 1)
         assert s.split not in ends
+
+
+@pytest.mark.parametrize("context", ["full", "window"])
+def test_a_turn_start_replays_whole_turns_and_samples_from_that_turn_on(tiny_policy, context):
+    """The credit audit's continuations (``turn_start``): the parent's first u turns exactly (observations,
+    prompt ids, actions), then every turn from u on sampled, from turn 0 up to the parent's last turn."""
+    _, _, fmt, engine = tiny_policy
+    suite = HouseholdSuite(0)
+    sampling = SamplingSettings("admissible", context, 2, 5, 24, 1.0, 13)
+    parent = collect(suite, suite.tasks("train", "easy", 1), 1, engine, fmt, sampling)[0]
+    turns = list(range(len(parent.turns)))
+    starts = [turn_start(parent, u) for u in turns]
+    assert [s.split for s in starts][:2] == [-1, len(parent.turns[0].gen.token_ids) - 1]
+    branches = collect_branches(suite, starts * 2, engine, fmt, sampling, first_rollout_id=50, kind="audit")
+    for b, u in zip(branches, turns * 2):
+        assert b.kind == "audit" and b.parent_rollout == parent.rollout_id and len(b.turns) > u
+        for t in range(u):
+            assert b.turns[t] is parent.turns[t], "a replayed turn is the parent's own record"
+        assert b.turns[u].observation == parent.turns[u].observation, "the state the continuation starts in"
+        assert b.turns[u].prompt_ids == parent.turns[u].prompt_ids, "the policy sees exactly what the parent saw"
+        assert b.turns[u] is not parent.turns[u] and b.turns[u].gen.token_ids, "turn u is sampled afresh"
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ LIBRARY_RANKS = [
     ("horizonrl.training",),
     ("horizonrl.tracking",),
     ("horizonrl.run",),
+    ("horizonrl.audit",),
 ]
 # Top-level layers: flows -> tasks -> library and methods; methods import nothing of ours.
 ALLOWED = {

@@ -121,19 +121,41 @@ def test_episodes_table_fields_are_derived_from_the_records():
     )
 
 
-@pytest.mark.parametrize("kind", ["episodes", "turns", "advantages"])
+def _audit() -> pa.Table:
+    """Two decision points: one played (a failed continuation among its returns), one not yet."""
+    nan = float("nan")
+    return store.audit_table({
+        "point": [0, 1], "rollout_id": [10, 10], "group_id": [3, 3], "turn": [0, 1], "n_turns": [2, 2],
+        "task_id": [TASK.task_id] * 2, "family": ["pick_and_place"] * 2, "phase": ["early", "late"],
+        "anchor": [0, -1], "action": ["go to desk 1", ""], "q_returns": [[1.0, nan], []], "v_returns": [[0.0, 1.0], []],
+        "q_mc": [1.0, nan], "v_mc": [0.5, nan], "a_mc": [0.5, nan], "se": [0.5, nan], "a_half1": [1.0, nan],
+        "a_half2": [nan, nan],
+    })  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["episodes", "turns", "advantages", "audit"])
 def test_round_trip_is_exact_in_values_and_types(tmp_path, kind):
     table = {
         "episodes": lambda: store.episodes_table(_records(), "run-a", 3, 2),
         "turns": lambda: store.turns_table(_records()),
         "advantages": _advantages,
+        "audit": _audit,
     }[kind]()
     path = tmp_path / "iter=00003" / f"{kind}.parquet"
     digest = write_table(table, path, kind)
     back = read_table(path, kind)
     assert back.schema.equals(store._SCHEMAS[kind])  # every column type as declared (metadata aside)
-    assert back.to_pylist() == table.to_pylist()
+    assert repr(back.to_pylist()) == repr(table.to_pylist())  # repr: NaN where NaN was written
     assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_records_are_read_back_as_they_were_stored():
+    """``store.records`` inverts the two tables (what the credit audit replays from)."""
+    episodes, turns = store.episodes_table(_records(), "run-a", 3, 2), store.turns_table(_records(), 2)
+    back = store.records(episodes, turns)
+    assert [r.task for r in back] == [r.task for r in _records()]
+    assert back[0].turns[1].gen == _records()[0].turns[1].gen, "the tokens, their log-probs and allowed sets"
+    assert store.episodes_table(back, "run-a", 3, 2).equals(episodes) and store.turns_table(back, 2).equals(turns)
 
 
 def test_turns_table_keeps_the_generation_lists():

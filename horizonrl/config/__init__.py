@@ -2,6 +2,7 @@
 
 Importers take names from here (``from horizonrl.config import TrainConfig, load_config``)."""
 
+from horizonrl.config.audit import AuditConfig
 from horizonrl.config.loader import CONFIG_FILE, apply_overrides, load_config, override_keys, train_config
 from horizonrl.config.schema import (
     CPU_HEAD_DIMS,
@@ -27,6 +28,7 @@ from horizonrl.config.schema import (
 )
 
 __all__ = [
+    "AuditConfig",
     "CPU_HEAD_DIMS",
     "model_head_dim",
     "CONFIG_FILE",

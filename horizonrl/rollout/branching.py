@@ -28,11 +28,18 @@ from methods.appo import BranchingParams, branching_score, select_branch_points
 
 @dataclass(frozen=True)
 class BranchStart:
-    """Where an APPO branch leaves its parent: after action token ``split`` (flat over all its turns)."""
+    """Where a branch leaves its parent: after action token ``split`` (flat over all its turns). A split on
+    the last token of a turn's action (or -1, before the first) starts the next turn afresh: APPO never
+    splits there (``plan_branches``), the credit audit's continuations always do (``turn_start``)."""
 
     parent: EpisodeRecord
     split: int
     score: float = 0.0  # branching score at the split
+
+
+def turn_start(parent: EpisodeRecord, turn: int) -> BranchStart:
+    """A branch that replays ``parent``'s first ``turn`` turns and samples every turn from ``turn`` on."""
+    return BranchStart(parent, sum(len(t.gen.token_ids) for t in parent.turns[:turn]) - 1)
 
 
 def _policy_tokens(ep: EpisodeRecord, tokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -91,13 +98,14 @@ def collect_branches(
     settings: SamplingSettings,
     *,
     first_rollout_id: int,
+    kind: str = "branch",
 ) -> list[EpisodeRecord]:
-    """Play APPO branches: each continues its parent from the token prefix up to and including the split
-    token (within that turn), in an environment brought to the parent's state at that turn by replaying
-    the parent's earlier actions (all replays step together). All branches are generated in one lockstep
-    batch, or in the two-half pipeline with ``settings.overlap``. A replay whose observations differ from the
-    parent's raises: the environment is not deterministic, and a branch from a different state would get
-    the wrong credit."""
+    """Play branches (APPO's; the audit's continuations, ``kind`` "audit"): each continues its parent from
+    the token prefix up to and including the split token (within that turn, or a fresh turn after it), in
+    an environment brought to the parent's state at that turn by replaying the parent's earlier actions
+    (all replays step together). All branches are generated in one lockstep batch, or in the two-half
+    pipeline with ``settings.overlap``. A replay whose observations differ from the parent's raises: the
+    environment is not deterministic, and a branch from a different state would get the wrong credit."""
     with as_batch(envs) as envs:
         split_turns = [_split_turn(b) for b in starts]
         resets = envs.reset_many([b.parent.task for b in starts])
@@ -118,12 +126,12 @@ def collect_branches(
                 replayed[i] = (obs, info)
                 offered[i].append(info.get("admissible_commands", []))
         live = []
-        for i, (b, (turn, offset)) in enumerate(zip(starts, split_turns)):
+        for i, (b, (turn, kept)) in enumerate(zip(starts, split_turns)):
             live.append(
                 _branch_live(
                     b,
                     turn,
-                    offset,
+                    kept,
                     i,
                     *replayed[i],
                     offered[i],
@@ -131,19 +139,21 @@ def collect_branches(
                     settings.context,
                     first_rollout_id + i,
                     settings.seed,
+                    kind,
                 )
             )
         return play(live, envs, engine, fmt, settings, derive_seed(settings.seed, "branches"))
 
 
 def _split_turn(b: BranchStart) -> tuple[int, int]:
-    """(turn, offset in that turn's action tokens) of the flat split index."""
+    """(turn, how many of that turn's action tokens the branch keeps) of the flat split index; a split on
+    the last token of a turn keeps none of the next one (a fresh turn)."""
     lengths = [len(t.gen.token_ids) for t in b.parent.turns]
-    turn, offset = 0, b.split
-    while offset >= lengths[turn]:
-        offset -= lengths[turn]
+    turn, kept = 0, b.split + 1
+    while turn < len(lengths) and kept >= lengths[turn]:
+        kept -= lengths[turn]
         turn += 1
-    return turn, offset
+    return turn, kept
 
 
 def _check_replay(parent: EpisodeRecord, turn: int, obs: str, info: dict) -> None:
@@ -156,7 +166,7 @@ def _check_replay(parent: EpisodeRecord, turn: int, obs: str, info: dict) -> Non
 def _branch_live(
     b: BranchStart,
     turn: int,
-    offset: int,
+    kept: int,
     slot: int,
     obs: str,
     info: dict,
@@ -165,9 +175,11 @@ def _branch_live(
     context: str,
     rollout_id: int,
     seed: int,
+    kind: str,
 ) -> LiveEpisode:
-    """The branch as a live episode at its split turn; its window history is rebuilt from the parent's turns,
-    each observation with the commands ``offered`` at that turn (the ``listed`` prompt shows them)."""
+    """The branch as a live episode at its split turn, holding the ``kept`` first tokens of that turn's action
+    (none: a fresh turn); its window history is rebuilt from the parent's turns, each observation with the
+    commands ``offered`` at that turn (the ``listed`` prompt shows them)."""
     parent = b.parent
     rec = EpisodeRecord(
         rollout_id,
@@ -175,15 +187,18 @@ def _branch_live(
         parent.task,
         context,
         derive_seed(seed, "sample", rollout_id),
-        kind="branch",
+        kind=kind,
         parent_rollout=parent.rollout_id,
         branch_token=b.split,
         branch_score=b.score,
         turns=list(parent.turns[:turn]),
     )
-    g = parent.turns[turn].gen
-    k = offset + 1
-    pending = Generation(g.token_ids[:k], g.logprobs[:k], g.entropy[:k], g.policy_mask[:k], g.allowed[:k])
+    pending = None
+    if kept:
+        g = parent.turns[turn].gen
+        pending = Generation(
+            g.token_ids[:kept], g.logprobs[:kept], g.entropy[:kept], g.policy_mask[:kept], g.allowed[:kept]
+        )
     ep = LiveEpisode(
         rec,
         slot,

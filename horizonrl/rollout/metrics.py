@@ -60,13 +60,14 @@ class EvaluationIncomplete(RuntimeError):
     """Held-out episodes the sampler failed: a success rate over them would count its faults as the policy's."""
 
 
-def check_complete(records: list[EpisodeRecord]) -> None:
-    """Refuse an evaluation in which any episode was ended by the sampler (``ENGINE_FAULT``), naming how many
-    and the first reason; an environment's own error stays the task's outcome, as in training."""
+def check_complete(records: list[EpisodeRecord], what: str = "held-out episodes") -> None:
+    """Refuse an evaluation (or the credit audit's episodes, ``what``) in which any episode was ended by the
+    sampler (``ENGINE_FAULT``), naming how many and the first reason; an environment's own error stays the
+    task's outcome, as in training."""
     failed = [r for r in records if r.status == "error" and r.error.startswith(ENGINE_FAULT)]
     if failed:
         raise EvaluationIncomplete(
-            f"{len(failed)} of {len(records)} held-out episodes were ended by the sampler, not played out "
+            f"{len(failed)} of {len(records)} {what} were ended by the sampler, not played out "
             f"(first: {failed[0].error}); no figure is logged from them"
         )
 
