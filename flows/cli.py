@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import errno
 import logging
 import os
 import sys
@@ -84,8 +83,9 @@ def _temporary_server_in_background() -> threading.Thread | None:
 
 
 class Refused(Exception):
-    """A command stops with one line on stderr, ``horizonrl: <message>``, and exit status ``code``: 2 for
-    input refused before any work, 1 for a run that could not start or failed."""
+    """A command stops with its message on stderr, each line as ``horizonrl: <line>`` (a refused config: one
+    line a problem), and exit status ``code``: 2 for input refused before any work, 1 for a run that could
+    not start or failed."""
 
     def __init__(self, message: str, code: int = 2) -> None:
         super().__init__(message)
@@ -102,10 +102,17 @@ class Command:
     prefect: bool = True
 
 
+DESCRIPTION = (
+    "horizonrl: train, evaluate and compare critic-free RL agents on long-horizon tasks; each command runs its "
+    "Prefect flow here with progress on the terminal and logs to MLflow (README.md)."
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run its subcommand (``COMMANDS``); returns the exit status."""
     _env_defaults()
-    parser = argparse.ArgumentParser(prog="horizonrl", description=__doc__)
+    parser = argparse.ArgumentParser(prog="horizonrl", description=DESCRIPTION)
+    parser.add_argument("--version", action=_ShowVersion, nargs=0, help="show the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, command in COMMANDS.items():
         command.arguments(sub.add_parser(name, help=command.help))
@@ -116,8 +123,34 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return command.run(args)
     except Refused as err:
-        print(f"horizonrl: {err}", file=sys.stderr)
+        for line in str(err).splitlines():
+            print(f"horizonrl: {line}", file=sys.stderr)
         return err.code
+
+
+class _ShowVersion(argparse.Action):
+    """``--version``: asked only when given (it runs ``git``)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        print(f"horizonrl {_version()}")
+        parser.exit()
+
+
+def _version() -> str:
+    """The installed distribution's version, and the checkout's commit where the code runs from one (an
+    editable install)."""
+    import subprocess
+    from importlib import metadata
+    from pathlib import Path
+
+    version, root = metadata.version("horizonrl"), Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():  # installed from a wheel: no checkout to ask
+        return version
+    try:
+        done = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    except OSError:
+        return version
+    return f"{version} (commit {done.stdout.strip()})" if done.returncode == 0 else version
 
 
 def _config_args(p: argparse.ArgumentParser, example: str, config: str = "YAML config file") -> None:
@@ -138,18 +171,19 @@ def _allow_change_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _checked_config(args: argparse.Namespace):
-    """The config of ``--config`` and ``--set``, and what the user brings (model folder, environment, engine)
-    and what a resume changes checked: before any run."""
+def _checked_config(args: argparse.Namespace, length: str = "iterations"):
+    """The config of ``--config`` and ``--set`` (a refused one: one line a problem), and what the user brings
+    (model folder, environment, engine) and what a resume changes checked, ``length`` the field that says
+    how long the run is: before any run."""
     from horizonrl.config import load_config
     from horizonrl.run import preflight
 
     try:
         cfg = load_config(args.config, args.set)
     except ValueError as err:
-        raise Refused(f"bad configuration: {err}") from err
+        raise Refused(str(err)) from err
     try:
-        preflight.check_start(cfg, args.allow_change)
+        preflight.check_start(cfg, args.allow_change, length)
     except ValueError as err:
         raise Refused(f"run {cfg.run_name!r} not started: {err}") from err
     return cfg
@@ -169,21 +203,21 @@ def _train(args: argparse.Namespace) -> int:
     from horizonrl.store import StoreError
     from horizonrl.tracking.mlflow_runs import ArtifactStoreUnwritable
     from horizonrl.training.checkpoint import CheckpointDamaged
+    from tasks.failures import known_failure
 
     os.environ[STARTED_AT] = str(psutil.Process().create_time())  # the flow logs time/startup_s from it
     if server is not None:
         server.join()
-    refused = (RunInUse, CheckpointDamaged, StoreError, ArtifactStoreUnwritable)
-    try:
-        with _OneLineErrors(lambda err: isinstance(err, refused) or _disk_error(err)):  # reported below
-            summary = train(config=cfg.model_dump(), allow_change=args.allow_change)
-    except refused as err:
+    try:  # a known failure's traceback is one line in the flow's log (tasks.failures.one_line_failures)
+        summary = train(config=cfg.model_dump(), allow_change=args.allow_change)
+    except (RunInUse, CheckpointDamaged, StoreError, ArtifactStoreUnwritable) as err:
         raise Refused(f"run {cfg.run_name!r} not started: {err}", 1) from err
     except OSError as err:
-        if not _disk_error(err):
+        if not known_failure(err):
             raise
         why = "its MLflow run is marked FAILED; the same command resumes it once there is room"
         raise Refused(f"run {cfg.run_name!r} failed: {err} ({why})", 1) from err
+    _stop_temporary_server()  # its "Stopping" line would follow the summary
     _print_run_summary(cfg, summary)
     return 0
 
@@ -219,10 +253,11 @@ def _warmstart_args(p: argparse.ArgumentParser) -> None:
 
 
 def _warmstart(args: argparse.Namespace) -> int:
-    cfg = _checked_config(args)
+    cfg = _checked_config(args, "warmstart.epochs")
     from flows.warmstart import warmstart
 
     summary = warmstart(config=cfg.model_dump(), allow_change=args.allow_change)
+    _stop_temporary_server()
     print("\n== horizonrl: warm start finished ==")
     print(
         f"held-out success (sampled, {cfg.eval.tasks_at(end=True)} tasks): {summary['initial_success_rate']:.3f} "
@@ -393,16 +428,15 @@ def _evaluate_args(p: argparse.ArgumentParser) -> None:
 def _evaluate(args: argparse.Namespace) -> int:
     from flows.evaluate import evaluate_policy
     from tasks.evaluation_run import evaluation_plan, one_line
+    from tasks.failures import OneLineErrors
 
     inputs = (args.source, args.model, args.config, args.split, args.n_tasks, args.samples, args.set)
     try:  # before the flow, so that bad input is one line, not a flow's traceback, and no run is created
-        if args.model is None and args.config is not None:
-            raise ValueError("--config goes with --model; a --source plays with its own run's config")
         evaluation_plan(*inputs)
     except ValueError as err:
         raise Refused(f"evaluate: {one_line(err)}") from err
     try:
-        with _OneLineErrors():
+        with OneLineErrors():
             evaluate_policy(
                 args.source, args.split, args.n_tasks, args.samples, overrides=args.set, model=args.model,
                 config_path=args.config,
@@ -414,7 +448,9 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 def _show_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", help="run folder (data/<experiment>/<run_name>) or a run name under data/")
-    p.add_argument("--iteration", type=int, required=True)
+    p.add_argument(
+        "--iteration", type=int, required=True, help="the stored iteration (iter=<n>; 0 holds the first evaluation)"
+    )
     p.add_argument("--episode", type=int, help="rollout id; without it, the iteration's episodes are listed")
     p.add_argument("--data-dir", default="data", help="where run names are looked up (default data/)")
 
@@ -466,7 +502,12 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _stack_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["up", "down", "status"])
+    p.add_argument(
+        "action",
+        choices=["up", "down", "status"],
+        help="up: start the servers and the worker (and print their addresses); down: stop them, the worker "
+        "first; status: which are running",
+    )
     p.add_argument("--home", default=".stack", help="pid files and logs (default .stack/)")
     p.add_argument(
         "--store",
@@ -547,6 +588,7 @@ def _audit(args: argparse.Namespace) -> int:
     from horizonrl.config import AuditConfig
     from tasks.audit_settings import audit_settings
     from tasks.evaluation_run import one_line
+    from tasks.failures import OneLineErrors
 
     given = {field: getattr(args, field) for field in AuditConfig.model_fields}
     try:  # before the flow: bad input is one line and no run is created
@@ -554,7 +596,7 @@ def _audit(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise Refused(f"audit: {one_line(err)}") from err
     try:
-        with _OneLineErrors():
+        with OneLineErrors():
             scores = audit(config=cfg.model_dump(), settings=settings.model_dump(), name=name, policy=args.policy)
     except Exception as err:  # noqa: BLE001 - a run-time failure: one line; the MLflow run is marked FAILED
         why = f"{one_line(err)} (its MLflow run is marked FAILED; the same command resumes it)"
@@ -588,43 +630,16 @@ def _audit_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _disk_error(err: BaseException) -> bool:
-    """A write the disk refused (full, read-only, over quota; or a checkpoint that could not be written,
-    whose writers raise their own error types): the machine's state, not a bug to debug."""
-    from horizonrl.training.checkpoint import CheckpointWriteError
+def _stop_temporary_server() -> None:
+    """Stop Prefect's temporary API server of this process, if it started one, once the flow is done: else
+    it stops at exit and its "Stopping temporary server" line follows the command's summary."""
+    from prefect.settings import get_current_settings
 
-    return isinstance(err, CheckpointWriteError) or (
-        isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
-    )
+    if get_current_settings().api.url:  # a server of its own (the stack's, PREFECT_API_URL): nothing to stop
+        return
+    from prefect.server.api.server import SubprocessASGIServer
 
-
-class _OneLineErrors(logging.Filter):
-    """Prefect logs a failed flow or task with its traceback; on the terminal of a command that reports the
-    failure in one line itself, the exception's own line is kept and the traceback dropped (for the
-    exceptions ``only`` accepts where given: the others keep theirs, to be debugged)."""
-
-    LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
-
-    def __init__(self, only: Callable[[BaseException], bool] = lambda err: True) -> None:
-        super().__init__()
-        self.only = only
-
-    def __enter__(self) -> _OneLineErrors:
-        """On Prefect's run loggers for the block only (an in-process caller's later logs keep theirs)."""
-        for name in self.LOGGERS:
-            logging.getLogger(name).addFilter(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name in self.LOGGERS:
-            logging.getLogger(name).removeFilter(self)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.exc_info[1] is not None and self.only(record.exc_info[1]):
-            err = record.exc_info[1]
-            record.msg = f"{record.getMessage()} {type(err).__name__}: {err}".replace("\n", " ")
-            record.args, record.exc_info, record.exc_text = None, None, None
-        return True
+    SubprocessASGIServer().stop()
 
 
 COMMANDS: dict[str, Command] = {

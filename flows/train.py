@@ -30,7 +30,8 @@ from tasks.advantage import advantages
 from tasks.collect import Collects
 from tasks.context import open_owners
 from tasks.evaluate import evaluate
-from tasks.run import clean_up_killed, end_failed_run, finish_run, open_run, starting_policy, verify_store
+from tasks.failures import one_line_failures
+from tasks.run import clean_up_killed, end_failed_run, finish_run, open_run, start_afresh, starting_policy, verify_store
 from tasks.tracking import Progress, log_iteration, log_startup, logged
 from tasks.update import update
 
@@ -38,6 +39,7 @@ STARTED_AT = "HORIZONRL_STARTED_AT"  # set by `horizonrl train`: when its proces
 
 
 @flow(name="train", log_prints=True, on_failure=[end_failed_run], on_crashed=[end_failed_run])
+@one_line_failures  # a refused start (bad input, run in use, full disk): one line in the run's state, no traceback
 def train(
     config_path: str | None = None,
     overrides: list[str] | None = None,
@@ -47,9 +49,10 @@ def train(
     """Train one method on one environment; returns the summary figures (held-out success before/after).
     ``allow_change``: fields a resume may change beyond those that only extend the run (``--allow-change``)."""
     cfg = train_config(config_path, overrides, config)
+    changes = preflight.check_start(cfg, allow_change or [])  # a deployment's run too: before its folder and run
     with runlock.hold(run_dir(cfg)) as lock:
         lock.record(flow_run_id=flow_run.get_id())
-        changes = preflight.check_start(cfg, allow_change or [])  # a deployment's run too, before its MLflow run
+        start_afresh(cfg)  # a start that finished no iteration, run again with other settings, is no resume
         initial = None
         if cfg.warmstart.before_rl and not preflight.has_checkpoint(run_dir(cfg)):  # 0. the recipe's warm start
             ws = warmstart(config=warm_start_config(cfg).model_dump(), allow_change=allow_change, held_out=False)

@@ -20,12 +20,14 @@ from horizonrl.config import run_dir, train_config
 from horizonrl.run import preflight, runlock
 from tasks.context import open_owners
 from tasks.evaluate import evaluate
-from tasks.run import clean_up_killed, end_failed_run, finish_run, open_run, starting_policy, verify_store
+from tasks.failures import one_line_failures
+from tasks.run import clean_up_killed, end_failed_run, finish_run, open_run, start_afresh, starting_policy, verify_store
 from tasks.tracking import logged
 from tasks.warmstart import clone, log_losses, record_demonstrations, register_warm_start
 
 
 @flow(name="warmstart", log_prints=True, on_failure=[end_failed_run], on_crashed=[end_failed_run])
+@one_line_failures  # a refused start: one line in the run's state, no traceback
 def warmstart(
     config_path: str | None = None,
     overrides: list[str] | None = None,
@@ -37,9 +39,10 @@ def warmstart(
     model's URI under ``model_uri``. ``allow_change``: as for ``train``. ``held_out`` off evaluates nothing:
     the warm start of a train run's recipe (``warmstart.before_rl``), whose RL run evaluates its policy."""
     cfg = train_config(config_path, overrides, config)
+    changes = preflight.check_start(cfg, allow_change or [], length="warmstart.epochs")
     with runlock.hold(run_dir(cfg)) as lock:  # one process per run name, as for train
         lock.record(flow_run_id=flow_run.get_id())
-        changes = preflight.check_start(cfg, allow_change or [])
+        start_afresh(cfg)  # a start that finished no epoch, run again with other settings, is no resume
         clean_up_killed(lock.previous)
         found = verify_store(cfg)
         open_owners(cfg)  # the learner and its player, until finish_run

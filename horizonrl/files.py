@@ -54,3 +54,10 @@ def fsync_dir(path: Path) -> None:
     for f in path.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
+
+
+def machine_cache() -> Path:
+    """This machine's cache folder of horizonrl (``$XDG_CACHE_HOME/horizonrl``, else ``~/.cache/horizonrl``):
+    what is computed once per machine and keyed by content or version (an empty migrated MLflow store, vLLM's
+    model information), shared by every run, data folder and test."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "horizonrl"

@@ -41,6 +41,9 @@ HOST = "127.0.0.1"
 ORDER_DOWN = ("worker", "prefect", "mlflow", "postgres")
 PG_USER = "horizonrl"
 PG_DATABASES = ("prefect", "mlflow")
+LOG_STREAM = {"PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED": "true", "PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED": "true"}
+"""The Prefect server streams flow runs' logs to its clients (off by default), so that ``prefect deployment
+run --watch`` prints the run's log, its failure's one line included, and not only its state's name."""
 URLS = "urls.json"  # in the stack's home while it is up: its servers' addresses (running_api)
 
 
@@ -123,7 +126,7 @@ def up(stack: Stack, timeout_s: float = 180) -> dict[str, str]:
             stack,
             "prefect",
             [str(bin_dir / "prefect"), "server", "start", "--host", HOST, "--port", str(stack.prefect_port)],
-            {**db_env, **prefect_db},
+            {**db_env, **prefect_db, **LOG_STREAM},
         )
         # MLflow's job runner (GenAI judges, trace roll-ups) is not used here: six fewer processes
         _start(

@@ -18,6 +18,8 @@ from horizonrl.config import (
     TrainConfig,
     apply_overrides,
     load_config,
+    override_keys,
+    validated,
 )
 from horizonrl.run import preflight
 from horizonrl.tracking import mlflow_runs
@@ -42,7 +44,7 @@ def audit_settings(
     if policy is not None and not is_checkpoint(policy):
         sets.append(f"model.path={policy}")
     raw = (load_config(config_path) if config_path else _config_of(policy)).model_dump()
-    cfg = TrainConfig.model_validate(apply_overrides(raw, sets))
+    cfg = validated(apply_overrides(raw, sets), where=dict.fromkeys(override_keys(sets), "from --set"))
     if cfg.rollout.group_size < 2:
         raise ValueError("rollout.group_size = 1: the group estimators need at least 2 episodes of a task")
     name = name or default_name(policy, cfg)

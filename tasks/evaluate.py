@@ -74,12 +74,12 @@ def play(ctx: RunContext, policy: CheckpointRef, iteration: int, what: Plays) ->
 
 
 def played(ctx: RunContext, policy: CheckpointRef, iteration: int, what: Plays) -> tuple[pa.Table, pa.Table]:
-    """``play``, except at a checkpoint's iteration 0: a starting evaluation another run played with the same
+    """``play``, except at iteration 0: a starting evaluation another run played with the same
     policy and settings (``horizonrl.shared_eval``: a shared warm start's every method) is read instead of
     played, and one played here is stored for the next run (tag ``horizonrl.eval0.<kind>.played_by``)."""
-    digest = policy_digest(policy) if iteration == 0 else None
-    if digest is None:  # a later iteration, or a policy folder that is no checkpoint
+    if iteration != 0:
         return play(ctx, policy, iteration, what)
+    digest = policy_digest(policy)
     cfg, kind = ctx.cfg, what.kind
     folder = shared_eval.shared_dir(cfg.data_dir, cfg.experiment, digest, starting_eval_settings(cfg))
     found = shared_eval.read_shared(folder, kind)

@@ -20,10 +20,17 @@ from mlflow.entities import Run
 from mlflow.exceptions import MlflowException
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
-from pydantic import ValidationError
 
 import mlflow
-from horizonrl.config import CONFIG_FILE, MODEL_URI_PREFIXES, TrainConfig, apply_overrides, load_config, override_keys
+from horizonrl.config import (
+    CONFIG_FILE,
+    MODEL_URI_PREFIXES,
+    TrainConfig,
+    apply_overrides,
+    load_config,
+    override_keys,
+    validated,
+)
 from horizonrl.envs import make_suite
 from horizonrl.run import preflight
 from horizonrl.run.learner import initial_model_dir
@@ -48,6 +55,7 @@ EVAL_SETTABLE = (
     "seed",
     "experiment",
     "data_dir",
+    "tracking_uri",
     "model.device",
     "model.dtype",
     "model.attn_implementation",
@@ -69,6 +77,17 @@ EVAL_SETTABLE = (
         )
     ),
 )
+
+
+def evaluation_store(overrides: list[str] | None, tracking_uri: str | None = None) -> str:
+    """The tracking store an evaluation finds its source in and logs its run to: ``--set tracking_uri=...``
+    (read from ``overrides`` before any config), else ``tracking_uri`` (the flow's parameter), else
+    $MLFLOW_TRACKING_URI or the default store. The two set apart are refused: one store per evaluation."""
+    chosen = [item for item, key in zip(overrides or [], override_keys(overrides or [])) if key == "tracking_uri"]
+    named = apply_overrides({}, chosen).get("tracking_uri")
+    if named is not None and tracking_uri is not None and named != tracking_uri:
+        raise ValueError(f"--set tracking_uri={named} and the flow's tracking_uri {tracking_uri}: give one store")
+    return mlflow_runs.tracking_uri(named or tracking_uri, create=False)  # client() creates a new store
 
 
 def evaluation_config(
@@ -142,8 +161,8 @@ def _evaluation(
     raw["run_name"] = f"{raw['run_name']}--eval-{split}-{time.strftime('%Y%m%dT%H%M%S')}"
     raw["tracking_uri"] = c.tracking_uri
     try:
-        cfg = TrainConfig.model_validate(raw)
-    except ValidationError as err:
+        cfg = validated(raw)
+    except ValueError as err:
         raise ValueError(one_line(err)) from err
     try:
         suite = make_suite(cfg.env.name, cfg.env.suite_seed, cfg.env.games, cfg.data_dir)
@@ -240,7 +259,12 @@ def evaluation_plan(
     params. Every problem is a one-line ``ValueError`` (the command line calls it before the flow)."""
     if (source is None) == (model is None):
         raise ValueError("give a source run or model (--source), or a model with a config (--model)")
-    c = mlflow_runs.client(mlflow_runs.tracking_uri(tracking_uri))
+    if source is not None and config_path is not None:
+        raise ValueError("--config goes with --model; a --source plays with its own run's config")
+    uri = evaluation_store(overrides, tracking_uri)  # --set tracking_uri=... is where the source is and the run goes
+    if source is not None and not mlflow_runs.store_exists(uri):
+        raise ValueError(f"source {source!r}: the tracking store {uri} does not exist")
+    c = mlflow_runs.client(uri)
     mlflow.set_tracking_uri(c.tracking_uri)  # the fluent API (logged models, downloads) reads the global URI
     if model is None:
         source_run_id, model_uri, cfg = evaluation_config(c, source, split, n_tasks, samples, overrides)

@@ -4,6 +4,7 @@ the final model and the run's close."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from horizonrl.rollout.loop import turn_horizon
 from horizonrl.run import config_history, runlock
 from horizonrl.run.learner import initial_model_dir
 from horizonrl.store import StoreError, remove_stale_temporaries
-from horizonrl.tracking import mlflow_runs
+from horizonrl.tracking import mlflow_runs, sweep_runs
 from horizonrl.tracking.sweep_runs import PAIRED
 from horizonrl.training.checkpoint import (
     CheckpointDamaged,
@@ -48,6 +49,36 @@ class Found:
 class RunStart:
     policy: CheckpointRef  # newest complete checkpoint (iteration 0 = initial weights)
     elapsed_s: float  # training wall time already spent by earlier attempts
+
+
+@task(name="start-afresh", cache_policy=NONE)
+def start_afresh(cfg: TrainConfig) -> None:
+    """A start of this run that finished no iteration, run again with other settings (the corrected
+    command after a failed start), is no resume: its files move to ``failed-starts/<n>/`` in the run folder
+    and its MLflow run, renamed ``<run_name>.failed-start-<n>``, is marked FAILED naming what changed; a new
+    MLflow run takes the name (with the old one's sweep links), so the run's params are the new settings'.
+    Nothing for any other start. Called under the run folder's lock, before the store is verified
+    (``verify_store``)."""
+    d = run_dir(cfg)
+    changes = config_history.failed_start(d, cfg)
+    if not changes:
+        return
+    aside = config_history.set_aside(d)
+    reason = (
+        f"a start that finished no iteration, replaced by one with other settings ({'; '.join(map(str, changes))}); "
+        f"its files are in {aside}"
+    )
+    c = mlflow_runs.client(mlflow_runs.tracking_uri(cfg.tracking_uri))  # the store open_run opens next
+    old = mlflow_runs.find_run(c, cfg.experiment, cfg.run_name)
+    new_name = f"{cfg.run_name}.failed-start-{aside.name}"
+    if old is not None:
+        mlflow_runs.supersede_run(c, old, new_name, reason, sweep_runs.link_tags(old.data.tags))
+    get_run_logger().warning(
+        "run %s starts afresh: %s%s",
+        cfg.run_name,
+        reason,
+        f"; its MLflow run {old.info.run_id} is renamed {new_name}" if old is not None else "",
+    )
 
 
 @task(name="clean-up-killed", retries=1, retry_delay_seconds=2, cache_policy=NONE)
@@ -102,8 +133,8 @@ def open_run(
     rollouts of a resumed run checked against what it recorded, the settings a resume changes (``changes``,
     ``preflight.check_start``) recorded beside the run's config and in MLflow, and the run's current config
     logged. ``initial``: the model a new run starts from instead of ``model.path`` (its warm start's
-    ``models:/`` URI), tagged as its lineage; ``kind``: tag ``horizonrl.kind`` (``warmstart``). Retried: it
-    writes to the tracking store."""
+    ``models:/`` URI), tagged as its lineage; ``kind``: tag ``horizonrl.kind`` (``warmstart``). Logs in one
+    line where the run goes on and what a resume changes. Retried: it writes to the tracking store."""
     uri = mlflow_runs.tracking_uri(cfg.tracking_uri)
     c, d = mlflow_runs.client(uri), run_dir(cfg)
     tags = {**_run_tags(c, cfg, initial), **({"horizonrl.kind": kind} if kind else {})}
@@ -117,10 +148,19 @@ def open_run(
         mlflow_runs.record_commit(c, run_id, tags["git_commit"])
     else:
         mlflow_runs.log_params(c, run_id, run_params(cfg, owners(d).suite))
+    done = found.policy.iteration if found.policy is not None else 0
     if changes:  # before config.yaml is replaced: the history keeps the first start's config
-        _record_changes(c, run_id, cfg, found, changes)
+        _record_changes(c, run_id, d, done + 1, changes)
     (d / CONFIG_FILE).write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=True))
     c.log_artifact(run_id, str(d / CONFIG_FILE))  # the run's current config: the evaluate flow reloads it
+    get_run_logger().log(
+        logging.WARNING if changes else logging.INFO,
+        "run %s (MLflow %s): %s%s",
+        cfg.run_name,
+        run_id,
+        f"resumes after iteration {done}" if done else "starts at iteration 1",
+        f", with changed settings from iteration {done + 1} on: {'; '.join(map(str, changes))}" if changes else "",
+    )
     return RunContext(cfg, str(d), uri, run_id)
 
 
@@ -139,16 +179,12 @@ def _run_tags(c: Any, cfg: TrainConfig, initial: str | None) -> dict[str, str]:
     }
 
 
-def _record_changes(c: Any, run_id: str, cfg: TrainConfig, found: Found, changes: list[config_history.Change]) -> None:
-    """The settings a resume changes: into the run's config history (an artifact) and its tags."""
-    d = run_dir(cfg)
-    start = found.policy.iteration + 1 if found.policy is not None else 1
+def _record_changes(c: Any, run_id: str, d: Path, start: int, changes: list[config_history.Change]) -> None:
+    """The settings a resume changes from iteration ``start`` on: into the run's config history (an artifact
+    beside its config in folder ``d``) and its tags."""
     history = config_history.record(d, config_history.current_config(d), changes, start)
     mlflow_runs.set_tags(c, run_id, config_history.tags(history))
     c.log_artifact(run_id, str(history))
-    get_run_logger().warning(
-        "run %s resumes at iteration %d with changed settings: %s", cfg.run_name, start, "; ".join(map(str, changes))
-    )
 
 
 @task(name="starting-policy", retries=1, retry_delay_seconds=2, cache_policy=NONE)
@@ -170,10 +206,6 @@ def starting_policy(ctx: RunContext, found: Found, initial: str | None = None) -
         run.learner.weights.keep(policy, model, tokenizer)
     state = read_state(policy)
     log_stage(ctx, "update", state.get("update_stats", {}), policy.iteration)
-    started = "resumed" if policy.iteration else "starting"
-    get_run_logger().info(
-        "run %s (MLflow %s): %s at iteration %d", cfg.run_name, ctx.mlflow_run_id, started, policy.iteration
-    )
     return RunStart(policy, float(state.get("elapsed_s", 0.0)))
 
 
@@ -246,9 +278,9 @@ def _mark_crashed(holder: dict[str, Any]) -> None:
 
 @task(name="finish-run", retries=1, retry_delay_seconds=2, cache_policy=NONE)
 def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
-    """Close the run's owners (environment workers, vLLM server, update ranks, Ray cluster); log the final
-    policy as an MLflow model and the headline numbers; close the run."""
-    close_owners(ctx.run_dir)
+    """Log the final policy as an MLflow model and the headline numbers; close the run, then its owners
+    (environment workers, vLLM server, update ranks, Ray cluster). A failure before the close leaves them
+    to the retry, and then to the flow's failure hook (``end_failed_run``)."""
     c = ctx.mlflow()
     by_step = {m.step: m.value for m in c.get_metric_history(ctx.mlflow_run_id, "eval/success_rate")}
     first, last = (by_step[min(by_step)], by_step[max(by_step)]) if by_step else (float("nan"), float("nan"))
@@ -262,12 +294,14 @@ def finish_run(ctx: RunContext, policy: CheckpointRef) -> dict[str, float]:
             summary[key.removeprefix("eval/")] = at_last[0]
     _log_final_policy(ctx, policy)
     c.set_terminated(ctx.mlflow_run_id, "FINISHED")
+    close_owners(ctx.run_dir)
     get_run_logger().info("run %s finished: held-out success %.3f -> %.3f", ctx.cfg.run_name, first, last)
     return summary
 
 
 def _log_final_policy(ctx: RunContext, policy: CheckpointRef) -> None:
-    """The final policy as the run's MLflow model ``policy`` (once), with its estimator state and chat format."""
+    """The final policy as the run's MLflow model ``policy`` (once), with its estimator state, its prompt and
+    decoding settings, and an input example."""
     c = ctx.mlflow()
     logged = mlflow_runs.policy_models(c, ctx.mlflow_run_id)
     if any(
@@ -278,8 +312,26 @@ def _log_final_policy(ctx: RunContext, policy: CheckpointRef) -> None:
     if state_file.is_file():  # BLPO memory: load with methods.state_from_json, inspect with .records()
         c.log_artifact(ctx.mlflow_run_id, str(state_file), artifact_path="estimator_state")
     r = ctx.cfg.rollout
-    chat = {"prompt": r.prompt, "free_format": r.free_format, "enable_thinking": r.enable_thinking}
-    mlflow_runs.log_policy(c, ctx.mlflow_run_id, policy.path, policy.iteration, chat)
+    decoding = {
+        "prompt": r.prompt,
+        "free_format": r.free_format,
+        "enable_thinking": r.enable_thinking,
+        "action_mode": r.action_mode,
+        "max_action_tokens": r.max_action_tokens,
+    }
+    example = policy_example(owners(ctx).suite, ctx.cfg.eval.split, ctx.cfg.env.tier)
+    mlflow_runs.log_policy(c, ctx.mlflow_run_id, policy.path, policy.iteration, decoding, example)
+
+
+def policy_example(suite: EnvSuite, split: str, tier: str) -> dict[str, object]:
+    """One input row of the run's logged policy (its input example, checked against its signature): the
+    first turn of the first task of ``split`` at ``tier`` (the held-out one), as the policy was prompted."""
+    env = suite.make()
+    try:
+        observation, info = env.reset(suite.tasks(split, tier, 1)[0])
+    finally:
+        env.close()
+    return {"goal": info.get("goal", ""), "observation": observation, "admissible": list(info["admissible_commands"])}
 
 
 def end_failed_run(flow: object, flow_run: FlowRun, state: State) -> None:
@@ -296,7 +348,7 @@ def end_failed_run(flow: object, flow_run: FlowRun, state: State) -> None:
         return
     close_owners(run_dir(cfg))
     uri = mlflow_runs.tracking_uri(cfg.tracking_uri)
-    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+    if not mlflow_runs.store_exists(uri):
         return  # stopped before its store was created: nothing to mark, and no store to create now
     c = mlflow_runs.client(uri)
     run = mlflow_runs.find_run(c, cfg.experiment, cfg.run_name)

@@ -114,6 +114,7 @@ def _cli_main(args: list[str], env: dict[str, str], stdout: str, stderr: str, ne
         out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(out, fd)
         os.close(out)
+    sys.stdout.reconfigure(line_buffering=True)  # as on a terminal: printed lines and logs in the order they came
     sys.argv = ["horizonrl", *args]
     code = 1
     try:

@@ -124,7 +124,10 @@ def test_the_shipped_page_is_the_generated_one(tmp_path):
         (["--continuations", "1", "--config", "configs/loop_household_easy.yaml"], "--continuations 1:"),
         (["--policy", "no-such-model", "--config", "configs/loop_household_easy.yaml"], "no-such-model"),
         (["--policy", "smollm2-135m-instruct"], "--config: give the config the policy plays by"),
-        (["--config", "configs/loop_household_easy.yaml", "--set", "rollout.group_size=1"], "rollout.group_size = 1"),
+        (
+            ["--config", "configs/loop_household_easy.yaml", "--set", "rollout.group_size=1"],
+            "rollout.group_size is too small",
+        ),
         (["--config", "configs/loop_household_easy.yaml", "--name", "../x"], "--name '../x'"),
     ],
 )

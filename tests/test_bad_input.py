@@ -23,26 +23,41 @@ CONFIG = "config.yaml"
 @pytest.mark.parametrize(
     "text,sets,names",
     [
-        ("method: loop\nrollout: [group_size: 8\n", [], ["config.yaml' is not valid YAML"]),
-        ("method: loop\ncolour: blue\n", [], ["colour", "Extra inputs are not permitted"]),
-        ("rollout:\n  group_size: many\n", [], ["rollout.group_size", "valid integer"]),
-        ("", ["update.lr=fast"], ["update.lr", "valid number"]),
-        ("method: ppo9\n", [], ["method", "unknown method 'ppo9'"]),
-        ("env:\n  name: minecraft\n", [], ["env.name = 'minecraft' is unknown"]),
-        ("method: loop\nrollout:\n  group_size: 1\n", [], ["rollout.group_size = 1", "'loop' needs at least 2"]),
-        ("model:\n  path: ./no-such-model\n", [], ["model.path", "'./no-such-model' does not exist"]),
+        (
+            "method: loop\nrollout: [group_size: 8\n",
+            [],
+            ["config: file 'config.yaml' line 3, column 1: expected ',' or ']'"],
+        ),
+        ("method: loop\ncolour: blue\n", [], ["config: colour is not a field of the config", "in config.yaml line 2"]),
+        ("rollout:\n  group_size: many\n", [], ["config: rollout.group_size is not an integer", "(got 'many' in"]),
+        ("", ["update.lr=fast"], ["config: update.lr must be a valid number", "(got 'fast' from --set)"]),
+        ("method: ppo9\n", [], ["config: method is not a method; known:", "(got 'ppo9' in config.yaml line 1)"]),
+        ("env:\n  name: minecraft\n", [], ["config: env.name is not an environment; known:", "(got 'minecraft'"]),
+        (
+            "method: loop\nrollout:\n  group_size: 1\n",
+            [],
+            [
+                "config: rollout.group_size is too small: method 'loop' needs at least 2",
+                "(got 1 in config.yaml line 3)",
+            ],
+        ),
+        ("model:\n  path: ./no-such-model\n", [], ["config: model.path is not a folder here", "'./no-such-model'"]),
         (
             "env:\n  tier: nightmare\n",
             [],
-            ["env.tier = 'nightmare' is not a tier of household; allowed: easy, medium, hard"],
+            ["config: env.tier is not a tier of household; allowed: easy, medium, hard (got 'nightmare' in"],
         ),
-        ("", ["run_name=adv'q"], ["run_name", '"adv\'q" is not a plain name']),
-        ("", ["run_name=../../escape"], ["run_name", "'../../escape' is not a plain name"]),
-        ("", ["experiment=a/b"], ["experiment", "'a/b' is not a plain name"]),
-        ("", ["update.lr=.inf"], ["update.lr", "finite number"]),
-        ("", ["advantage_params.kl_lambda=.nan"], ["advantage_params.kl_lambda = nan: numbers must be finite"]),
-        ("", ["seed=true"], ["seed", "True is not a valid integer"]),
-        ("", ["rollout.group_size=2.5"], ["rollout.group_size", "2.5 is not a valid integer"]),
+        ("", ["run_name=adv'q"], ["config: run_name is not a plain name", '(got "adv\'q" from --set)']),
+        ("", ["run_name=../../escape"], ["config: run_name is not a plain name", "(got '../../escape' from --set)"]),
+        ("", ["experiment=a/b"], ["config: experiment is not a plain name", "(got 'a/b' from --set)"]),
+        ("", ["update.lr=.inf"], ["config: update.lr must be a finite number (got inf from --set)"]),
+        ("", ["advantage_params.kl_lambda=.nan"], ["config: advantage_params.kl_lambda must be a finite number"]),
+        ("", ["seed=true"], ["config: seed is not an integer", "(got True from --set)"]),
+        ("", ["rollout.group_size=2.5"], ["config: rollout.group_size is not an integer", "(got 2.5 from --set)"]),
+        ("", ["iterations=0"], ["config: iterations must be greater than or equal to 1 (got 0 from --set)"]),
+        ("", ["update.lr=-0.1"], ["config: update.lr must be greater than 0 (got -0.1 from --set)"]),
+        ("rollout:\n\tgroup_size: 4\n", [], ["config: file 'config.yaml' line 2, column 1: found character"]),
+        ("", ["model.path=nosuchmodel"], ["config: model.path is neither a folder here nor a known pretrained model"]),
     ],
     ids=[
         "malformed-yaml",
@@ -61,16 +76,22 @@ CONFIG = "config.yaml"
         "nan-param",
         "bool-seed",
         "float-int",
+        "zero-iterations",
+        "negative-lr",
+        "yaml-tab",
+        "unknown-model-name",
     ],
 )
 @pytest.mark.refuses_input
 def test_bad_config_names_the_problem_and_writes_nothing(tmp_path, monkeypatch, capsys, text, sets, names):
-    """Run from an empty folder, so a ``data/`` or ``mlflow/`` created by mistake would show."""
+    """One line per problem, ``horizonrl: config: <field> <problem> (got <value> ...)``, no traceback, no URL, no
+    ``^`` marker. Run from an empty folder, so a ``data/`` or ``mlflow/`` created by mistake would show."""
     monkeypatch.chdir(tmp_path)
     Path(CONFIG).write_text(text)
     assert main(["train", "--config", CONFIG, *(f"--set={s}" for s in sets)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("horizonrl: bad configuration:")
+    assert err.startswith("horizonrl: config: ") and len(err.strip().splitlines()) == 1, err
+    assert not any(word in err for word in ("Traceback", "pydantic", "http", "^")), err
     for name in names:
         assert name in err
     assert [p.name for p in tmp_path.iterdir()] == [CONFIG]
@@ -83,7 +104,8 @@ def test_model_folder_without_config_json_is_named(tmp_path, monkeypatch, capsys
     Path("weights").mkdir()
     assert main(["train", "--set=model.path=./weights"]) == 2
     err = capsys.readouterr().err
-    assert "model.path" in err and "'weights/config.json'" in err, err
+    assert err.startswith("horizonrl: config: model.path holds no config.json") and len(err.strip().splitlines()) == 1
+    assert "'weights/config.json'" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["weights"]
 
 
@@ -219,14 +241,34 @@ def test_filter_values_are_quoted_and_artifacts_go_beside_the_store(tmp_path, mo
 
 
 def test_disk_refusals_are_reported_in_one_line_and_other_errors_keep_their_traceback():
-    """``horizonrl train`` reports a write the disk refused (full, read-only, over quota, a checkpoint that
-    could not be written) in one line; any other error keeps its traceback, to be debugged."""
+    """``horizonrl train`` (and a flow run's state) reports a write the disk refused (full, read-only, over
+    quota, a checkpoint that could not be written) and a refused start in one line; any other error keeps its
+    traceback, to be debugged."""
     import errno
 
-    from flows.cli import _disk_error
+    from horizonrl.config import ConfigError
+    from horizonrl.run.preflight import PreflightError
     from horizonrl.training.checkpoint import CheckpointWriteError
+    from tasks.failures import known_failure
 
     for code in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
-        assert _disk_error(OSError(code, "refused"))
-    assert _disk_error(CheckpointWriteError("could not write checkpoint x: disk full"))
-    assert not _disk_error(OSError(errno.ENOENT, "missing")) and not _disk_error(ValueError("bug"))
+        assert known_failure(OSError(code, "refused"))
+    assert known_failure(CheckpointWriteError("could not write checkpoint x: disk full"))
+    assert known_failure(ConfigError(["config: x must be y"])) and known_failure(PreflightError("model.path"))
+    assert not known_failure(OSError(errno.ENOENT, "missing")) and not known_failure(ValueError("bug"))
+
+
+def test_the_command_line_says_its_version_and_helps_without_markup(capsys):
+    """``--version`` names the installed version (and the checkout's commit); the top-level help has no
+    reStructuredText markup; ``show --iteration`` and the ``stack`` actions say what they are."""
+    from importlib import metadata
+
+    for args in (["--version"], ["--help"], ["show", "--help"], ["stack", "--help"]):
+        with pytest.raises(SystemExit) as stop:
+            main(args)
+        assert stop.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"horizonrl {metadata.version('horizonrl')}")
+    assert "``" not in out
+    assert "the stored iteration (iter=<n>; 0 holds the first evaluation)" in " ".join(out.split())
+    assert "up: start the servers and the worker" in " ".join(out.split())

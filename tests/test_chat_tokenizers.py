@@ -293,7 +293,7 @@ def test_format_errors_are_counted_and_penalised(chat_policy, household_suite):
 def test_thinking_in_admissible_mode_is_refused_naming_the_fields():
     from horizonrl.config import load_config
 
-    with pytest.raises(ValueError, match="rollout.enable_thinking needs rollout.action_mode"):
+    with pytest.raises(ValueError, match="config: rollout.enable_thinking needs rollout.action_mode = 'free'"):
         load_config(None, ["rollout.enable_thinking=true", "model.tokenizer=qwen3"])
     assert load_config(None, ["rollout.enable_thinking=true", "rollout.action_mode=free"]).rollout.enable_thinking
 

@@ -88,28 +88,61 @@ def _write(tmp_path: Path, text: str) -> Path:
 @pytest.mark.parametrize(
     "override,names",
     [
-        ("method=ppo9", ["method", "unknown method 'ppo9'"]),
-        ("rollout.group_size=1", ["rollout.group_size = 1", "'loop' needs at least 2"]),
-        ("update.lr=-3e-4", ["update.lr", "greater than 0"]),
-        ("update.lr=0", ["update.lr", "greater than 0"]),
-        ("colour=blue", ["colour", "Extra inputs are not permitted"]),
-        ("rollout.beam=4", ["rollout.beam", "Extra inputs are not permitted"]),
-        ("rollout.group_size=many", ["rollout.group_size", "valid integer"]),
-        ("rollout.group_size=[4]", ["rollout.group_size", "valid integer"]),
-        ("rollout=3", ["rollout", "valid dictionary"]),
-        ("rollout.context=sliding", ["rollout.context", "'window' or 'full'"]),
-        ("advantage_params.temperature=2", ["advantage_params.temperature is not a field of LOOParams"]),
-        ("loss_params.clipping=0.3", ["loss_params.clipping is not a field of PPOLossParams"]),
-        ("loss_params.aggregation=sum", ["loss_params", "PPOLossParams.aggregation is invalid: 'sum'"]),
-        ("env.name=minecraft", ["env.name = 'minecraft' is unknown"]),
-        ("per_method.appo.loss_params.eps=0.2", ["per_method.appo.loss_params.eps is not a field of FutureKLParams"]),
+        ("method=ppo9", ["config: method is not a method; known: appo, blpo,", "(got 'ppo9' from --set)"]),
+        (
+            "rollout.group_size=1",
+            ["config: rollout.group_size is too small: method 'loop' needs at least 2 rollouts per task (got 1 from"],
+        ),
+        ("update.lr=-3e-4", ["config: update.lr must be greater than 0 (got -0.0003 from --set)"]),
+        ("update.lr=0", ["config: update.lr must be greater than 0 (got 0 from --set)"]),
+        ("colour=blue", ["config: colour is not a field of the config; fields there: advantage_params,", "'blue'"]),
+        ("rollout.beam=4", ["config: rollout.beam is not a field of rollout; fields there: action_mode,"]),
+        ("rollout.grup_size=4", ["config: rollout.grup_size is not a field of rollout; did you mean 'group_size'?"]),
+        ("rollout.group_size=many", ["config: rollout.group_size is not an integer", "(got 'many' from --set)"]),
+        ("rollout.group_size=[4]", ["config: rollout.group_size is not an integer", "(got [4] from --set)"]),
+        ("rollout=3", ["config: rollout must be a section (a mapping of its fields) (got 3 from --set)"]),
+        ("rollout.context=sliding", ["config: rollout.context must be 'window' or 'full' (got 'sliding' from --set)"]),
+        ("advantage_params.temperature=2", ["config: advantage_params.temperature is not a field of LOOParams"]),
+        ("loss_params.clipping=0.3", ["config: loss_params.clipping is not a field of PPOLossParams"]),
+        ("loss_params.aggregation=sum", ["config: loss_params is refused by PPOLossParams", "aggregation", "'sum'"]),
+        ("env.name=minecraft", ["config: env.name is not an environment; known: alfworld,", "(got 'minecraft' from"]),
+        (
+            "per_method.appo.loss_params.eps=0.2",
+            ["config: per_method.appo.loss_params.eps is not a field of FutureKLParams"],
+        ),
     ],
 )
 def test_bad_values_name_the_field(override, names):
+    """Each problem is one line, ``config: <field> <problem> (got <value> from ...)``: no pydantic URL, no
+    dump of the input."""
     with pytest.raises(ValueError) as err:
         load_config(None, [override])
+    assert len(str(err.value).splitlines()) == 1 and "pydantic" not in str(err.value), err.value
     for name in names:
         assert name in str(err.value)
+
+
+def test_every_field_problem_is_its_own_line_naming_the_file_line(tmp_path):
+    """Several bad fields of one file: one line each (in the config's order of fields), each with its file
+    and line or its ``--set``; a YAML syntax error (a tab) is one line with the file, line and column, and no
+    ``^`` marker."""
+    path = _write(tmp_path, "iterations: 0\nupdate:\n  lr: -1\n  lrr: 3\n")
+    with pytest.raises(ValueError) as err:
+        load_config(path, ["seed=true"])
+    assert str(err.value).splitlines() == [
+        "config: seed is not an integer: write integers without quotes or decimal point (true/false are not "
+        "integers) (got True from --set)",
+        f"config: iterations must be greater than or equal to 1 (got 0 in {path} line 1)",
+        f"config: update.lr must be greater than 0 (got -1 in {path} line 3)",
+        f"config: update.lrr is not a field of update; did you mean 'lr'? (got 3 in {path} line 4)",
+    ]
+    tabbed = _write(tmp_path, "rollout:\n\tgroup_size: 4\n")
+    with pytest.raises(ValueError) as err:
+        load_config(tabbed)
+    assert str(err.value) == (
+        f"config: file '{tabbed}' line 2, column 1: found character '\\t' that cannot start any token (while "
+        "scanning for the next token)"
+    )
 
 
 def test_group_size_one_is_fine_for_a_method_that_needs_one():
@@ -160,18 +193,18 @@ def test_model_path_must_exist_unless_it_is_a_hub_id(tmp_path):
 
 def test_bad_files_name_the_file(tmp_path):
     missing = tmp_path / "absent.yaml"
-    with pytest.raises(ValueError, match=re.escape(f"config file {str(missing)!r} does not exist")):
+    with pytest.raises(ValueError, match=re.escape(f"config: file {str(missing)!r} does not exist")):
         load_config(missing)
     malformed = _write(tmp_path, "method: loop\nrollout: [group_size: 8\n")
-    with pytest.raises(ValueError, match=re.escape(f"config file {str(malformed)!r} is not valid YAML")):
+    with pytest.raises(ValueError, match=re.escape(f"config: file {str(malformed)!r} line 3, column 1: expected")):
         load_config(malformed)
     listing = _write(tmp_path, "- method\n- loop\n")
-    with pytest.raises(ValueError, match=re.escape(f"config file {str(listing)!r} must hold a mapping")):
+    with pytest.raises(ValueError, match=re.escape(f"config: file {str(listing)!r} must hold a mapping")):
         load_config(listing)
 
 
 def test_bad_field_in_a_file_names_the_field(tmp_path):
-    with pytest.raises(ValueError, match=r"update\.lr\n"):
+    with pytest.raises(ValueError, match=r"^config: update\.lr must be greater than 0 \(got -0\.1 in .* line 2\)$"):
         load_config(_write(tmp_path, "update:\n  lr: -0.1\n"))
     with pytest.raises(ValueError, match=r"advantage_params\.bogus is not a field"):
         load_config(_write(tmp_path, "advantage_params:\n  bogus: 1\n"))
@@ -259,13 +292,16 @@ def test_per_method_sections_apply_only_to_their_method_and_top_level_wins(tmp_p
             "per_method:\n  appo:\n    loss_params: {eps: 0.2}\n",
             ["per_method.appo.loss_params.eps is not a field of FutureKLParams"],
         ),
-        ("per_method:\n  ppo9:\n    loss_params: {eps: 0.2}\n", ["per_method.ppo9: unknown method"]),
+        ("per_method:\n  ppo9:\n    loss_params: {eps: 0.2}\n", ["per_method.ppo9 is not a method; known: appo,"]),
         (
             "per_method:\n  loop:\n    branching_params: {gamma: 0.9}\n",
-            ["per_method.loop.branching_params: method 'loop' does not branch"],
+            ["per_method.loop.branching_params is for a method that branches; 'loop' does not"],
         ),
-        ("per_method:\n  loop:\n    clip: 0.2\n", ["per_method.loop.clip", "Extra inputs are not permitted"]),
-        ("branching_params: {gamma: 0.9}\n", ["branching_params: method 'loop' does not branch"]),
+        (
+            "per_method:\n  loop:\n    clip: 0.2\n",
+            ["config: per_method.loop.clip is not a field of per_method.loop; fields there: advantage_params,"],
+        ),
+        ("branching_params: {gamma: 0.9}\n", ["branching_params is for a method that branches; 'loop' does not"]),
         ("method: appo\nbranching_params: {gama: 0.9}\n", ["branching_params.gama is not a field of BranchingParams"]),
         (
             "method: appo\nbranching_params: {omega_fallback: sometimes}\n",
@@ -375,3 +411,15 @@ def test_validation_for_a_failure_hook_reads_no_game_file(tmp_path, monkeypatch)
     assert train_config(None, None, raw, read_files=False).env.games == str(tmp_path / "games") and opened == []
     train_config(None, None, raw)
     assert len(opened) == 1, "the normal path checks the games before any work starts"
+
+
+def test_the_default_vllm_interpreter_is_the_projects_from_any_folder(tmp_path, monkeypatch):
+    """``engine.vllm.python`` relative (the default ``.venv-vllm/bin/python``) is taken from the project's
+    folder, not the current directory: a command run from elsewhere starts the project's vLLM."""
+    from horizonrl.config import VLLMConfig
+    from horizonrl.config.schema import PROJECT_DIR
+
+    monkeypatch.chdir(tmp_path)
+    assert VLLMConfig().interpreter() == Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+    assert PROJECT_DIR == Path(__file__).resolve().parents[1]
+    assert VLLMConfig(python="/opt/vllm/bin/python").interpreter() == Path("/opt/vllm/bin/python")

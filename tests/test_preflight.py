@@ -10,8 +10,11 @@ mistake shows; the suite's after-session check also finds no MLflow run started 
 
 from __future__ import annotations
 
+import json
+import random
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -141,7 +144,7 @@ def test_a_resume_with_changed_settings_is_refused_naming_each_change(tmp_path, 
     unless it only extends the run; an ``--allow-change`` that names no field is refused too."""
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "data" / "horizonrl" / "r"
-    run.mkdir(parents=True)
+    (run / "checkpoints" / "iter=00001").mkdir(parents=True)  # it finished an iteration: a start is a resume
     ran = TrainConfig(run_name="r", iterations=1).model_dump()
     (run / "config.yaml").write_text(yaml.safe_dump(ran))
     _refused(
@@ -156,7 +159,7 @@ def test_a_resume_with_changed_settings_is_refused_naming_each_change(tmp_path, 
         "--allow-change update.lrr: not a field or section of the config",
     )
     assert yaml.safe_load((run / "config.yaml").read_text()) == ran
-    assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
 
 
@@ -165,3 +168,121 @@ def test_the_pinned_vllm_version_is_the_makefiles():
     makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
     [pinned] = re.findall(r"^VLLM_VERSION \?= (\S+)$", makefile, flags=re.MULTILINE)
     assert preflight.VLLM_VERSION == pinned
+
+
+def _retyped(src: Path, dest: Path, model_type: str) -> Path:
+    """A copy of the tiny Qwen2 model whose config says another architecture (a config from another model,
+    or a ``model_type`` edited), its weights unchanged."""
+    _model_copy(src, dest)
+    config = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    return dest
+
+
+@pytest.mark.parametrize(
+    "model_type,names",
+    [
+        (
+            "llama",
+            ["(LlamaForCausalLM, model_type 'llama')", "6 it has no place for (model.layers.0.self_attn.k_proj.bias"],
+        ),
+        ("qwen3", ["4 of its tensors missing (model.layers.0.self_attn.k_norm.weight", "6 it has no place for"]),
+        ("nonsense", ["its config.json does not describe a causal LM transformers can build", "`nonsense`"]),
+    ],
+)
+def test_a_config_that_does_not_fit_its_weights_is_named(
+    tiny_policy_dir, tmp_path, monkeypatch, capsys, model_type, names
+):
+    """The architecture the config names is built on the meta device and its tensors' names and shapes
+    compared with the safetensors headers; on main a changed ``model_type`` passed the preflight and failed
+    inside transformers (exit 1, three tracebacks, a FAILED MLflow run)."""
+    monkeypatch.chdir(tmp_path)
+    _retyped(Path(tiny_policy_dir), tmp_path / "m", model_type)
+    err = _refused(["train", "--set=model.path=./m"], capsys, "model.path: m: its ", *names)
+    assert "download or save the model again" in err or model_type == "nonsense"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_random_bytes_are_not_a_safetensors_file(tiny_policy_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    weights = _model_copy(Path(tiny_policy_dir), tmp_path / "m") / "model.safetensors"
+    weights.write_bytes(random.Random(0).randbytes(100_000))
+    _refused(["train", "--set=model.path=./m"], capsys, "m/model.safetensors: not a safetensors file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+@pytest.fixture()
+def hub(monkeypatch):
+    """A model hub on loopback (``HF_ENDPOINT``) that has ``org/there`` and nothing else."""
+    import http.server
+    import threading
+
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/api/models/org/there" else 404)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+    yield server
+    server.shutdown()
+
+
+def test_a_missing_folder_is_named_with_both_readings_when_the_hub_lacks_it_or_cannot_be_reached(
+    hub, tmp_path, monkeypatch, capsys
+):
+    """``mymodels/tiny`` is a folder that is not here or a hub id: asked once, with a short timeout and no
+    retries; on main it was taken for a hub id and retried five times (about 100 s), then exit 1 with six
+    tracebacks, a FAILED run and a config.yaml written."""
+    from horizonrl.engines.vllm_server import free_port
+
+    monkeypatch.chdir(tmp_path)
+    forms = "give a model folder (./path), a known pretrained model (gemma3-270m, smollm2-135m-instruct)"
+    _refused(
+        ["train", "--set=model.path=mymodels/tiny"],
+        capsys,
+        "model.path = 'mymodels/tiny': no folder 'mymodels/tiny' here, and the hub at http://127.0.0.1:",
+        "has no such model (HTTP 404",
+        forms,
+    )
+    assert preflight.hub_status("org/there") is None  # a hub id the hub has passes
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    started = time.monotonic()
+    _refused(["train", "--set=model.path=mymodels/tiny"], capsys, "cannot be reached", forms)
+    assert time.monotonic() - started < 30
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_logged_policy_the_store_does_not_hold_is_named(tmp_path, monkeypatch, capsys):
+    """``runs:/<id>`` and ``models:/<name>/<version>`` are looked up in the tracking store before anything is
+    created; on main an unknown run id ended with exit 1, six tracebacks and the data folder and its lock
+    created. A store that does not exist is not created to be asked."""
+    from horizonrl.tracking.mlflow_runs import client
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # the default store, ./mlflow: not there
+    run = "runs:/0123456789abcdef0123456789abcdef"
+    _refused(
+        ["train", f"--set=model.path={run}"], capsys, f"model.path = '{run}': the tracking store", "does not exist"
+    )
+    assert list(tmp_path.iterdir()) == []
+    uri = f"sqlite:///{tmp_path}/store/mlflow.db"
+    client(uri)  # an existing store without them
+    capsys.readouterr()
+    _refused(
+        ["train", f"--set=model.path={run}", f"--set=tracking_uri={uri}"],
+        capsys,
+        f"model.path = '{run}': no run with id '0123456789abcdef0123456789abcdef' in {uri}",
+    )
+    _refused(
+        ["train", "--set=model.path=models:/nothing/1", f"--set=tracking_uri={uri}"],
+        capsys,
+        f"model.path = 'models:/nothing/1': no version 1 of a registered model 'nothing' in {uri}",
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]

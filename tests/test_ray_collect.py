@@ -81,7 +81,7 @@ def test_one_shard_is_the_unsharded_collect_and_shards_join_in_order(tiny_policy
         ({"rollout": {"tasks_per_iteration": 2, "shards": 3}}, "rollout.shards"),
         (
             {"rollout": {"runner": "ray"}, "engine": {"name": "vllm"}, "ray": {"address": "auto"}},
-            "needs engine.vllm.url: the run's own vLLM server listens on 127.0.0.1",
+            "engine.vllm.url must be set for rollout.runner = 'ray' .* the run's own vLLM server listens on 127.0.0.1",
         ),
     ],
 )

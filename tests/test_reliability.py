@@ -129,8 +129,8 @@ CYCLE = [
     ("advantage:1", 0, ("advantage/kept_fraction", 1), "iteration 1: rollouts already stored, reused"),
     ("update:1", 0, ("update/steps", 1), "iteration 1: rollouts already stored, reused"),
     ("checkpoint:1", 0, ("update/steps", 1), "removed a partial file left by an interrupted run"),
-    ("collect:2", 1, ("collect/success_rate", 2), "resumed at iteration 1"),
-    ("evaluate:2", 2, ("eval/success_rate", 2), "resumed at iteration 2"),
+    ("collect:2", 1, ("collect/success_rate", 2), "resumes after iteration 1"),
+    ("evaluate:2", 2, ("eval/success_rate", 2), "resumes after iteration 2"),
 ]
 SCHEDULE = {"every": 2, "n_tasks": 2, "greedy": False}
 STRAIGHT = "straight"
@@ -445,7 +445,7 @@ def test_a_second_process_on_a_held_run_is_refused_naming_the_holder(prefect_har
             f"{lock.holder['started']}" in err
         ), err
         assert partial.read_bytes() == b"half"
-    assert sorted(p.name for p in d.iterdir()) == [".episodes.parquet.tmp-1", runlock.LOCK_FILE]
+    assert sorted(p.name for p in d.iterdir()) == [".episodes.parquet.tmp-1"]  # the holder's release took its lock
     assert not (tmp_path / "mlflow.db").exists()
 
 
@@ -497,6 +497,9 @@ def test_second_process_refused_and_a_killed_run_leaves_no_server(api_url, tmp_p
     assert finish(third) == 0, (tmp_path / "third.log").read_text()[-3000:]
     out = (tmp_path / "third.log").read_text()
     assert f"stopped Prefect's temporary API server (pid {orphans[0]})" in out and "crashed" in out, out[-3000:]
+    # the summary is the last thing said: the run's own temporary server is stopped before it
+    assert out.index("Stopping temporary server") < out.index("== horizonrl: run finished ==")
+    assert out.strip().splitlines()[-1] == f"data: {tmp_path / 'data' / 'test' / RUN}", out[-1000:]
     assert leftovers(str(home)) == []
     assert flow_run_state(home, holder["flow_run_id"]) == "CRASHED"
     assert run_of(MlflowClient(f"sqlite:///{tmp_path}/mlflow.db"), RUN).info.status == "FINISHED"

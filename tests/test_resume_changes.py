@@ -92,9 +92,61 @@ def test_a_resume_with_changed_settings_is_refused_then_recorded(
     mlflow.set_tracking_uri(tracking_uri)
     local = Path(mlflow.artifacts.download_artifacts(f"models:/{model_info.model_id}", dst_path=str(tmp_path / "m")))
     assert not list(local.rglob("*.pkl")), "the logged policy holds a pickle"
+    assert not list(local.rglob("optimizer.pt")), "the logged policy carries the optimizer's state"
     row = _household_row()
     [action] = mlflow.pyfunc.load_model(str(local)).predict(pd.DataFrame([row]))
     assert action in row["admissible"]
+
+    # shortening the run below what it trained is refused in one line, nothing touched
+    with contextlib.redirect_stderr(io.StringIO()) as stderr:
+        shorter = ["train", "--config", "c.yaml", "--set=iterations=1", "--set=update.lr=0.5"]
+        assert main([*shorter, "--allow-change=update.lr"]) == 2
+    err = stderr.getvalue()
+    assert err.strip() == (
+        "horizonrl: run 'resume-x' not started: iterations = 1: run 'resume-x' has finished 2 already, and a run "
+        "is not shortened below what it trained; give iterations >= 2, or another run_name (its checkpoint of "
+        "any iteration can be evaluated with horizonrl evaluate --model <run folder>/checkpoints/iter=<n> "
+        "--config <config>)"
+    ), err
+    assert yaml.safe_load((run_folder / "config.yaml").read_text())["iterations"] == 2
+
+
+@pytest.mark.slow
+def test_a_start_that_finished_no_iteration_is_started_afresh_by_the_corrected_command(
+    prefect_harness, tmp_path, tracking_uri, monkeypatch
+):
+    """A start that fails in its first iteration (every gradient NaN, ``update.max_nan_skips=0``), then the
+    corrected command (``max_nan_skips=20``): no resume to refuse and no --allow-change to give. The failed
+    attempt's files move to ``failed-starts/1/``, its MLflow run is renamed ``<run>.failed-start-1`` and
+    FAILED with what changed, and a new MLflow run of the name holds the new settings as params. On main the
+    corrected command was refused as a resume with changed settings, and with --allow-change the params kept
+    the failed start's value."""
+    from flows.train import train
+
+    cfg = tiny_config(tmp_path, tracking_uri, "fresh-x", iterations=1)
+    cfg["eval"] = {"every": 1, "n_tasks": 2, "greedy": False}
+    cfg["method"] = "grpo"  # keeps every row (|A| >= 0), so the update takes steps whatever the rewards
+    failing = {**cfg, "update": {**cfg["update"], "max_nan_skips": 0}}
+    monkeypatch.setenv("HORIZONRL_FAULT", "nan-grad:1")
+    with pytest.raises(RuntimeError, match="max_nan_skips"):
+        train(config=failing)
+    monkeypatch.delenv("HORIZONRL_FAULT")
+    c = MlflowClient(tracking_uri)
+    first = run_of(c, "fresh-x")
+    assert first.info.status == "FAILED" and first.data.params["update.max_nan_skips"] == "0"
+
+    corrected = {**cfg, "update": {**cfg["update"], "max_nan_skips": 20}}
+    train(config=corrected)
+    run_folder = tmp_path / "data" / "test" / "fresh-x"
+    aside = run_folder / config_history.FAILED_STARTS / "1"
+    assert yaml.safe_load((aside / "config.yaml").read_text())["update"]["max_nan_skips"] == 0
+    assert (aside / "checkpoints" / "iter=00000").is_dir() and (run_folder / "checkpoints" / "iter=00001").is_dir()
+    old, new = c.get_run(first.info.run_id), run_of(c, "fresh-x")
+    assert new.info.run_id != first.info.run_id and new.info.status == "FINISHED"
+    assert new.data.params["update.max_nan_skips"] == "20"
+    assert new.data.tags[mlflow_runs.REPLACES_TAG] == first.info.run_id
+    assert old.info.status == "FAILED" and old.data.tags[mlflow_runs.RUN_NAME_TAG] == "fresh-x.failed-start-1"
+    assert "update.max_nan_skips 0 -> 20" in old.data.tags[mlflow_runs.FAILURE_TAG]
 
 
 def test_changes_are_named_by_field_sections_allow_them_and_a_retry_records_once(tmp_path):
@@ -111,6 +163,13 @@ def test_changes_are_named_by_field_sections_allow_them_and_a_retry_records_once
         "update.lr 0.001 -> 0.5",
     ]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(before.model_dump()))
+    # no iteration finished: a change starts the run afresh (no resume to refuse), one that only extends it resumes
+    assert config_history.failed_start(tmp_path, after) == changes
+    assert config_history.resume_changes(tmp_path, after, []) == []
+    longer = TrainConfig(run_name="r", iterations=61)
+    assert config_history.failed_start(tmp_path, longer) == []
+    assert [str(c) for c in config_history.resume_changes(tmp_path, longer)] == ["iterations 60 -> 61"]
+    (tmp_path / "checkpoints" / "iter=00001").mkdir(parents=True)
     with pytest.raises(config_history.ConfigChangeRefused, match="advantage_params.normalize_std"):
         config_history.resume_changes(tmp_path, after, ["update"])
     assert config_history.resume_changes(tmp_path, after, ["update", "advantage_params"]) == changes

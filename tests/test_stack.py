@@ -15,6 +15,7 @@ postgresql come with ``make setup-test``.
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -118,12 +119,23 @@ def swept(tmp_path_factory):
                 )
             }
         _wait_for_running_cells(s.prefect_api, procs[SWEEP], logs[SWEEP])
+        for name, overrides in _deployed_trains(root).items():  # the train deployment as docs/deploy.md runs it
+            logs[name] = root / f"{name}.log"
+            with open(logs[name], "w") as out:
+                procs[name] = subprocess.Popen(
+                    [str(Path(sys.executable).parent / "prefect"), "--no-prompt", *_docs_example(overrides)],
+                    cwd=REPO,
+                    env={**env, "PWD": str(REPO)},
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
         for name in SOLO:
             cfg = {**tiny_config(root, s.mlflow_uri, iterations=1), "run_name": name, "method": "loop", "seed": 5}
             logs[name].write_text("")
             procs[name] = CLIProcess(["train", *(f"--set={k}={v}" for k, v in flat(cfg).items())], env, logs[name])
         for name, proc in procs.items():
-            assert proc.wait(timeout=660) == 0, f"{name} failed:\n{logs[name].read_text()[-3000:]}"
+            expected = 1 if name == REFUSED else 0
+            assert proc.wait(timeout=660) == expected, f"{name} exit:\n{logs[name].read_text()[-3000:]}"
         timings["sweep_run_s"] = time.perf_counter() - t0
         yield s, root, timings
     finally:
@@ -135,6 +147,37 @@ def swept(tmp_path_factory):
     assert stopped == ["worker", "prefect", "mlflow", "postgres"]
     assert not leftovers(str(prefect_home)), f"processes left after stack down: {leftovers(str(prefect_home))}"
     assert all(v is None for v in stack.status(s).values())
+
+
+DOCS_EXAMPLE = "deploy-example"
+DEPLOYED, REFUSED = "first-deployed", "refused-deployed"
+UNKNOWN_RUN = "runs:/0123456789abcdef0123456789abcdef"
+
+
+def _docs_example(extra: list[str]) -> list[str]:
+    """The ``prefect deployment run 'train/train' ...`` command docs/deploy.md shows (the code block after its
+    ``deploy-example`` marker), with ``extra`` appended to its ``overrides`` list, as arguments after
+    ``prefect``."""
+    text = (REPO / "docs" / "deploy.md").read_text()
+    block = text[text.index(f"<!-- {DOCS_EXAMPLE}") :].split("```")[1]
+    [line] = [ln for ln in block.splitlines() if "deployment run" in ln]
+    args = shlex.split(line)[1:]  # without .venv/bin/prefect
+    at = next(i for i, a in enumerate(args) if a.startswith("overrides="))
+    overrides = json.loads(args[at].removeprefix("overrides="))
+    assert isinstance(overrides, list) and all("=" in o for o in overrides), overrides
+    args[at] = "overrides=" + json.dumps([*overrides, *extra])
+    return [*args, "--watch-timeout", "600"]
+
+
+def _deployed_trains(root: Path) -> dict[str, list[str]]:
+    """Overrides added to the docs' example: tiny counts for the one that trains, and a model path the
+    store does not hold for one that is refused (its folder under its own data_dir, so one left would show)."""
+    tiny = flat({k: v for k, v in tiny_config(root, "unused", iterations=1).items() if k not in ("tracking_uri",)})
+    counts = [f"{k}={json.dumps(v)}" for k, v in tiny.items() if k != "run_name"]
+    return {
+        DEPLOYED: [*counts, "eval.n_tasks_ends=2", f"run_name={DEPLOYED}"],
+        REFUSED: [f"model.path={UNKNOWN_RUN}", f"data_dir={root / 'refused'}", f"run_name={REFUSED}"],
+    }
 
 
 def _wait_for_running_cells(api: str, sweep: subprocess.Popen, log: Path, timeout: float = 420) -> None:
@@ -210,9 +253,35 @@ def test_sweep_deployment_logs_parent_children_metrics_and_report(swept):
 
 
 @pytest.mark.extra
+def test_the_train_deployment_from_the_docs_runs_and_a_refused_one_says_why(swept):
+    """docs/deploy.md's ``prefect deployment run 'train/train' ...`` (its parameters as shown, tiny counts
+    added) finishes its run; the same with a model path the store lacks fails in one line that ``--watch``
+    prints, with no traceback, and leaves no run folder or lock. ``deploy --all`` deployed the scheduled
+    sweeps paused. On main the failed run's reason sat in the worker's log with four tracebacks, ``--watch``
+    printed only the state's name, and the run folder kept a ``.lock``."""
+    s, root, _ = swept
+    c = MlflowClient(s.mlflow_uri)
+    deployed = run_of(c, DEPLOYED)
+    assert deployed.info.status == "FINISHED" and deployed.data.params["iterations"] == "1"
+    assert "Flow run finished successfully" in (root / f"{DEPLOYED}.log").read_text()
+    assert not (root / "data" / "test" / DEPLOYED / ".lock").exists()
+    said = " ".join((root / f"{REFUSED}.log").read_text().split())  # the terminal's line wrapping undone
+    assert f"Failed(\"PreflightError: model.path = '{UNKNOWN_RUN}': no run with id" in said, said[-3000:]
+    assert "Traceback" not in said and "Flow run finished in state 'Failed'" in said, said[-3000:]
+    assert not (root / "refused").exists()
+    assert (
+        c.search_runs([c.get_experiment_by_name("test").experiment_id], f"tags.`horizonrl.run_name` = '{REFUSED}'")
+        == []
+    )
+    deployments = httpx.post(f"{s.prefect_api}/deployments/filter", json={}).json()
+    schedules = {d["name"]: [x["active"] for x in d["schedules"]] for d in deployments}
+    assert schedules["ablation-weekly"] == [False] and schedules["study-scheduled"] == [False], schedules
+
+
+@pytest.mark.extra
 def test_every_run_writes_whole_beside_the_others_on_postgres(swept):
-    """The four cells and the two solo runs wrote to one MLflow server and one data folder, up to four at
-    once: every run finished with each step logged once and its episodes stored once, no lock or database
+    """The four cells, the two solo runs and the deployed one wrote to one MLflow server and one data folder,
+    up to five at once: every run finished with each step logged once and its episodes stored once, no lock or database
     error in any log, and both servers keep their rows in PostgreSQL, not in a SQLite file."""
     s, root, _ = swept
     env = s.environ()
@@ -243,7 +312,7 @@ def test_every_run_writes_whole_beside_the_others_on_postgres(swept):
 
     c = MlflowClient(s.mlflow_uri)
     _, parent, children = _parent_and_children(c)
-    runs = [run_of(c, name) for name in [r.info.run_name for r in children] + list(SOLO)]
+    runs = [run_of(c, name) for name in [r.info.run_name for r in children] + list(SOLO) + [DEPLOYED]]
     spans = [(r.info.start_time, r.info.end_time) for r in runs]
     writers = max(sum(a <= t < b for a, b in spans) for t, _ in spans)
     print(f"\nMLflow runs writing at once: {writers} of {len(runs)}")
@@ -270,9 +339,10 @@ def test_every_run_writes_whole_beside_the_others_on_postgres(swept):
             password=s.pg_password_file.read_text().strip(),
         ) as conn:
             held[f"{database}.{table}"] = conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
-    assert held["prefect.flow_run"] >= len(children) + 1 + len(SOLO) and held["mlflow.runs"] == 1 + len(children) + len(
-        SOLO
-    ), held
+    solo = len(SOLO) + 1  # and the train deployment's run from the docs
+    assert held["prefect.flow_run"] >= len(children) + 1 + solo and held["mlflow.runs"] == 1 + len(children) + solo, (
+        held
+    )
     assert held["mlflow.metrics"] > 0 and not (Path(s.store) / "mlflow.db").exists()
 
 

@@ -91,9 +91,12 @@ def test_a_list_of_grids_is_the_union_of_their_products(tmp_path):
 @pytest.mark.parametrize(
     "sweep, message",
     [
-        ({"grid": {}}, r"grid\n.*grid is empty"),
+        ({"grid": {}}, r"sweep.yaml': grid is empty: give at least one key"),
         ({"grid": {"method": []}}, "grid.method has no values"),
-        ({"grid": {"method": ["loop", "sarsa"]}}, r"(?s)grid cell \{'method': 'sarsa'\}: .*unknown method 'sarsa'"),
+        (
+            {"grid": {"method": ["loop", "sarsa"]}},
+            r"grid cell \{'method': 'sarsa'\}: config: method is not a method; known: .* \(got 'sarsa' from --set\)",
+        ),
         ({"grid": {"update.lrr": [1]}}, r"(?s)grid cell \{'update.lrr': 1\}: .*update.lrr"),
         ({"grid": {"seed": [0]}, "concurrency": 0}, "concurrency"),
         ({"grid": {"seed": [0]}, "methods": ["loop"]}, "methods"),
@@ -112,7 +115,7 @@ def test_missing_files_are_named(tmp_path):
         load_sweep(tmp_path / "nope.yaml")
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump({"name": "s", "base": "absent.yaml", "grid": {"seed": [0]}}))
-    with pytest.raises(ValueError, match="config file .*absent.yaml' does not exist"):
+    with pytest.raises(ValueError, match="config: file .*absent.yaml' does not exist"):
         load_sweep(path)
 
 

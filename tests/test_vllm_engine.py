@@ -599,9 +599,9 @@ def test_serving_copy_unties_the_head_and_leaves_the_checkpoint_alone(tiny_polic
     [
         (
             ["model.tiny.hidden_size=64", "model.tiny.num_heads=4"],
-            "model.tiny.hidden_size / model.tiny.num_heads: head_dim 16",
+            "config: model.tiny.hidden_size / model.tiny.num_heads gives head_dim 16, which vLLM's CPU build",
         ),
-        (["model.tiny.hidden_size=120", "model.tiny.num_heads=3"], "head_dim 40 .*allowed head_dim: 32, 64, 80"),
+        (["model.tiny.hidden_size=120", "model.tiny.num_heads=3"], "head_dim 40, .*allowed head_dim: 32, 64, 80"),
         (["model.tiny.hidden_size=64", "model.tiny.num_heads=2"], None),
     ],
 )
@@ -615,3 +615,28 @@ def test_config_refuses_a_head_dim_the_cpu_build_cannot_serve(overrides, error):
     with pytest.raises(ValueError, match=error):
         load_config(None, args)
     assert load_config(None, [*overrides, "engine.vllm.device=cuda", "engine.name=vllm"]).model.tiny.num_heads
+
+
+def test_the_machines_vllm_cache_is_shared_and_filled_once(tmp_path, monkeypatch):
+    """Every server's VLLM_CACHE_ROOT is the machine's cache (``$XDG_CACHE_HOME/horizonrl/vllm``), not a
+    data folder's, and ``warm`` runs vLLM only while an architecture lacks its model information: here a
+    stand-in interpreter (a shell that records its call, named as such) writes the files vLLM would."""
+    from horizonrl.engines import vllm_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    root = tmp_path / "cache" / "horizonrl" / "vllm"
+    assert vllm_cache.cache_root() == root
+    calls = tmp_path / "calls"
+    fake = tmp_path / "python"  # a stand-in for .venv-vllm's python: vLLM's own inspection is the live tests'
+    fake.write_text(
+        f'#!/bin/sh\necho "$VLLM_CACHE_ROOT" >> {calls}\nmkdir -p "$VLLM_CACHE_ROOT/modelinfos"\n'
+        'shift 2\nfor a in "$@"; do touch "$VLLM_CACHE_ROOT/modelinfos/vllm-model_executor-models-x-$a.json"; done\n'
+    )
+    fake.chmod(0o755)
+    vllm_cache.warm(fake, ("Qwen2ForCausalLM", "LlamaForCausalLM"))
+    vllm_cache.warm(fake, ("Qwen2ForCausalLM", "LlamaForCausalLM"))  # filled: vLLM not started again
+    vllm_cache.warm(fake, ("Qwen2ForCausalLM", "Gemma3ForCausalLM"))  # one missing: started
+    assert calls.read_text().split() == [str(root), str(root)]
+    spec = ServerSpec(str(fake), str(tmp_path), 1, 0.2, 8, cache_root=str(root), device="cpu")
+    env = server_env(spec, {})
+    assert env["VLLM_CACHE_ROOT"] == str(root) and env["TORCHDYNAMO_DISABLE"] == "1"

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from horizonrl.config import LoraConfig, ModelConfig
+from horizonrl.engines import vllm_cache
 from horizonrl.engines.base import SampleRequest, TokenTrie, allowed_log_softmax
 from horizonrl.engines.hf import TransformersEngine
 from horizonrl.engines.vllm import VLLMEngine
@@ -43,7 +44,7 @@ VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "pyth
 REQUESTS = "vllm:request_success_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 LORA_RANK = 8
-VLLM_CACHE = Path(__file__).resolve().parents[1] / "data" / "cache" / "vllm"  # kept across sessions, as the flow's
+VLLM_CACHE = vllm_cache.cache_root()  # the machine's, as a run's server uses (make setup-test fills it)
 
 
 def start_engine(

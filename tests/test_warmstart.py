@@ -77,7 +77,10 @@ def test_search_expert_demonstrations_follow_it_and_win(household_suite, tiny_po
 def test_search_expert_is_household_only():
     with pytest.raises(
         ValueError,
-        match=re.escape("warmstart.expert = 'search' is built for env.name = 'household', not 'scienceworld-boil'"),
+        match=re.escape(
+            "config: warmstart.expert 'search' is built for env.name = 'household', not 'scienceworld-boil': use "
+            "'walkthrough' (got 'search' from --set)"
+        ),
     ):
         load_config(None, ["env.name=scienceworld-boil", "warmstart.expert=search"])
     assert load_config(None, ["warmstart.expert=search"]).warmstart.expert == "search"

@@ -3,7 +3,8 @@
 Importers take names from here (``from horizonrl.config import TrainConfig, load_config``)."""
 
 from horizonrl.config.audit import AuditConfig
-from horizonrl.config.loader import CONFIG_FILE, apply_overrides, load_config, override_keys, train_config
+from horizonrl.config.loader import CONFIG_FILE, apply_overrides, load_config, override_keys, train_config, validated
+from horizonrl.config.problems import ConfigError, FieldProblem
 from horizonrl.config.schema import (
     CPU_HEAD_DIMS,
     MODEL_URI_PREFIXES,
@@ -32,6 +33,9 @@ __all__ = [
     "CPU_HEAD_DIMS",
     "model_head_dim",
     "CONFIG_FILE",
+    "ConfigError",
+    "FieldProblem",
+    "validated",
     "apply_overrides",
     "override_keys",
     "MODEL_URI_PREFIXES",

@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
+from horizonrl.config.problems import ConfigError, key_lines, validation_lines, yaml_line
 from horizonrl.config.schema import TrainConfig
 
 CONFIG_FILE = "config.yaml"  # a run's config as it ran: in its data folder and among its MLflow artifacts
@@ -22,7 +24,7 @@ def _set_path(d: dict[str, Any], dotted: str, value: Any) -> None:
             node[p] = {}
         node = node[p]
         if not isinstance(node, dict):
-            raise ValueError(f"--set {dotted}: {p!r} is not a section")
+            raise ConfigError([f"config: --set {dotted}: {p!r} is not a section"])
     node[parts[-1]] = value
 
 
@@ -45,8 +47,17 @@ def train_config(
 ) -> TrainConfig:
     """The train flow's config from its parameters: a whole ``config`` dict, else a file plus overrides."""
     if config is not None:
-        return TrainConfig.model_validate(config, context={"read_files": read_files})
+        return validated(config, read_files)
     return load_config(config_path, overrides, read_files)
+
+
+def validated(raw: dict[str, Any], read_files: bool = True, where: dict[str, str] | None = None) -> TrainConfig:
+    """``raw`` validated into a ``TrainConfig``; its problems raised as one ``ConfigError``, a line per field,
+    each naming where its value came from (``where``: dotted key -> ``in config.yaml line 3``, ``from --set``)."""
+    try:
+        return TrainConfig.model_validate(raw, context={"read_files": read_files})
+    except ValidationError as err:
+        raise ConfigError(validation_lines(err, TrainConfig, (where or {}).get)) from err
 
 
 def load_config(
@@ -54,23 +65,28 @@ def load_config(
 ) -> TrainConfig:
     """Read a YAML file (safe loader, YAML 1.2 floats), apply ``key.sub=value`` overrides, validate.
 
-    Raises ``ValueError`` naming the file or the field on any problem. ``read_files=False`` leaves out the
-    checks that open files beyond the config itself (every game of ``env.games``): a failure hook only needs
-    the run's names, and must not fail again on the file that failed the run.
+    Raises ``ConfigError`` (a ``ValueError``), one ``config: ...`` line per problem naming the field, its
+    value and the file's line or the ``--set`` it came from. ``read_files=False`` leaves out the checks
+    that open files beyond the config itself (every game of ``env.games``): a failure hook only needs the
+    run's names, and must not fail again on the file that failed the run.
     """
     raw: dict[str, Any] = {}
+    where: dict[str, str] = {}
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ValueError(f"config file {str(p)!r} does not exist")
+            raise ConfigError([f"config: file {str(p)!r} does not exist"])
+        text = p.read_text()
         try:
-            raw = _parse_yaml(p.read_text()) or {}
+            raw = _parse_yaml(text) or {}
         except yaml.YAMLError as err:
-            raise ValueError(f"config file {str(p)!r} is not valid YAML: {err}") from err
+            raise ConfigError([yaml_line(f"file {str(p)!r}", err)]) from err
         if not isinstance(raw, dict):
-            raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
+            raise ConfigError([f"config: file {str(p)!r} must hold a mapping at the top level"])
+        where = {key: f"in {p} line {n}" for key, n in key_lines(text).items()}
     apply_overrides(raw, overrides or [])
-    return TrainConfig.model_validate(raw, context={"read_files": read_files})
+    where.update(dict.fromkeys(override_keys(overrides or []), "from --set"))
+    return validated(raw, read_files, where)
 
 
 def override_keys(overrides: list[str]) -> list[str]:
@@ -80,7 +96,7 @@ def override_keys(overrides: list[str]) -> list[str]:
     for item in overrides:
         key, eq, _ = item.partition("=")
         if not eq or not all(key.strip().split(".")):
-            raise ValueError(f"--set {item!r}: expected key=value")
+            raise ConfigError([f"config: --set {item!r}: expected key=value"])
         keys.append(key.strip())
     return keys
 
@@ -93,6 +109,6 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         try:
             value = _parse_yaml(text)
         except yaml.YAMLError as err:
-            raise ValueError(f"--set {item!r}: the value is not valid YAML: {err}") from err
+            raise ConfigError([yaml_line(f"--set {item!r}", err)]) from err
         _set_path(raw, key, value)
     return raw

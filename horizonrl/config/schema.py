@@ -28,7 +28,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 import methods
-from horizonrl.config.pretrained import KNOWN, unknown_model
+from horizonrl.config.pretrained import KNOWN
+from horizonrl.config.problems import NO_VALUE, FieldProblem
 from methods.appo import BranchingParams
 from methods.presets import METHODS, MethodPreset
 from methods.registry import LossParams
@@ -40,6 +41,12 @@ name becomes a folder under ``data_dir`` and a value in MLflow filter strings.""
 
 MODEL_URI_PREFIXES = ("models:/", "runs:/")
 """``model.path`` forms that name a policy in the MLflow store (a registered version, or a finished run's)."""
+
+MODEL_PATH_FORMS = (
+    f"give a model folder (./path), a known pretrained model ({', '.join(sorted(KNOWN))}), models:/<name>/<version> "
+    "or runs:/<run id> (the tracking store), or a hub id org/name where the hub can be reached"
+)
+"""The forms ``model.path`` takes, named by every refusal of one."""
 
 
 class Strict(BaseModel):
@@ -55,8 +62,7 @@ class Strict(BaseModel):
         is_int = annotation is int or (get_origin(annotation) in (Union, UnionType) and int in get_args(annotation))
         if v is not None and is_int and type(v) is not int:
             raise ValueError(
-                f"{v!r} is not a valid integer (write integers without quotes or decimal point; true/false are not "
-                "integers)"
+                "is not an integer: write integers without quotes or decimal point (true/false are not integers)"
             )
         return v
 
@@ -125,7 +131,7 @@ class ModelConfig(Strict):
     @classmethod
     def _device_name(cls, v: str) -> str:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
-            raise ValueError(f"model.device = {v!r}: expected auto, cpu, cuda or cuda:N")
+            raise ValueError("must be auto, cpu, cuda or cuda:N")
         return v
 
     @field_validator("path")
@@ -135,21 +141,21 @@ class ModelConfig(Strict):
             return v
         if v.startswith(MODEL_URI_PREFIXES):  # a logged policy, resolved against the tracking store at start
             if v.startswith("models:/") and not re.fullmatch(r"models:/[^/]+/\d+", v):
-                raise ValueError(f"model path {v!r}: give models:/<name>/<version> (a version number)")
+                raise ValueError("must be models:/<name>/<version> (a version number)")
             if v.startswith("runs:/") and not re.fullmatch(r"runs:/[0-9a-f]+/?", v):
-                raise ValueError(f"model path {v!r}: give runs:/<run id>")
+                raise ValueError("must be runs:/<run id> (the run's hexadecimal id)")
             return v
         if v in KNOWN:
             return v
         if "/" not in v and not Path(v).expanduser().exists():
-            raise ValueError(unknown_model(v))
+            raise ValueError(f"is neither a folder here nor a known pretrained model; {MODEL_PATH_FORMS}")
         looks_local = v.startswith((".", "/", "~")) or Path(v).expanduser().exists() or v.count("/") != 1
         if looks_local and not Path(v).expanduser().is_dir():
-            raise ValueError(f"model path {v!r} does not exist (give a local model directory or a hub id 'org/name')")
+            raise ValueError(f"is not a folder here; {MODEL_PATH_FORMS}")
         if looks_local and not (Path(v).expanduser() / "config.json").is_file():
             raise ValueError(
-                f"model path {v!r} holds no config.json: not a transformers model folder "
-                f"(expected {str(Path(v) / 'config.json')!r})"
+                f"holds no config.json, so it is not a transformers model folder (expected "
+                f"{str(Path(v) / 'config.json')!r})"
             )
         return v
 
@@ -310,6 +316,10 @@ class WarmStartConfig(Strict):
     the field. None: each run its own, ``<run_name>-warmstart``."""
 
 
+PROJECT_DIR = Path(__file__).resolve().parents[2]
+"""The project's folder (the checkout an editable install runs from): relative paths of the project's own
+environments (``engine.vllm.python``) are taken from here."""
+
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Head sizes vLLM 0.32's CPU attention kernel serves (another starts, reports healthy, then dies at the first
 request)."""
@@ -328,7 +338,9 @@ class VLLMConfig(Strict):
     url: str | None = None
     """Base URL of a running server (e.g. http://127.0.0.1:8000); None starts one on 127.0.0.1."""
     python: str = ".venv-vllm/bin/python"
-    """Interpreter of vLLM's environment, used to start the server."""
+    """Interpreter of vLLM's environment, used to start the server. A relative path is taken from the
+    project's folder (where ``make vllm-venv`` puts ``.venv-vllm``), not the current directory, so a command
+    run from elsewhere finds the project's (``interpreter``)."""
     port: int = Field(8011, ge=1, le=65535)
     gpu_memory_utilization: float = Field(0.45, gt=0, le=1)
     """Share of GPU memory vLLM takes; the trainer shares the GPU on a one-GPU machine."""
@@ -352,6 +364,11 @@ class VLLMConfig(Strict):
     sync_tolerance: float | None = Field(None, gt=0)
     """Largest probe log-prob difference (nats) a weight sync accepts before it restarts the server; None: 1e-4
     (float32). A bfloat16 sampler needs ~0.1."""
+
+    def interpreter(self) -> Path:
+        """``python`` as the server is started with it: a relative path under ``PROJECT_DIR``."""
+        path = Path(self.python).expanduser()
+        return path if path.is_absolute() else PROJECT_DIR / path
 
 
 class RayConfig(Strict):
@@ -431,11 +448,10 @@ class TrainConfig(Strict):
 
     @field_validator("run_name", "experiment")
     @classmethod
-    def _plain_name(cls, v: str, info: ValidationInfo) -> str:
+    def _plain_name(cls, v: str) -> str:
         if not NAME_PATTERN.fullmatch(v):
             raise ValueError(
-                f"{info.field_name} = {v!r} is not a plain name: up to 200 letters, digits and . _ = + , @ -, "
-                "not starting with a dot"
+                "is not a plain name: up to 200 letters, digits and . _ = + , @ -, not starting with a dot"
             )
         return v
 
@@ -443,37 +459,42 @@ class TrainConfig(Strict):
     @classmethod
     def _known_method(cls, v: str) -> str:
         if v not in METHODS:
-            raise ValueError(f"unknown method {v!r}; known: {', '.join(sorted(METHODS))}")
+            raise ValueError(f"is not a method; known: {', '.join(sorted(METHODS))}")
         return v
 
     @model_validator(mode="after")
     def _check_method_fit(self, info: ValidationInfo) -> TrainConfig:
         preset = METHODS[self.method]
         if self.rollout.group_size < preset.min_group_size:
-            raise ValueError(
-                f"rollout.group_size = {self.rollout.group_size}: method {self.method!r} needs at least "
-                f"{preset.min_group_size} rollouts per task"
+            raise FieldProblem(
+                "rollout.group_size",
+                f"is too small: method {self.method!r} needs at least {preset.min_group_size} rollouts per task",
+                self.rollout.group_size,
             )
         for name, section in self.per_method.items():  # every method's section, so a typo fails in every cell
             if name not in METHODS:
-                raise ValueError(f"per_method.{name}: unknown method; known: {', '.join(sorted(METHODS))}")
+                raise FieldProblem(f"per_method.{name}", f"is not a method; known: {', '.join(sorted(METHODS))}")
             _check_params(f"per_method.{name}.", name, section.model_dump())
         section = self.per_method.get(self.method, MethodParams()).model_dump()
         _check_params("", self.method, {k: getattr(self, k) for k in _PARAMS}, section)
         from horizonrl.envs import SUITES  # local import: envs import heavy optional packages lazily
 
         if self.env.name not in SUITES:
-            raise ValueError(f"env.name = {self.env.name!r} is unknown; known: {', '.join(sorted(SUITES))}")
+            raise FieldProblem("env.name", f"is not an environment; known: {', '.join(sorted(SUITES))}", self.env.name)
         from horizonrl.envs import check_games, check_tier
 
         if self.env.games is not None and (info.context or {}).get("read_files", True):  # loads every game file
-            check_games(self.env.name, self.env.games, self.env.suite_seed)
+            check_games(self.env.name, self.env.games, self.env.suite_seed)  # its lines name env.games and each file
         if self.env.games is None or self.env.max_turns is None:  # the user's games take the tier's horizon
-            check_tier(self.env.name, self.env.tier)
+            try:
+                check_tier(self.env.name, self.env.tier)
+            except ValueError as err:
+                raise FieldProblem("env.tier", str(err), self.env.tier) from err
         if self.warmstart.expert == "search" and self.env.name != "household":
-            raise ValueError(
-                f"warmstart.expert = 'search' is built for env.name = 'household', not {self.env.name!r}: use "
-                "'walkthrough'"
+            raise FieldProblem(
+                "warmstart.expert",
+                f"'search' is built for env.name = 'household', not {self.env.name!r}: use 'walkthrough'",
+                self.warmstart.expert,
             )
         return self
 
@@ -481,23 +502,28 @@ class TrainConfig(Strict):
     def _check_shards(self) -> TrainConfig:
         r = self.rollout
         if r.shards > r.tasks_per_iteration:
-            raise ValueError(
-                f"rollout.shards = {r.shards}: more shards than rollout.tasks_per_iteration ({r.tasks_per_iteration})"
+            raise FieldProblem(
+                "rollout.shards", f"is more than rollout.tasks_per_iteration ({r.tasks_per_iteration})", r.shards
             )
         if r.enable_thinking and r.action_mode != "free":
-            raise ValueError(
-                "rollout.enable_thinking needs rollout.action_mode = 'free': the admissible trie has no room for a "
-                "thinking block"
+            raise FieldProblem(
+                "rollout.enable_thinking",
+                "needs rollout.action_mode = 'free': the admissible trie has no room for a thinking block",
+                r.enable_thinking,
             )
         if r.runner == "ray" and self.engine.name == "vllm" and self.ray.address and not self.engine.vllm.url:
-            raise ValueError(
-                "rollout.runner = 'ray' with engine.name = 'vllm' on a Ray cluster (ray.address) needs "
-                "engine.vllm.url: the run's own vLLM server listens on 127.0.0.1, which the cluster cannot reach"
+            raise FieldProblem(
+                "engine.vllm.url",
+                "must be set for rollout.runner = 'ray' with engine.name = 'vllm' on a Ray cluster (ray.address): "
+                "the run's own vLLM server listens on 127.0.0.1, which the cluster cannot reach",
+                None,
             )
         if r.max_staleness and r.runner != "local":
-            raise ValueError(
-                f"rollout.max_staleness = {r.max_staleness} needs rollout.runner = 'local': the generator is a "
-                "second policy copy in the flow's process, Ray workers hold the learner's"
+            raise FieldProblem(
+                "rollout.max_staleness",
+                f"needs rollout.runner = 'local' (not {r.runner!r}): the generator is a second policy copy in the "
+                "flow's process, Ray workers hold the learner's",
+                r.max_staleness,
             )
         return self
 
@@ -514,10 +540,12 @@ class TrainConfig(Strict):
         if self.model.device == "auto" and gpus == 0:
             return self  # the CPU: gloo, any number of ranks
         if u.world_size > gpus:
-            raise ValueError(
-                f"update.world_size = {u.world_size} with model.device = {self.model.device!r}: torchrun's ranks use "
-                f"nccl, one GPU of this machine each, and torch sees {gpus}; lower update.world_size, or set "
-                "update.launcher = 'ray' (GPUs of a Ray cluster)"
+            raise FieldProblem(
+                "update.world_size",
+                f"is more than the {gpus} GPUs torch sees (model.device = {self.model.device!r}): torchrun's ranks "
+                "use nccl, one GPU of this machine each; lower it, or set update.launcher = 'ray' (GPUs of a Ray "
+                "cluster)",
+                u.world_size,
             )
         return self
 
@@ -527,32 +555,38 @@ class TrainConfig(Strict):
         if self.engine.name != "vllm" or self.engine.vllm.url is not None or self.vllm_device() != "cpu":
             return self
         if self.model.path is None:
-            t, field = self.model.tiny, "model.tiny.hidden_size / model.tiny.num_heads"
+            t, field, value = self.model.tiny, "model.tiny.hidden_size / model.tiny.num_heads", NO_VALUE
             head_dim = t.hidden_size // t.num_heads
         elif self.model.path in KNOWN:
-            head_dim, field = KNOWN[self.model.path].head_dim, f"model.path = {self.model.path!r}"
+            head_dim, field, value = KNOWN[self.model.path].head_dim, "model.path", self.model.path
         elif (Path(self.model.path).expanduser() / "config.json").is_file():
-            head_dim, field = model_head_dim(Path(self.model.path).expanduser()), "model.path"
+            head_dim, field, value = model_head_dim(Path(self.model.path).expanduser()), "model.path", self.model.path
         else:
             return self  # a hub id or logged model: the server's first request names it
         if head_dim not in CPU_HEAD_DIMS:
-            raise ValueError(
-                f"{field}: head_dim {head_dim} is not served by vLLM's CPU build (engine.name = 'vllm' on CPU); "
-                f"allowed head_dim: {', '.join(map(str, CPU_HEAD_DIMS))}"
+            raise FieldProblem(
+                field,
+                f"gives head_dim {head_dim}, which vLLM's CPU build does not serve (engine.name = 'vllm' on CPU); "
+                f"allowed head_dim: {', '.join(map(str, CPU_HEAD_DIMS))}",
+                value,
             )
         return self
 
     @model_validator(mode="after")
     def _check_warm_start(self) -> TrainConfig:
         if self.warmstart.before_rl and self.model.lora is not None:
-            raise ValueError(
-                "warmstart.before_rl with model.lora: RL over a warm start's adapters is not supported; train the "
-                "full model (drop model.lora) or run `horizonrl warmstart` and start RL from its model by hand"
+            raise FieldProblem(
+                "warmstart.before_rl",
+                "cannot go with model.lora: RL over a warm start's adapters is not supported; train the full model "
+                "(drop model.lora) or run `horizonrl warmstart` and start RL from its model by hand",
+                True,
             )
         if self.warmstart.before_rl and self.model.path is not None and self.model.path.startswith(MODEL_URI_PREFIXES):
-            raise ValueError(
-                f"warmstart.before_rl with model.path = {self.model.path!r}: that is a trained policy already; "
-                "name the model the warm start clones into (a pretrained name or folder)"
+            raise FieldProblem(
+                "model.path",
+                "is a trained policy already, and warmstart.before_rl clones into a model: name a pretrained "
+                "model or a folder",
+                self.model.path,
             )
         return self
 
@@ -605,7 +639,7 @@ def _check_params(
     loss settings and the ``under`` dictionaries (its ``per_method`` section); errors name ``where`` + key."""
     preset, under = METHODS[method], under or {}
     if given["branching_params"] and not preset.branches:
-        raise ValueError(f"{where}branching_params: method {method!r} does not branch")
+        raise FieldProblem(f"{where}branching_params", f"is for a method that branches; {method!r} does not")
     classes = {
         "advantage_params": (methods.ADVANTAGES.get(preset.advantage).params_cls, {}),
         "loss_params": (methods.LOSSES.get(preset.loss).params_cls, preset.loss_params),
@@ -619,15 +653,15 @@ def _check_fields(where: str, params_cls: type, values: dict[str, Any], base: di
     names = {f.name for f in dataclasses.fields(params_cls)}
     for key, value in values.items():
         if key not in names:
-            raise ValueError(
-                f"{where}.{key} is not a field of {params_cls.__name__}; fields: {', '.join(sorted(names))}"
+            raise FieldProblem(
+                f"{where}.{key}", f"is not a field of {params_cls.__name__}; fields: {', '.join(sorted(names))}"
             )
         if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{where}.{key} = {value}: numbers must be finite")
+            raise FieldProblem(f"{where}.{key}", "must be a finite number", value)
     try:
         params_cls(**{**base, **values})
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{where}: {err}") from err
+        raise FieldProblem(where, f"is refused by {params_cls.__name__}: {err}", values) from err
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -26,6 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from horizonrl.config.loader import load_config
+from horizonrl.config.problems import FieldProblem, validation_lines, yaml_line
 from horizonrl.config.schema import TrainConfig
 
 
@@ -61,12 +62,10 @@ class SweepConfig(BaseModel):
     ) -> dict[str, list[Any]] | list[dict[str, list[Any]]]:
         for g in grid if isinstance(grid, list) else [grid]:
             if not g:
-                raise ValueError(
-                    "grid is empty: give at least one key with a list of values, e.g. method: [loop, grpo]"
-                )
+                raise ValueError("is empty: give at least one key with a list of values, e.g. method: [loop, grpo]")
             for key, values in g.items():
                 if not values:
-                    raise ValueError(f"grid.{key} has no values")
+                    raise FieldProblem(f"grid.{key}", "has no values", values)
         return grid
 
     def grids(self) -> list[dict[str, list[Any]]]:
@@ -92,8 +91,11 @@ def load_sweep(path: str | Path, instance: str | None = None) -> tuple[SweepConf
         raise ValueError(f"sweep file {str(p)!r} does not exist")
     try:
         spec = SweepConfig.model_validate(yaml.safe_load(p.read_text()) or {})
-    except (yaml.YAMLError, ValidationError) as err:
-        raise ValueError(f"sweep file {str(p)!r}: {err}") from err
+    except yaml.YAMLError as err:
+        raise ValueError(yaml_line(f"sweep file {str(p)!r}", err).removeprefix("config: ")) from err
+    except ValidationError as err:
+        lines = [text.removeprefix("config: ") for text in validation_lines(err, SweepConfig)]
+        raise ValueError(f"sweep file {str(p)!r}: {'; '.join(lines)}") from err
     if instance is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", instance):
         raise ValueError(f"sweep instance {instance!r}: use letters, digits, '_', '.' and '-' only")
     prefix = instance_name(spec.name, instance)
@@ -104,7 +106,7 @@ def load_sweep(path: str | Path, instance: str | None = None) -> tuple[SweepConf
         try:
             cells.append(Cell(coords, load_config(p.parent / spec.base, sets)))
         except ValueError as err:
-            raise ValueError(f"sweep file {str(p)!r}, grid cell {coords}: {err}") from err
+            raise ValueError(f"sweep file {str(p)!r}, grid cell {coords}: {'; '.join(str(err).splitlines())}") from err
     duplicates = sorted({c.run_name for c in cells if sum(d.run_name == c.run_name for d in cells) > 1})
     if duplicates:
         raise ValueError(f"sweep file {str(p)!r}: the grids repeat cells {duplicates}")

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from horizonrl.config import TrainConfig, VLLMConfig
+from horizonrl.engines import vllm_cache
 from horizonrl.engines.base import Generation, SampleRequest, TokenTrie
 from horizonrl.engines.vllm_server import (
     SERVED_NAME,
@@ -381,7 +382,7 @@ class VLLMSession:
 class VLLMLaunch:
     """How a run reaches its vLLM server (``vllm.url``) or starts one: the ``engine.vllm`` section and the
     run's values a server needs (the vLLM build's device, the sampler's dtype, the seed, the data folder
-    its weight copies and caches live under, the LoRA rank). Built once at the run's start."""
+    its weight copies live under, the LoRA rank). Built once at the run's start."""
 
     vllm: VLLMConfig
     device: str  # the vLLM build: cpu | cuda
@@ -439,7 +440,7 @@ class VLLMLaunch:
         root = Path(self.data_dir) / "vllm"
         model_dir = source if is_lora else str(serving_copy(source, root / f"weights-{v.port}" / "w000000").resolve())
         return ServerSpec(
-            python=v.python,
+            python=str(v.interpreter()),
             model=model_dir,
             port=v.port,
             gpu_memory_utilization=v.gpu_memory_utilization,
@@ -448,7 +449,7 @@ class VLLMLaunch:
             dtype=self.dtype,
             seed=self.seed,
             device=self.device,
-            cache_root=str((Path(self.data_dir) / "cache" / "vllm").resolve()),
+            cache_root=str(vllm_cache.cache_root()),
             cpu_kvcache_gib=v.cpu_kvcache_gib,
             dev_mode=v.reload_in_place and not is_lora,
             max_model_len=max_positions(source),

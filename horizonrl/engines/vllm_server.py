@@ -185,6 +185,10 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # the machine is shared with the learner: bind no cores
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the in-process worker (server_command); the API server
         # still runs its engine core in a process of its own
+        # --enforce-eager leaves vLLM's own torch.compile'd sampling helpers (log-prob ranks, top-k/top-p): their
+        # first request compiles C++ kernels with g++, 16-35 s on a fresh machine's empty inductor cache (5 s
+        # with a warm one); run eagerly, the first request takes 0.4 s and the numbers are the same
+        env["TORCHDYNAMO_DISABLE"] = "1"
     return env
 
 

@@ -68,14 +68,15 @@ SUITES: dict[str, Callable[[int], EnvSuite]] = {
 
 
 def check_tier(name: str, tier: str) -> None:
-    """Raise ``ValueError`` naming the allowed values when ``tier`` is not a tier of suite ``name``, read
-    from the suites' own tables without building a suite (the adapters' benchmarks check their own)."""
+    """Raise ``ValueError`` naming the allowed values when ``tier`` is not a tier of suite ``name`` (a phrase
+    that follows the field's name), read from the suites' own tables without building a suite (the adapters'
+    benchmarks check their own)."""
     if name == "household":
         from horizonrl.envs.household_world import TIERS
 
         allowed = tuple(TIERS)
         if tier not in TIERS:
-            raise ValueError(f"env.tier = {tier!r} is not a tier of household; allowed: {', '.join(allowed)}")
+            raise ValueError(f"is not a tier of household; allowed: {', '.join(allowed)}")
         return
     try:
         if name.startswith("textworld-"):
@@ -87,7 +88,7 @@ def check_tier(name: str, tier: str) -> None:
 
             simplification(tier)
     except ValueError as err:
-        raise ValueError(f"env.tier = {tier!r}: {err}") from err
+        raise ValueError(f"is not a tier of {name}: {err}") from err
 
 
 def check_games(name: str, games: str, seed: int) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from horizonrl.config import CONFIG_FILE, TrainConfig, load_config
 from horizonrl.files import write_json
+from horizonrl.run.runlock import LOCK_FILE
 
 HISTORY_FILE = "config-history.json"
 CHANGES_TAG = "horizonrl.config_changes"  # one line: every change, its iteration, where current values live
@@ -27,6 +28,9 @@ EXTENDING = ("iterations", "time_budget_s", "env_step_budget", "eval.every", "wa
 iterations already trained stay what they were, so a resume takes them without being asked."""
 
 UNSET = "(unset)"
+
+FAILED_STARTS = "failed-starts"
+"""Where a start that finished no iteration is moved when the run starts afresh with other settings."""
 
 
 class ConfigChangeRefused(ValueError):
@@ -43,21 +47,26 @@ class Change:
         return f"{self.field} {self.old} -> {self.new}"
 
 
-def resume_changes(run_folder: str | Path, cfg: TrainConfig, allowed: Sequence[str] = ()) -> list[Change]:
+def resume_changes(
+    run_folder: str | Path, cfg: TrainConfig, allowed: Sequence[str] = (), length: str = "iterations"
+) -> list[Change]:
     """The fields ``cfg`` changes against the config the run in ``run_folder`` last ran with (none for a new
-    run). A change outside ``EXTENDING`` and not named in ``allowed`` (a field, or a section such as
-    ``update``) raises ``ConfigChangeRefused`` naming every such field with its old and new value."""
-    path = Path(run_folder) / CONFIG_FILE
-    if not path.is_file():
+    run, and none for a start that finished no iteration: ``failed_start``). A change outside ``EXTENDING``
+    and not named in ``allowed`` (a field, or a section such as ``update``) raises ``ConfigChangeRefused``
+    naming every such field with its old and new value; so does a ``length`` (``iterations``, or a warm
+    start's ``warmstart.epochs``) below the iterations the run has finished."""
+    before = last_config(run_folder)
+    if before is None or failed_start(run_folder, cfg):
         return []
-    try:
-        before = load_config(path, read_files=False)
-    except ValueError as err:
-        raise ConfigChangeRefused(
-            f"run folder {run_folder}: its {CONFIG_FILE} no longer reads as a config ({' '.join(str(err).split())}), "
-            "so a resume cannot be compared with it; move the folder away to start the run over"
-        ) from err
     changes = config_changes(before, cfg)
+    done = finished_iterations(run_folder)
+    asked = int(cfg.flat()[length])
+    if asked < done:
+        raise ConfigChangeRefused(
+            f"{length} = {asked}: run {cfg.run_name!r} has finished {done} already, and a run is not shortened below "
+            f"what it trained; give {length} >= {done}, or another run_name (its checkpoint of any iteration can be "
+            "evaluated with horizonrl evaluate --model <run folder>/checkpoints/iter=<n> --config <config>)"
+        )
     refused = [c for c in changes if not _covered(c.field, (*EXTENDING, *allowed))]
     if refused:
         flags = " ".join(f"--allow-change {c.field}" for c in refused)
@@ -66,6 +75,55 @@ def resume_changes(run_folder: str | Path, cfg: TrainConfig, allowed: Sequence[s
             f"next iterations with them (recorded in {HISTORY_FILE} and MLflow) give {flags}, or use another run_name"
         )
     return changes
+
+
+def last_config(run_folder: str | Path) -> TrainConfig | None:
+    """The config the run in ``run_folder`` last ran with (its ``config.yaml``), or None for a new run."""
+    path = Path(run_folder) / CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        return load_config(path, read_files=False)
+    except ValueError as err:
+        raise ConfigChangeRefused(
+            f"run folder {run_folder}: its {CONFIG_FILE} no longer reads as a config ({' '.join(str(err).split())}), "
+            "so a resume cannot be compared with it; move the folder away to start the run over"
+        ) from err
+
+
+def finished_iterations(run_folder: str | Path) -> int:
+    """The iterations (a warm start's epochs) the run in ``run_folder`` has finished: its newest checkpoint's."""
+    from horizonrl.training.checkpoint import checkpoints
+
+    found = checkpoints(Path(run_folder))
+    return found[-1].iteration if found else 0
+
+
+def failed_start(run_folder: str | Path, cfg: TrainConfig) -> list[Change]:
+    """The settings ``cfg`` changes against a start of the run that finished no iteration (it failed in its
+    start or first iteration), or [] (a new run, a run with a finished iteration, or the same settings, or
+    only ``EXTENDING`` ones, which resume as they are). Such a start is not a resume: the changed run starts
+    afresh (``set_aside``)."""
+    before = last_config(run_folder)
+    if before is None or finished_iterations(run_folder):
+        return []
+    changes = config_changes(before, cfg)
+    return changes if any(not _covered(c.field, EXTENDING) for c in changes) else []
+
+
+def set_aside(run_folder: str | Path) -> Path:
+    """Move everything of a failed start in ``run_folder`` (but the lock, held by the caller, and earlier
+    failed starts) into ``failed-starts/<n>/`` there, nothing deleted; returns that folder. Call under the
+    run's lock."""
+    run_folder = Path(run_folder)
+    aside = run_folder / FAILED_STARTS
+    n = 1 + max((int(p.name) for p in aside.glob("*") if p.name.isdigit()), default=0)
+    dest = aside / str(n)
+    dest.mkdir(parents=True)
+    for p in sorted(run_folder.iterdir()):
+        if p.name not in (LOCK_FILE, FAILED_STARTS):
+            p.rename(dest / p.name)
+    return dest
 
 
 def check_allowed(cfg: TrainConfig, allowed: Sequence[str]) -> None:
@@ -100,8 +158,8 @@ def record(run_folder: str | Path, before: dict[str, Any], changes: list[Change]
 
 def current_config(run_folder: str | Path) -> dict[str, Any] | None:
     """The config the run last ran with (its ``config.yaml``, as read), or None for a new run."""
-    path = Path(run_folder) / CONFIG_FILE
-    return load_config(path, read_files=False).model_dump() if path.is_file() else None
+    before = last_config(run_folder)
+    return None if before is None else before.model_dump()
 
 
 def tags(history_file: Path) -> dict[str, str]:

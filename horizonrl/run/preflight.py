@@ -10,15 +10,19 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import os
+import re
 import shutil
 import struct
 import subprocess
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
 from horizonrl.config import MODEL_URI_PREFIXES, TrainConfig, run_dir
+from horizonrl.config.schema import MODEL_PATH_FORMS
 from horizonrl.models import pretrained
 from horizonrl.run import config_history
 
@@ -34,6 +38,12 @@ FULL_CONTEXT_TURNS = 50
 """Turns a full-context episode is assumed to reach when ``env.max_turns`` leaves the horizon to the tier
 (the estimate does not build the suite to ask it; the model's positions cap the context anyway)."""
 
+HUB_TIMEOUT_S = 5.0
+"""How long the one look-up of a hub id waits for the hub (``check_hub_id``)."""
+
+SAFETENSORS_MAX_HEADER = 100_000_000
+"""The largest header the safetensors format allows (bytes): a larger length is not a safetensors file."""
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 """The files a saved tokenizer's vocabulary is in (fast, SentencePiece, BPE, WordPiece): one must be there."""
 
@@ -46,13 +56,17 @@ class PreflightError(ValueError):
     """Something the user brings cannot serve the run; the message names it and the way out, on one line."""
 
 
-def check_start(cfg: TrainConfig, allowed: Sequence[str] = ()) -> list[config_history.Change]:
+def check_start(
+    cfg: TrainConfig, allowed: Sequence[str] = (), length: str = "iterations"
+) -> list[config_history.Change]:
     """Before a train or warm-start run starts or resumes: the settings it resumes with
-    (``config_history.resume_changes``, returned), what it plays (``check_run``) and whether its rollout
-    batch fits in memory."""
+    (``config_history.resume_changes``, returned; ``length``: the field that counts its iterations), what it
+    plays (``check_run``) and whether its rollout batch fits in memory. A start that finished no iteration,
+    run again with other settings, starts afresh (``config_history.failed_start``): its model is checked."""
+    folder = run_dir(cfg)
     config_history.check_allowed(cfg, allowed)
-    changes = config_history.resume_changes(run_dir(cfg), cfg, allowed)
-    check_run(cfg, resuming=has_checkpoint(run_dir(cfg)))
+    changes = config_history.resume_changes(folder, cfg, allowed, length)
+    check_run(cfg, resuming=has_checkpoint(folder) and not config_history.failed_start(folder, cfg))
     check_rollout_memory(cfg)
     return changes
 
@@ -71,9 +85,15 @@ def check_run(cfg: TrainConfig, model_dir: str | Path | None = None, resuming: b
 
 
 def check_model(cfg: TrainConfig) -> None:
-    """``model.path`` when it names a local folder or a pretrained model, fetched here on first use and
-    verified against its provenance after (a logged policy or a hub id is resolved at the start)."""
+    """``model.path`` in every form it takes: a pretrained model's name (fetched here on first use, verified
+    against its provenance after), a local folder (``check_model_folder``), a logged policy in the tracking
+    store (``check_logged_model``), else a hub id (``check_hub_id``)."""
     path = cfg.model.path
+    if path is None:
+        return
+    if path.startswith(MODEL_URI_PREFIXES):
+        check_logged_model(path, cfg.tracking_uri)
+        return
     if path in pretrained.KNOWN:
         try:
             pretrained.fetch(path, cfg.data_dir)
@@ -82,6 +102,71 @@ def check_model(cfg: TrainConfig) -> None:
     folder = local_model_folder(cfg)
     if folder is not None:
         check_model_folder(folder, "model.path")
+    else:
+        check_hub_id(path)
+
+
+def check_logged_model(path: str, configured_uri: str | None) -> None:
+    """``models:/<name>/<version>`` or ``runs:/<run id>`` is in the tracking store (a run with a logged
+    policy), asked without creating the store."""
+    from horizonrl.tracking import mlflow_runs
+    from mlflow import MlflowClient
+
+    uri = mlflow_runs.tracking_uri(configured_uri, create=False)
+    if not mlflow_runs.store_exists(uri):
+        raise PreflightError(
+            f"model.path = {path!r}: the tracking store {uri} does not exist yet, so it holds no logged policy; "
+            "set tracking_uri (or MLFLOW_TRACKING_URI) to the store that has it"
+        )
+    try:
+        mlflow_runs.resolve_policy(MlflowClient(uri), path, "model.path =")
+    except ValueError as err:
+        raise PreflightError(_first_line(err)) from err
+
+
+def check_hub_id(path: str) -> None:
+    """A ``model.path`` that names no folder here is a hub id (``org/name``): asked of the hub once, now,
+    with a short timeout and no retries (transformers would retry five times, about 100 s where the hub
+    cannot be reached, after the run was created). Refused naming both readings and the forms that work."""
+    status = hub_status(path)
+    if status is not None:
+        raise PreflightError(f"model.path = {path!r}: no folder {path!r} here, and {status}; {MODEL_PATH_FORMS}")
+
+
+def hub_status(repo_id: str) -> str | None:
+    """None when the model hub (``HF_ENDPOINT``, default huggingface.co) has model ``repo_id``, or the local
+    hub cache holds it; else why not, as a phrase (no such model, or the hub cannot be reached)."""
+    from huggingface_hub import get_token, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+            return None
+    except HFValidationError as err:
+        return f"it is not a hub id either ({_first_line(err)})"
+    if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        return "the hub is switched off (HF_HUB_OFFLINE) and its local cache has no such model"
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    request = urllib.request.Request(f"{endpoint.rstrip('/')}/api/models/{repo_id}", method="GET")
+    if token := get_token():
+        request.add_header("Authorization", f"Bearer {token}")
+    answer: list[str | None] = []
+
+    def ask() -> None:  # in a thread: a name lookup is not bounded by the socket's timeout
+        try:
+            with urllib.request.urlopen(request, timeout=HUB_TIMEOUT_S):
+                answer.append(None)
+        except urllib.error.HTTPError as err:
+            answer.append(
+                f"the hub at {endpoint} has no such model (HTTP {err.code}; a private or gated one needs HF_TOKEN)"
+            )
+        except (urllib.error.URLError, OSError) as err:
+            answer.append(f"the hub at {endpoint} cannot be reached ({getattr(err, 'reason', err)})")
+
+    thread = threading.Thread(target=ask, name="hub-lookup", daemon=True)
+    thread.start()
+    thread.join(HUB_TIMEOUT_S + 1)
+    return answer[0] if answer else f"the hub at {endpoint} cannot be reached (no answer in {HUB_TIMEOUT_S:g} s)"
 
 
 def local_model_folder(cfg: TrainConfig) -> Path | None:
@@ -120,38 +205,113 @@ def check_model_folder(folder: str | Path, field: str) -> None:
             raise PreflightError(f"{field}: {index} names weights files that are not there: {', '.join(missing)}")
     if not weights:
         raise PreflightError(f"{field}: {folder} holds no *.safetensors weights (the policy loads safetensors only)")
+    tensors: dict[str, tuple[int, ...]] = {}
     for file in weights:
-        problem = safetensors_problem(file)
+        try:
+            header = safetensors_header(file)
+        except ValueError as err:
+            raise PreflightError(f"{field}: {file}: {err}; download or save the model again") from err
+        tensors |= {k: tuple(t["shape"]) for k, t in header.items() if k != "__metadata__"}
+    if not adapter:
+        problem = architecture_problem(folder, tensors)
         if problem:
-            raise PreflightError(f"{field}: {file}: {problem}; download or save the model again")
+            raise PreflightError(f"{field}: {folder}: {problem}")
     check_tokenizer(folder, field)
     if adapter and Path(lora.base_model_path(folder)).is_dir():
         check_model_folder(lora.base_model_path(folder), f"{field} (the base model of its adapters)")
 
 
 def safetensors_problem(file: Path) -> str | None:
-    """Why ``file`` is not a whole safetensors file, read from its 8-byte header length and JSON header
-    (the tensors' declared byte ranges against the file's size), or None. The tensors are not read."""
+    """Why ``file`` is not a whole safetensors file (``safetensors_header``), or None."""
+    try:
+        safetensors_header(file)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def safetensors_header(file: Path) -> dict:
+    """The JSON header of the whole safetensors file ``file`` (each tensor's dtype, shape and byte range),
+    read from its 8-byte header length; a ``ValueError`` says why it is not one: not safetensors at all (no
+    JSON object after a plausible length), truncated, or with extra bytes. The tensors are not read."""
     size = file.stat().st_size
     try:
         with open(file, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                return f"{size} bytes, shorter than a safetensors header"
+                raise ValueError(f"{size} bytes, shorter than a safetensors header")
             (length,) = struct.unpack("<Q", head)
+            if length > SAFETENSORS_MAX_HEADER or f.read(1) != b"{":
+                raise ValueError("not a safetensors file (no JSON header after its first 8 bytes)")
             if 8 + length > size:
-                return f"its header declares {length} bytes of metadata but the file has {size} bytes (truncated)"
+                raise ValueError(
+                    f"its header declares {length} bytes of metadata but the file has {size} bytes (truncated)"
+                )
+            f.seek(8)
             header = json.loads(f.read(length))
-    except (OSError, ValueError) as err:
-        return f"unreadable safetensors header ({err})"
-    if not isinstance(header, dict):
-        return "its safetensors header is not a JSON object"
-    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
+    except OSError as err:
+        raise ValueError(f"unreadable ({err})") from err
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not a safetensors file (its header is not JSON: {err})") from err
+    if not isinstance(header, dict) or not all(isinstance(t, dict) for k, t in header.items() if k != "__metadata__"):
+        raise ValueError("not a safetensors file (its header is not a JSON object of tensors)")
+    ends = [t.get("data_offsets", [0, 0])[1] for k, t in header.items() if k != "__metadata__"]
     need = 8 + length + max(ends, default=0)
     if need != size:
         what = "truncated" if need > size else "extra bytes"
-        return f"its header declares {need} bytes but the file has {size} ({what})"
-    return None
+        raise ValueError(f"its header declares {need} bytes but the file has {size} ({what})")
+    return header
+
+
+def architecture_problem(folder: Path, tensors: dict[str, tuple[int, ...]]) -> str | None:
+    """Why the weights (``tensors``: name -> shape, from the safetensors headers) do not fit the architecture
+    ``folder``'s ``config.json`` names, or None. The model is built on torch's meta device (shapes, no
+    memory, no weights) and its state's names and shapes compared: a tensor it lacks would start random, one
+    it has no place for would be dropped, one of another shape would not load. A config copied from another
+    model, or a ``model_type`` edited, is named here instead of in transformers' load report."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+        if getattr(config, "quantization_config", None):  # packed tensors of the quantizer's own shapes
+            return None
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as err:  # noqa: BLE001 - transformers raises many types for a config it cannot build
+        return f"its config.json does not describe a causal LM transformers can build ({_first_line(err)})"
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    prefixed = {f"{model.base_model_prefix}.{k}": v for k, v in tensors.items()}
+    if len(prefixed.keys() & expected.keys()) > len(tensors.keys() & expected.keys()):
+        tensors = prefixed  # a base model's weights, which transformers loads under the causal LM's prefix
+    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    missing = sorted(k for k in expected.keys() - tensors.keys() - tied if not _ignored(model, "missing", k))
+    unexpected = sorted(k for k in tensors.keys() - expected.keys() if not _ignored(model, "unexpected", k))
+    shapes = sorted(k for k in expected.keys() & tensors.keys() if expected[k] != tensors[k])
+    if not (missing or unexpected or shapes):
+        return None
+    parts = [f"{len(missing)} of its tensors missing ({_some(missing)})"] if missing else []
+    parts += [f"{len(unexpected)} it has no place for ({_some(unexpected)})"] if unexpected else []
+    if shapes:
+        parts.append(
+            f"{len(shapes)} of another shape ({shapes[0]}: {list(tensors[shapes[0]])} in the file, "
+            f"{list(expected[shapes[0]])} in the architecture)"
+        )
+    return (
+        f"its weights do not fit the architecture its config.json names ({type(model).__name__}, model_type "
+        f"{config.model_type!r}): {'; '.join(parts)}; the config and the weights come from different models: "
+        "download or save the model again"
+    )
+
+
+def _some(keys: list[str]) -> str:
+    return ", ".join(keys[:2]) + (", ..." if len(keys) > 2 else "")
+
+
+def _ignored(model: object, kind: str, key: str) -> bool:
+    """Whether the model class tells transformers to ignore ``key`` when ``kind`` (missing, unexpected)."""
+    patterns = getattr(model, f"_keys_to_ignore_on_load_{kind}", None) or []
+    return any(re.search(p, key) for p in patterns)
 
 
 def check_tokenizer(folder: Path, field: str) -> None:
@@ -250,11 +410,13 @@ def check_engine(cfg: TrainConfig) -> None:
                 f"it with --served-model-name {SERVED_NAME} (docs/deploy.md)"
             )
         return
-    found = vllm_version(v.python)
+    python = v.interpreter()
+    found = vllm_version(str(python))
     if found != VLLM_VERSION:
+        where = "" if str(python) == v.python else f" ({python})"
         raise PreflightError(
-            f"engine.vllm.python = {v.python!r}: {found}, expected vLLM {VLLM_VERSION}: run `make vllm-venv`, or set "
-            "engine.vllm.url to a running server"
+            f"engine.vllm.python = {v.python!r}{where}: {found}, expected vLLM {VLLM_VERSION}: run `make vllm-venv`, "
+            "or set engine.vllm.url to a running server"
         )
 
 

@@ -1,7 +1,8 @@
 """One process at a time per run: the run folder's lock, and clean-up after a holder that was killed.
 
 ``<run_dir>/.lock`` is held (``flock``) while a process trains or rewrites the run. The kernel releases it
-when the process ends, however it ends, so a SIGKILLed run never leaves a stale lock behind. The file
+when the process ends, however it ends, so a SIGKILLed run never leaves a stale lock behind; a process that
+ends its block removes the file. The file
 also says who holds it (pid, host, start time, Prefect flow run): a refused second process names the
 holder, and the next holder can tell that the previous one died without releasing it. Everything that
 must not happen while another process works on the run (removing stale temporaries, rewriting its
@@ -52,20 +53,13 @@ class RunLock:
 @contextmanager
 def hold(run_dir: str | Path) -> Iterator[RunLock]:
     """Hold ``run_dir``'s lock for the block; raise ``RunInUse`` naming the holder if another process
-    has it. On leaving the block the file is marked released, so the next holder knows no clean-up is due."""
+    has it. Leaving the block removes the lock file (and the run folder, if nothing else is in it); a
+    killed holder leaves it, marked unreleased, so the next holder knows clean-up is due."""
     run_dir = Path(run_dir)
+    created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE
-    f = open(path, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = _parse(f.read())
-        f.close()
-        raise RunInUse(
-            f"run folder {run_dir} is in use by {describe(holder)}; wait for it to end, or stop it (lock file {path})"
-        ) from None
+    f = _locked(path)
     f.seek(0)
     previous = _parse(f.read())
     lock = RunLock(
@@ -84,7 +78,34 @@ def hold(run_dir: str | Path) -> Iterator[RunLock]:
         yield lock
     finally:
         lock.record(released=True)
+        path.unlink()  # while held: a process that opened the old file finds it gone and opens anew
         f.close()  # closing the file releases the lock
+        if created and not any(run_dir.iterdir()):  # made only for the lock: a refused start leaves no folder
+            run_dir.rmdir()
+
+
+def _locked(path: Path) -> IO[str]:
+    """``path`` opened and locked (``flock``); ``RunInUse`` naming the holder if another process holds it.
+    A lock won on a file its holder had just removed (``hold`` unlinks on release) is taken again on the
+    new file, so two processes never hold the run at once."""
+    while True:
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = _parse(f.read())
+            f.close()
+            raise RunInUse(
+                f"run folder {path.parent} is in use by {describe(holder)}; wait for it to end, or stop it (lock "
+                f"file {path})"
+            ) from None
+        try:
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                return f
+        except FileNotFoundError:
+            pass
+        f.close()
 
 
 def held_elsewhere(run_dir: str | Path) -> bool:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import importlib
 import json
 import os
 import shutil
 import sqlite3
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +26,7 @@ from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModel, Logged
 from mlflow.exceptions import MlflowException
 
 import mlflow
-from horizonrl.files import folder_digest, remove_temporary
+from horizonrl.files import folder_digest, machine_cache, remove_temporary
 from horizonrl.models import lora
 from mlflow import MlflowClient
 
@@ -36,13 +38,21 @@ FAILURE_TAG = "horizonrl.failure"  # why a run was marked FAILED (or KILLED), in
 DEFAULT_STORE = "mlflow"
 
 
-def tracking_uri(configured: str | None = None) -> str:
-    """Config value, else $MLFLOW_TRACKING_URI, else SQLite under ./mlflow (created on first use)."""
+def tracking_uri(configured: str | None = None, create: bool = True) -> str:
+    """Config value, else $MLFLOW_TRACKING_URI, else SQLite under ./mlflow (its folder created on first use,
+    unless ``create`` is False: a check that must leave nothing behind)."""
     uri = configured or os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
         return uri
-    Path(DEFAULT_STORE).mkdir(exist_ok=True)
+    if create:
+        Path(DEFAULT_STORE).mkdir(exist_ok=True)
     return f"sqlite:///{DEFAULT_STORE}/mlflow.db"
+
+
+def store_exists(uri: str) -> bool:
+    """False for a SQLite store whose file is not there yet (it holds nothing, and opening it would create
+    it); True for any other store (a server's is asked when used)."""
+    return not uri.startswith("sqlite:///") or Path(uri.removeprefix("sqlite:///")).is_file()
 
 
 def client(uri: str) -> MlflowClient:
@@ -76,7 +86,7 @@ def _file_lock(lock: Path) -> Iterator[None]:
 def _empty_store() -> Path:
     """An empty store migrated by MLflow itself, cached as ``$XDG_CACHE_HOME/horizonrl/mlflow-<version>.db``
     (built on first use, under a lock: concurrent first runs build it once)."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "horizonrl"
+    cache = machine_cache()
     cache.mkdir(parents=True, exist_ok=True)
     template = cache / f"mlflow-{mlflow.__version__}.db"
     with _file_lock(cache / f"{template.name}.lock"):
@@ -192,6 +202,22 @@ def create_run(c: MlflowClient, experiment: str, run_name: str, tags: dict[str, 
     return c.create_run(experiment_id(c, experiment), run_name=run_name, tags=all_tags).info.run_id
 
 
+REPLACES_TAG = "horizonrl.replaces_failed_start"  # the run of a start that finished no iteration, set aside
+
+
+def supersede_run(c: MlflowClient, run: Run, new_name: str, reason: str, carried: dict[str, str]) -> str:
+    """Set ``run`` (a start that finished no iteration) aside for a fresh start under its name: renamed
+    ``new_name``, FAILED, ``reason`` in its failure tag; and create the run that takes the name (no params
+    yet: the start logs the new settings'), tagged with the old run's id and the ``carried`` tags (its links
+    to a sweep). Returns the new run's id. MLflow cannot change a logged param, hence a new run."""
+    old_id, name = run.info.run_id, run.data.tags.get(RUN_NAME_TAG, run.info.run_name)
+    set_tags(c, old_id, {RUN_NAME_TAG: new_name, "mlflow.runName": new_name, FAILURE_TAG: reason[:4000]})
+    if run.info.status in ("RUNNING", "SCHEDULED"):
+        c.set_terminated(old_id, "FAILED")
+    experiment = c.get_experiment(run.info.experiment_id).name
+    return create_run(c, experiment, name, {**carried, REPLACES_TAG: old_id})
+
+
 def log_params(c: MlflowClient, run_id: str, params: dict[str, str]) -> None:
     items = [Param(k, str(v)[:6000]) for k, v in sorted(params.items())]
     for i in range(0, len(items), 100):
@@ -295,28 +321,31 @@ def set_tags(c: MlflowClient, run_id: str, tags: dict[str, Any]) -> None:
     c.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in sorted(tags.items())])
 
 
-def resolve_policy(c: MlflowClient, source: str) -> tuple[str, str]:
+def resolve_policy(c: MlflowClient, source: str, what: str = "source") -> tuple[str, str]:
     """(source run id, model URI) of a run id, ``runs:/<id>`` or ``models:/<name>/<version>``; a source
-    the store does not hold raises ``ValueError`` naming it and the store."""
+    the store does not hold raises ``ValueError`` naming it (as ``what``: ``source``, ``model.path =``) and
+    the store."""
     mlflow.set_tracking_uri(c.tracking_uri)  # the fluent API (logged models) reads the global URI
     if source.startswith("models:/"):
         name, _, version = source.removeprefix("models:/").partition("/")
         if not version:
-            raise ValueError(f"source {source!r}: give models:/<name>/<version>")
+            raise ValueError(f"{what} {source!r}: give models:/<name>/<version>")
         try:
             return c.get_model_version(name, version).run_id, source
         except mlflow.exceptions.MlflowException as err:
             raise ValueError(
-                f"source {source!r}: no version {version} of a registered model {name!r} in {c.tracking_uri}"
+                f"{what} {source!r}: no version {version} of a registered model {name!r} in {c.tracking_uri}"
             ) from err
     run_id = source.removeprefix("runs:/").split("/")[0]
     try:
         c.get_run(run_id)
     except mlflow.exceptions.MlflowException as err:
-        raise ValueError(f"source {source!r}: no run with id {run_id!r} in {c.tracking_uri}") from err
+        raise ValueError(f"{what} {source!r}: no run with id {run_id!r} in {c.tracking_uri}") from err
     models = policy_models(c, run_id)
     if not models:
-        raise ValueError(f"source run {run_id} has no logged policy model (it logs one when its training finishes)")
+        raise ValueError(
+            f"{what} {source!r}: run {run_id} has no logged policy model (it logs one when its training finishes)"
+        )
     return run_id, f"models:/{models[0].model_id}"
 
 
@@ -393,25 +422,61 @@ def download_policy(model_uri: str, cache: Path) -> CheckpointRef:
 POLICY_ITERATION_TAG = "horizonrl.iteration"  # on a logged policy model: the checkpoint it packs
 
 
-def log_policy(
-    c: MlflowClient, run_id: str, checkpoint: str | Path, iteration: int, chat: dict[str, object] | None = None
-) -> None:
-    """Log a checkpoint as the run's ``policy`` pyfunc model, from code (``policy_model.py``, the file the
-    project ships), so the model holds no pickle; the checkpoint folder is its ``policy`` artifact and
-    ``chat`` (``ChatFormat.for_tokenizer``'s settings: the run's prompt) its model config."""
-    from horizonrl.tracking import policy_model
+SERVING_REQUIREMENTS = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pydantic", "pyyaml")
+"""What the logged policy's code imports (``policy_model.py`` and the library under it), pinned at logging to
+the versions it ran with (torch without its local build tag, so a GPU machine brings its own build); a LoRA
+policy adds peft. mlflow, pandas and their dependencies come with MLflow's own requirement."""
 
-    mlflow.set_tracking_uri(c.tracking_uri)  # the fluent API (logged models) reads the global URI
-    with mlflow.start_run(run_id=run_id):
-        mlflow.pyfunc.log_model(
-            name="policy",
-            python_model=policy_model.__file__,
-            artifacts={"policy": str(checkpoint)},
-            signature=policy_model.SIGNATURE,
-            pip_requirements=["torch", "transformers", "safetensors"],
-            tags={POLICY_ITERATION_TAG: str(iteration)},
-            model_config=chat or {},
-        )
+
+def log_policy(
+    c: MlflowClient,
+    run_id: str,
+    checkpoint: str | Path,
+    iteration: int,
+    model_config: dict[str, object] | None = None,
+    example: dict[str, object] | None = None,
+) -> None:
+    """Log a checkpoint as the run's ``policy`` pyfunc model that serves anywhere: from code
+    (``policy_model.py``), so it holds no pickle; the checkpoint's policy as its ``policy`` artifact (not the
+    optimizer's state: ``copy_policy``), a LoRA policy's base model as ``base``; the library's code
+    (``horizonrl``, ``methods``) in the model and its requirements pinned (``SERVING_REQUIREMENTS``), so a
+    fresh environment with only those installed loads and serves it; ``model_config`` (the run's prompt and
+    decoding: ``policy_model.CHAT_KEYS``, ``action_mode``, ``max_action_tokens``) and ``example`` (one
+    input row: goal, observation, admissible) with its signature."""
+    from importlib import metadata
+
+    from horizonrl.tracking import policy_model
+    from horizonrl.training.checkpoint import copy_policy
+
+    adapter = lora.is_adapter_dir(checkpoint)
+    pins = [
+        f"{p}=={metadata.version(p).split('+')[0]}" for p in (*SERVING_REQUIREMENTS, *(["peft"] if adapter else []))
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        artifacts = {"policy": str(copy_policy(checkpoint, Path(tmp) / "policy"))}
+        if adapter:
+            artifacts["base"] = lora.base_model_path(checkpoint)
+        code = [_code_copy(package, Path(tmp) / "code") for package in ("horizonrl", "methods")]
+        mlflow.set_tracking_uri(c.tracking_uri)  # the fluent API (logged models) reads the global URI
+        with mlflow.start_run(run_id=run_id), no_progress_bar():
+            mlflow.pyfunc.log_model(
+                name="policy",
+                python_model=policy_model.__file__,
+                artifacts=artifacts,
+                code_paths=[str(p) for p in code],
+                signature=policy_model.SIGNATURE,
+                input_example=pd.DataFrame([example]) if example else None,
+                pip_requirements=pins,
+                tags={POLICY_ITERATION_TAG: str(iteration)},
+                model_config=model_config or {},
+            )
+
+
+def _code_copy(package: str, dest: Path) -> Path:
+    """The source of our top-level ``package`` (``horizonrl``, ``methods``) copied under ``dest``, without
+    compiled files: the code a logged model carries."""
+    source = Path(importlib.import_module(package).__file__).parent
+    return Path(shutil.copytree(source, dest / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")))
 
 
 def register_policy(c: MlflowClient, run_id: str, model_name: str) -> str:

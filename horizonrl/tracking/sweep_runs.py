@@ -62,6 +62,11 @@ def link(c: MlflowClient, parent_id: str, sweep_name: str, cell: Cell, create: b
         mlflow_runs.create_run(c, cell.config.experiment, cell.run_name, tags)
 
 
+def link_tags(tags: dict[str, str]) -> dict[str, str]:
+    """The tags of ``tags`` (a run's) that nest it under a sweep as one of its cells (``link``)."""
+    return {k: v for k, v in tags.items() if k in ("mlflow.parentRunId", SWEEP_TAG, CELL_TAG) or k.startswith("cell.")}
+
+
 def cell_runs(c: MlflowClient, parent_id: str) -> list[Any]:
     """Every cell run nested under ``parent_id`` (created ahead of starting, so a sweep's whole grid)."""
     exp_id = c.get_run(parent_id).info.experiment_id

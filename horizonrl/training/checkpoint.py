@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from horizonrl.faults import kill_point
-from horizonrl.files import file_digest, fsync_dir
+from horizonrl.files import file_digest, folder_digest, fsync_dir
 from horizonrl.models.lora import is_adapter_dir
 from horizonrl.models.probe import save_probe
 
@@ -144,14 +144,33 @@ RUN_FILES = (STATE_FILE, "optimizer.pt", "estimator_state.json", "probe.pt")
 """A checkpoint's files that say where it sits in a run (or are derived from its weights), not which policy it is."""
 
 
-def policy_digest(ref: CheckpointRef) -> str | None:
+TRAINING_ONLY = ("optimizer.pt", "estimator_state.json")
+"""A checkpoint's files that only resume training (AdamW's moments, an estimator's memory): a logged policy
+leaves them out (the optimizer's moments are twice the weights)."""
+
+
+def copy_policy(src: str | Path, dest: Path) -> Path:
+    """The policy of checkpoint (or model folder) ``src`` at ``dest``: every file but ``TRAINING_ONLY``,
+    linked where the file system allows, else copied, with a manifest of what it holds where ``src`` has one."""
+    dest.mkdir(parents=True)
+    for f in sorted(Path(src).iterdir()):
+        if f.is_file() and f.name not in (*TRAINING_ONLY, MANIFEST):
+            try:
+                os.link(f, dest / f.name)
+            except OSError:
+                shutil.copy2(f, dest / f.name)
+    if (Path(src) / MANIFEST).is_file():
+        (dest / MANIFEST).write_text(json.dumps({"files": _inventory(dest)}, indent=1, sort_keys=True))
+    return dest
+
+
+def policy_digest(ref: CheckpointRef) -> str:
     """Which policy checkpoint ``ref`` holds, from its manifest: a digest of the sha256 of every file but the
-    run's own (``RUN_FILES``), so the same weights and tokenizer give the same digest in any run. None for a
-    policy folder that is no checkpoint (no manifest: a model evaluated with no run behind it)."""
-    manifest = Path(ref.path) / MANIFEST
-    if not manifest.is_file():
-        return None
-    listed = json.loads(manifest.read_text())["files"]
+    run's own (``RUN_FILES``), so the same weights and tokenizer give the same digest in any run. A model
+    folder that is no checkpoint (``horizonrl evaluate --model``: no manifest) is digested from its files."""
+    if not (Path(ref.path) / MANIFEST).is_file():
+        return folder_digest(ref.path)
+    listed = json.loads((Path(ref.path) / MANIFEST).read_text())["files"]
     policy = {name: entry["sha256"] for name, entry in sorted(listed.items()) if name not in RUN_FILES}
     return hashlib.sha256(json.dumps(policy, sort_keys=True).encode()).hexdigest()
 
