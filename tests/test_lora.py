@@ -50,9 +50,9 @@ def test_lora_trains_adapters_only_lowers_the_loss_and_round_trips_exactly(tiny_
     torch.manual_seed(0)
     adir = initial_adapter_dir(tmp_path, tiny_policy_dir, LORA, seed=0)
     assert (adir / ADAPTER_WEIGHTS).is_file() and not (adir / "model.safetensors").exists()
-    assert json.loads((adir / ADAPTER_CONFIG).read_text())["base_model_name_or_path"] == str(
-        Path(tiny_policy_dir).resolve()
-    )
+    written = json.loads((adir / ADAPTER_CONFIG).read_text())
+    assert written["base_model_name_or_path"] == str(Path(tiny_policy_dir).resolve())
+    assert written["target_modules"] == sorted(LORA.target_modules)  # peft's set order, settled
     assert initial_adapter_dir(tmp_path, tiny_policy_dir, LORA, seed=0) == adir  # built once
     model, tokenizer = load_policy(adir)
     base, _ = load_policy(tiny_policy_dir)
@@ -92,6 +92,8 @@ def test_lora_trains_adapters_only_lowers_the_loss_and_round_trips_exactly(tiny_
     ref = save_checkpoint(tmp_path / "run", 1, model, tokenizer, optimizer, {"seed": 0})
     files = {p.name for p in Path(ref.path).iterdir()}
     assert {ADAPTER_CONFIG, ADAPTER_WEIGHTS, "optimizer.pt"} <= files and "model.safetensors" not in files
+    # the same bytes in any process (peft writes target_modules in a salted set's order): one policy digest
+    assert json.loads((Path(ref.path) / ADAPTER_CONFIG).read_text())["target_modules"] == sorted(LORA.target_modules)
     saved = load_file(str(Path(ref.path) / ADAPTER_WEIGHTS))
     adapter = peft.get_peft_model_state_dict(model)  # the adapter tensors by name
     assert saved.keys() == adapter.keys() and all(torch.equal(saved[k], v) for k, v in adapter.items())

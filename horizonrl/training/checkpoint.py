@@ -25,7 +25,7 @@ import torch
 
 from horizonrl.faults import kill_point
 from horizonrl.files import file_digest, folder_digest, fsync_dir
-from horizonrl.models.lora import is_adapter_dir
+from horizonrl.models.lora import is_adapter_dir, settle_config
 from horizonrl.models.probe import save_probe
 
 STATE_FILE = "state.json"
@@ -73,7 +73,9 @@ def save_checkpoint(
     try:
         tmp.mkdir(parents=True)
         model.save_pretrained(tmp, safe_serialization=True)
-        if not is_adapter_dir(tmp):  # what a server synced to full weights is checked against (models/probe.py)
+        if is_adapter_dir(tmp):
+            settle_config(tmp)
+        else:  # what a server synced to full weights is checked against (models/probe.py)
             save_probe(model, tmp)
         tokenizer.save_pretrained(tmp)
         if optimizer is not None:
