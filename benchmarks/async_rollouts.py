@@ -35,11 +35,11 @@ from benchmarks.pipeline import learn
 from benchmarks.report import Figure
 from horizonrl.config import TrainConfig
 from horizonrl.engines.hf import TransformersEngine
+from horizonrl.envs import make_suite
 from horizonrl.models.loading import load_policy
 from horizonrl.rollout.loop import SamplingSettings, collect, sample_tasks
 from horizonrl.rollout.prompting import ChatFormat
-from horizonrl.run.learner import Learner, initial_model_dir
-from horizonrl.run.player import Player
+from horizonrl.run.learner import initial_model_dir
 from horizonrl.seeding import derive_seed
 from horizonrl.training.trainer import UpdateSettings
 
@@ -58,12 +58,12 @@ def _serve(cfg_values: dict, core: int | None, latency_s: float, inbox: mp.Queue
         os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
     cfg = TrainConfig.model_validate(cfg_values)
-    rt = Player(Learner())
-    model, tokenizer = load_policy(initial_model_dir(cfg, rt.suite(cfg)))
+    suite = make_suite(cfg.env.name, cfg.env.suite_seed, cfg.env.games, cfg.data_dir)
+    model, tokenizer = load_policy(initial_model_dir(cfg, suite))
     fmt = ChatFormat.for_tokenizer(tokenizer)
     engine = TransformersEngine(model, tokenizer.pad_token_id, list(fmt.stop_ids))
     engine = _RemoteLatency(engine, latency_s) if latency_s else engine
-    suite, pool = rt.suite(cfg), rt.task_pool(cfg, "train", cfg.env.train_pool)
+    pool = suite.tasks("train", cfg.env.tier, cfg.env.train_pool)
     outbox.put("ready")
     while (job := inbox.get()) is not None:
         j, weights = job
@@ -77,8 +77,8 @@ def lagged_run(cfg: TrainConfig, k: int, gen_latency_s: float = 0.0, process: bo
     """Wall seconds of ``cfg.iterations`` iterations at lag ``k``, and the seconds each side was busy.
     ``process``: the generator is a worker process (started before the clock) instead of a thread; the
     thread then only hands it each iteration's weights and takes its records back."""
-    rt = Player(Learner())
-    model, tokenizer = load_policy(initial_model_dir(cfg, rt.suite(cfg)))
+    suite = make_suite(cfg.env.name, cfg.env.suite_seed, cfg.env.games, cfg.data_dir)
+    model, tokenizer = load_policy(initial_model_dir(cfg, suite))
     fmt = ChatFormat.for_tokenizer(tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay)
     gen_model = copy.deepcopy(model)
@@ -86,8 +86,7 @@ def lagged_run(cfg: TrainConfig, k: int, gen_latency_s: float = 0.0, process: bo
     engine = _RemoteLatency(engine, gen_latency_s) if gen_latency_s else engine
     name, params = cfg.advantage_spec()
     s = UpdateSettings.from_config(cfg, tokenizer.pad_token_id, sampled_here=k == 0, decoupled=k > 0)
-    suite = rt.suite(cfg)
-    pool = rt.task_pool(cfg, "train", cfg.env.train_pool)
+    pool = suite.tasks("train", cfg.env.tier, cfg.env.train_pool)
     cores = sorted(os.sched_getaffinity(0))
     gen_core, learn_core = (cores[0], cores[1]) if len(cores) >= 2 else (None, None)
     versions = {0: copy.deepcopy(model.state_dict())}  # version -> weights, published by the learner

@@ -90,17 +90,16 @@ def compare_overlap(pool: EnvPool, tasks: list[Task], args: argparse.Namespace) 
     from horizonrl.models.loading import load_policy
     from horizonrl.rollout.loop import SamplingSettings, collect
     from horizonrl.rollout.prompting import ChatFormat
-    from horizonrl.run.learner import Learner, initial_model_dir
-    from horizonrl.run.player import Player
+    from horizonrl.run.learner import initial_model_dir
 
     cfg = TrainConfig(env=EnvConfig(name=args.suite, tier=args.tier, max_turns=args.turns))
-    rt = Player(Learner())
-    model, tokenizer = load_policy(initial_model_dir(cfg, rt.suite(cfg)))
+    suite = make_suite(cfg.env.name, cfg.env.suite_seed, cfg.env.games, cfg.data_dir)
+    model, tokenizer = load_policy(initial_model_dir(cfg, suite))
     fmt = ChatFormat.for_tokenizer(tokenizer)
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
     if args.gen_latency_ms:
         engine = _RemoteLatency(engine, args.gen_latency_ms / 1000)
-    sampling = SamplingSettings.from_config(cfg, rt.suite(cfg), 0)
+    sampling = SamplingSettings.from_config(cfg, suite, 0)
 
     def seconds(overlap: bool) -> float:
         start = time.perf_counter()

@@ -44,12 +44,12 @@ from benchmarks.report import Figure
 from horizonrl import store
 from horizonrl.config import TrainConfig, load_config
 from horizonrl.engines.hf import TransformersEngine
+from horizonrl.envs import make_suite
 from horizonrl.models.loading import load_policy
 from horizonrl.rollout.loop import SamplingSettings, collect, sample_tasks, turn_horizon
 from horizonrl.rollout.prompting import ChatFormat
 from horizonrl.rollout.records import EpisodeRecord
-from horizonrl.run.learner import Learner, initial_model_dir
-from horizonrl.run.player import Player
+from horizonrl.run.learner import initial_model_dir
 from horizonrl.seeding import derive_seed
 from horizonrl.tracking import mlflow_runs, traces
 from horizonrl.training.sequences import attach_advantages, step_batch, train_rows
@@ -211,21 +211,21 @@ def flow_iteration_seconds(cfg: TrainConfig) -> list[float]:
 
 def plain_iterations(cfg: TrainConfig) -> list[float]:
     """The flow's collect -> advantages -> update as plain calls (no Prefect, MLflow or Parquet)."""
-    rt = Player(Learner())
-    model, tokenizer = load_policy(initial_model_dir(cfg, rt.suite(cfg)))
+    suite = make_suite(cfg.env.name, cfg.env.suite_seed, cfg.env.games, cfg.data_dir)
+    model, tokenizer = load_policy(initial_model_dir(cfg, suite))
     fmt = ChatFormat.for_tokenizer(tokenizer)
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay)
     name, params = cfg.advantage_spec()
-    suite = rt.suite(cfg)
-    s = UpdateSettings.from_config(cfg, tokenizer.pad_token_id, sampled_here=True, horizon=turn_horizon(cfg, suite))
+    s = UpdateSettings.from_config(cfg, tokenizer.pad_token_id, sampled_here=True, horizon=turn_horizon(cfg.env, suite))
     collect(
-        suite, rt.task_pool(cfg, "test", 1), 1, engine, fmt, SamplingSettings.from_config(cfg, suite, 0)
+        suite, suite.tasks("test", cfg.env.tier, 1), 1, engine, fmt, SamplingSettings.from_config(cfg, suite, 0)
     )  # warm-up, as the flow's first evaluation is
-    state, times = None, []
+    state, times, pool = None, [], None
     for it in range(1, cfg.iterations + 1):
         t0 = time.perf_counter()
-        pool = rt.task_pool(cfg, "train", cfg.env.train_pool)  # built on first use, as in the flow's first collect
+        if pool is None:  # built on first use, as in the flow's first collect
+            pool = suite.tasks("train", cfg.env.tier, cfg.env.train_pool)
         tasks = sample_tasks(pool, cfg.rollout.tasks_per_iteration, cfg.seed, it)
         records = collect(
             suite,

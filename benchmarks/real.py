@@ -51,14 +51,13 @@ from benchmarks.report import Figure
 from benchmarks.update import _rows, bare_loop, random_advantage_rows
 from benchmarks.vllm_server import VLLM_PYTHON, served_config
 from horizonrl.config import TrainConfig
-from horizonrl.engines.vllm import engine_from_config
+from horizonrl.engines.vllm import VLLMLaunch
+from horizonrl.envs import make_suite
 from horizonrl.models import pretrained
 from horizonrl.models.loading import load_policy
 from horizonrl.models.probe import probe_of
 from horizonrl.rollout.loop import SamplingSettings, collect, sample_tasks
 from horizonrl.rollout.prompting import ChatFormat
-from horizonrl.run.learner import Learner
-from horizonrl.run.player import Player
 from horizonrl.seeding import derive_seed
 from horizonrl.training.sequences import TrainRow
 from horizonrl.training.trainer import UpdateSettings, ppo_update
@@ -154,12 +153,12 @@ def _tree_peak_mb(pid: int) -> float:
 def lagged_run(cfg: TrainConfig, k: int, path: Path, engine, out: Path) -> dict[str, float]:
     """``cfg.iterations`` iterations at lag ``k`` with ``engine`` (a vLLM server) generating: wall seconds,
     the seconds each side was busy and the learner's sampled-vs-recomputed figures."""
-    rt = Player(Learner())
+    suite = make_suite(cfg.env.name, cfg.env.suite_seed, cfg.env.games, cfg.data_dir)
     model, tokenizer = load_policy(path)
     fmt = ChatFormat.for_tokenizer(tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay)
     s = UpdateSettings.from_config(cfg, tokenizer.pad_token_id, sampled_here=k == 0, decoupled=k > 0)
-    suite, pool = rt.suite(cfg), rt.task_pool(cfg, "train", cfg.env.train_pool)
+    pool = suite.tasks("train", cfg.env.tier, cfg.env.train_pool)
     vocab = len(tokenizer)
     versions = {0: (str(path), probe_of(model.eval(), vocab))}  # version -> (weights folder, probe)
     engine.sync(*versions[0])
@@ -209,18 +208,17 @@ def vllm_loop(cfg_file: str, path: str, out_dir: str) -> dict:
     torch.set_num_threads(1)
     cfg = TrainConfig.model_validate_json(Path(cfg_file).read_text())
     out = Path(out_dir)
-    rt = Player(Learner())
+    suite = make_suite(cfg.env.name, cfg.env.suite_seed, cfg.env.games, cfg.data_dir)
     model, tokenizer = load_policy(path)
     fmt = ChatFormat.for_tokenizer(tokenizer)
-    suite = rt.suite(cfg)
     vcfg = served_config(cfg, out)
     t0 = time.perf_counter()
-    engine = engine_from_config(vcfg, path, list(fmt.stop_ids))
+    engine = VLLMLaunch.from_config(vcfg).engine(path, list(fmt.stop_ids))
     startup_s = time.perf_counter() - t0
     del model
     try:
         sampling = SamplingSettings.from_config(cfg, suite, 0)
-        tasks = rt.task_pool(cfg, "train", cfg.rollout.tasks_per_iteration)
+        tasks = suite.tasks("train", cfg.env.tier, cfg.rollout.tasks_per_iteration)
         collect(suite, tasks[:1], 1, engine, fmt, sampling)  # warm-up: the first requests initialise lazily
         t0 = time.perf_counter()
         played = collect(suite, tasks, cfg.rollout.group_size, engine, fmt, sampling)

@@ -31,12 +31,12 @@ from transformers.cache_utils import DynamicLayer
 from benchmarks.report import Figure
 from horizonrl.config import TrainConfig
 from horizonrl.engines.hf import TransformersEngine
+from horizonrl.envs import EnvSuite, make_suite
 from horizonrl.models.loading import load_policy, tiny_model_dir
 from horizonrl.rollout.loop import SamplingSettings, collect
 from horizonrl.rollout.prompting import ChatFormat
 from horizonrl.rollout.records import EpisodeRecord
-from horizonrl.run.learner import Learner, initial_model_dir
-from horizonrl.run.player import Player
+from horizonrl.run.learner import initial_model_dir
 
 TOKENIZER_CACHE = Path(__file__).resolve().parents[1] / "data" / "tokenizers"  # shared with the tests (npm, once)
 
@@ -101,14 +101,15 @@ def _replay(model: torch.nn.Module, calls: list[tuple[dict, tuple[int, ...] | No
     return time.perf_counter() - t0
 
 
-def _chat_vocab_collect(cfg: TrainConfig, rt: Player, tasks: list, group: int, seed: int) -> tuple[float, int, int]:
+def _chat_vocab_collect(
+    cfg: TrainConfig, suite: EnvSuite, tasks: list, group: int, seed: int
+) -> tuple[float, int, int]:
     """(tokens/s, new tokens, vocabulary size) of the batched collect with the tiny model of ``cfg`` built
     around the genuine Qwen3 tokenizer (Qwen3 architecture)."""
     model_cfg = cfg.model.model_copy(update={"tokenizer": "qwen3"})
     model, tokenizer = load_policy(tiny_model_dir(cfg.data_dir, cfg.env.name, model_cfg, [], TOKENIZER_CACHE))
     fmt = ChatFormat.for_tokenizer(tokenizer)
     engine = TransformersEngine(model, tokenizer.pad_token_id, list(fmt.stop_ids))
-    suite = rt.suite(cfg)
     sampling = SamplingSettings.from_config(cfg, suite, seed)
     collect(suite, tasks[:1], 2, engine, fmt, sampling)  # warm-up
     t0 = time.perf_counter()
@@ -117,13 +118,12 @@ def _chat_vocab_collect(cfg: TrainConfig, rt: Player, tasks: list, group: int, s
 
 
 def run(cfg: TrainConfig, tasks_n: int, group: int, seed: int = 0) -> list[Figure]:
-    rt = Player(Learner())
-    model, tokenizer = load_policy(initial_model_dir(cfg, rt.suite(cfg)))
+    suite = make_suite(cfg.env.name, cfg.env.suite_seed, cfg.env.games, cfg.data_dir)
+    model, tokenizer = load_policy(initial_model_dir(cfg, suite))
     fmt = ChatFormat.for_tokenizer(tokenizer)
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
-    suite = rt.suite(cfg)
     sampling = SamplingSettings.from_config(cfg, suite, seed)
-    tasks = rt.task_pool(cfg, "train", tasks_n)
+    tasks = suite.tasks("train", cfg.env.tier, tasks_n)
     collect(suite, tasks[:1], 2, engine, fmt, sampling)  # warm-up: first calls allocate and compile
 
     engine.counts.clear()
@@ -163,7 +163,7 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, seed: int = 0) -> list[Figur
         )
     generate_s = time.perf_counter() - t0
 
-    chat_tps, chat_tokens, chat_vocab = _chat_vocab_collect(cfg, rt, tasks, group, seed)
+    chat_tps, chat_tokens, chat_vocab = _chat_vocab_collect(cfg, suite, tasks, group, seed)
 
     n = len(batched)
     batched_tps = _new_tokens(batched) / batched_s

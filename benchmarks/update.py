@@ -30,13 +30,13 @@ from benchmarks.report import Figure
 from horizonrl import store
 from horizonrl.config import TrainConfig
 from horizonrl.engines.hf import TransformersEngine
+from horizonrl.envs import make_suite
 from horizonrl.models.loading import load_policy
 from horizonrl.rollout.branching import collect_branches, plan_branches
 from horizonrl.rollout.loop import SamplingSettings, collect
 from horizonrl.rollout.prompting import ChatFormat
 from horizonrl.rollout.records import EpisodeRecord
-from horizonrl.run.learner import Learner, initial_model_dir
-from horizonrl.run.player import Player
+from horizonrl.run.learner import initial_model_dir
 from horizonrl.training.checkpoint import CheckpointRef
 from horizonrl.training.rank_group import RankGroup
 from horizonrl.training.sequences import TrainRow, attach_advantages, train_rows
@@ -48,14 +48,14 @@ def _rows(
 ) -> list[TrainRow]:
     """``tasks_n`` x ``group`` rollouts of the initial policy (with ``branches``, also ``group`` APPO
     branches per task, planned as APPO plans them) as training rows with random advantages."""
-    rt = Player(Learner())
+    suite = make_suite(cfg.env.name, cfg.env.suite_seed, cfg.env.games, cfg.data_dir)
     fmt = ChatFormat.for_tokenizer(tokenizer)
     engine = TransformersEngine(model, tokenizer.pad_token_id, [fmt.end_id, tokenizer.eos_token_id])
-    sampling = SamplingSettings.from_config(cfg, rt.suite(cfg), 0)
-    records = collect(rt.suite(cfg), rt.task_pool(cfg, "train", tasks_n), group, engine, fmt, sampling)
+    sampling = SamplingSettings.from_config(cfg, suite, 0)
+    records = collect(suite, suite.tasks("train", cfg.env.tier, tasks_n), group, engine, fmt, sampling)
     if branches:
         starts, _, _ = plan_branches(records, group, cfg.branching(), tokenizer)
-        records += collect_branches(rt.suite(cfg), starts, engine, fmt, sampling, first_rollout_id=len(records))
+        records += collect_branches(suite, starts, engine, fmt, sampling, first_rollout_id=len(records))
     return random_advantage_rows(records, cfg.rollout.context)
 
 
@@ -113,7 +113,8 @@ def bare_loop(
 def run(cfg: TrainConfig, tasks_n: int, group: int, rounds: int = 2) -> list[Figure]:
     """``rounds`` PPO updates and bare loops, in the order P B B P ..., each from the initial weights;
     the ratio is of summed tokens over summed time (the alternation cancels drifting machine load)."""
-    initial, tokenizer = load_policy(initial_model_dir(cfg, Player(Learner()).suite(cfg)))
+    policy_dir = initial_model_dir(cfg, make_suite(cfg.env.name, cfg.env.suite_seed, cfg.env.games, cfg.data_dir))
+    initial, tokenizer = load_policy(policy_dir)
     rows = _rows(cfg, initial, tokenizer, tasks_n, group)
     s = UpdateSettings.from_config(cfg, tokenizer.pad_token_id, sampled_here=True)
     real = sum(r.positions[-1] + 1 for r in rows)
@@ -131,7 +132,6 @@ def run(cfg: TrainConfig, tasks_n: int, group: int, rounds: int = 2) -> list[Fig
             tokens, seconds = bare_loop(model, rows, s.epochs, steps_per_epoch, cfg.update.lr, s.grad_clip)
             bare_tokens, bare_s = bare_tokens + tokens, bare_s + seconds
     ppo_tps, bare_tps = rounds * s.epochs * real / ppo_s, bare_tokens / bare_s
-    policy_dir = initial_model_dir(cfg, Player(Learner()).suite(cfg))
     parallel = data_parallel(cfg, policy_dir, rows, s, 2, ("ddp", "fsdp"))
     pad = result.stats["pad_fraction"]
     appo_cfg = cfg.model_copy(update={"method": "appo"})

@@ -21,14 +21,14 @@ import torch
 from benchmarks.report import Figure
 from horizonrl.config import TrainConfig
 from horizonrl.engines.hf import TransformersEngine
-from horizonrl.engines.vllm import engine_from_config
+from horizonrl.engines.vllm import VLLMLaunch
 from horizonrl.engines.vllm_server import free_port
+from horizonrl.envs import make_suite
 from horizonrl.models.loading import load_policy
 from horizonrl.models.probe import probe_of
 from horizonrl.rollout.loop import SamplingSettings, collect
 from horizonrl.rollout.prompting import ChatFormat
-from horizonrl.run.learner import Learner, initial_model_dir
-from horizonrl.run.player import Player
+from horizonrl.run.learner import initial_model_dir
 
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 
@@ -47,18 +47,17 @@ def served_config(cfg: TrainConfig, out: Path) -> TrainConfig:
 
 
 def run(cfg: TrainConfig, tasks_n: int, group: int, out: Path, seed: int = 0) -> list[Figure]:
-    rt = Player(Learner())
-    model_dir = initial_model_dir(cfg, rt.suite(cfg))
+    suite = make_suite(cfg.env.name, cfg.env.suite_seed, cfg.env.games, cfg.data_dir)
+    model_dir = initial_model_dir(cfg, suite)
     model, tokenizer = load_policy(model_dir)
     fmt = ChatFormat.for_tokenizer(tokenizer)
     end_ids = list(fmt.stop_ids)
     hf = TransformersEngine(model, tokenizer.pad_token_id, end_ids)
-    suite = rt.suite(cfg)
     sampling = SamplingSettings.from_config(cfg, suite, seed)
-    tasks = rt.task_pool(cfg, "train", tasks_n)
+    tasks = suite.tasks("train", cfg.env.tier, tasks_n)
     vcfg = served_config(cfg, out)
     t0 = time.perf_counter()
-    engine = engine_from_config(vcfg, str(model_dir), end_ids)
+    engine = VLLMLaunch.from_config(vcfg).engine(str(model_dir), end_ids)
     startup_s = time.perf_counter() - t0
     try:
         collect(suite, tasks[:1], 2, engine, fmt, sampling)  # warm-up: the first requests initialise lazily

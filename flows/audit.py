@@ -7,8 +7,8 @@ it scores, on one policy (docs/algorithms.md §8), in an MLflow run of its own:
     4. score every estimator of methods.ADVANTAGES on the same groups against it
 
 Running it again with the same name resumes it: the groups, the points and every block of continuations
-already stored are read, not played again. ``audit_settings`` checks everything the command brings before the
-flow starts (the CLI calls it), so bad input is one line and no run is created.
+already stored are read, not played again. ``tasks.audit_settings.audit_settings`` checks everything the command
+brings before the flow starts (the CLI calls it), so bad input is one line and no run is created.
 """
 
 from __future__ import annotations
@@ -17,34 +17,20 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow
-from pydantic import ValidationError
 
-from flows.evaluate import config_of_run
-from horizonrl.audit.policy import checkpoint_ref, is_checkpoint
-from horizonrl.config import (
-    CONFIG_FILE,
-    MODEL_URI_PREFIXES,
-    NAME_PATTERN,
-    AuditConfig,
-    TrainConfig,
-    apply_overrides,
-    load_config,
-    override_keys,
-    validated,
-)
-from horizonrl.run import preflight, runlock
-from horizonrl.tracking import mlflow_runs
+from horizonrl.config import AuditConfig, TrainConfig
+from horizonrl.run import runlock
 from tasks.audit import (
-    audited_policy,
     end_failed_audit,
     finish_audit,
     monte_carlo_truth,
+    open_audit_player,
     pick_points,
     play_groups,
     start_audit,
 )
 from tasks.audit_scores import score_estimators
-from tasks.context import PLAYER
+from tasks.context import close_owners
 
 
 @flow(name="audit", log_prints=True, on_failure=[end_failed_audit], on_crashed=[end_failed_audit])
@@ -54,6 +40,7 @@ def audit(config: dict[str, Any], settings: dict[str, Any], name: str, policy: s
     cfg = TrainConfig.model_validate(config)
     with runlock.hold(Path(cfg.data_dir) / cfg.experiment / name):  # one process per audit folder
         ref = start_audit(cfg, AuditConfig.model_validate(settings), policy, name)
+        open_audit_player(ref)  # the audit's player, built for it as an evaluation's is, until it ends
         try:
             groups = play_groups(ref)  # 1. groups played as training collects them
             points = pick_points(ref, groups)  # 2. decision points, stratified
@@ -61,61 +48,4 @@ def audit(config: dict[str, Any], settings: dict[str, Any], name: str, policy: s
             scores = score_estimators(ref, groups, points)  # 4. every estimator against A_MC
             return finish_audit(ref, scores)
         finally:
-            PLAYER.close_episodes()
-
-
-def audit_settings(
-    policy: str | None, config_path: str | None, overrides: list[str], given: dict[str, Any], name: str | None
-) -> tuple[TrainConfig, AuditConfig, str]:
-    """(train config, audit settings, audit name) of ``horizonrl audit``, checked: the policy (a model folder, a
-    pretrained model's name, ``models:/<name>/<version>``, ``runs:/<run id>``, a run's checkpoint folder; None:
-    the config's model), the config (``--config``, else the checkpoint's run's or the logged policy's run's),
-    the overrides, the settings (``given``, flags by field), what the policy plays (``preflight``). Every
-    problem is a one-line ``ValueError`` naming the flag or field."""
-    try:
-        settings = AuditConfig(**{k: v for k, v in given.items() if v is not None})
-    except ValidationError as err:
-        first = err.errors()[0]
-        raise ValueError(f"--{str(first['loc'][0]).replace('_', '-')} {first['input']}: {first['msg']}") from err
-    sets = [*overrides, "warmstart.before_rl=false"]  # the audited policy is the one to play: no warm start first
-    if policy is not None and not is_checkpoint(policy):
-        sets.append(f"model.path={policy}")
-    raw = (load_config(config_path) if config_path else _config_of(policy)).model_dump()
-    cfg = validated(apply_overrides(raw, sets), where=dict.fromkeys(override_keys(sets), "from --set"))
-    if cfg.rollout.group_size < 2:
-        raise ValueError("rollout.group_size = 1: the group estimators need at least 2 episodes of a task")
-    name = name or default_name(policy, cfg)
-    if not NAME_PATTERN.fullmatch(name):
-        raise ValueError(f"--name {name!r}: up to 200 letters, digits and . _ = + , @ -, not starting with a dot")
-    ref = audited_policy(cfg, policy)
-    preflight.check_run(cfg, ref.path)
-    preflight.check_commands(cfg, ref.path, settings.split)
-    return cfg, settings, name
-
-
-def _config_of(policy: str | None) -> TrainConfig:
-    """The config a policy brings: its run's ``config.yaml`` (a checkpoint folder inside its run's folder), or
-    a logged policy's source run's (its artifact); else ``--config`` is needed."""
-    if policy is not None and is_checkpoint(policy):
-        found = Path(policy).expanduser().parent.parent / CONFIG_FILE
-        if found.is_file():
-            return load_config(found)
-    if policy is not None and policy.startswith(MODEL_URI_PREFIXES):
-        c = mlflow_runs.client(mlflow_runs.tracking_uri())
-        return config_of_run(c, mlflow_runs.resolve_policy(c, policy)[0])
-    raise ValueError("--config: give the config the policy plays by (environment, prompt, decoding, engine)")
-
-
-def default_name(policy: str | None, cfg: TrainConfig) -> str:
-    """``<policy>--audit-<env>-<tier>-s<seed>``, the policy named by its folder, run and iteration, or logged
-    name: the same command finds the same audit again (and resumes it)."""
-    if policy is None:
-        label = Path(cfg.model.path).name if cfg.model.path else "tiny"
-    elif is_checkpoint(policy):
-        path = Path(policy).expanduser()
-        label = f"{path.parent.parent.name}-iter{checkpoint_ref(path).iteration}"
-    elif policy.startswith(MODEL_URI_PREFIXES):
-        label = policy.partition(":/")[2].strip("/").replace("/", "-")
-    else:
-        label = Path(policy).name
-    return f"{label}--audit-{cfg.env.name}-{cfg.env.tier}-s{cfg.seed}"
+            close_owners(ref.ctx.run_dir)

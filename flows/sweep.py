@@ -9,7 +9,6 @@ Rerunning a sweep skips finished cells; an unfinished one resumes, as ``train`` 
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -17,8 +16,19 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from horizonrl.config.sweep import Cell, instance_name, load_sweep
 from horizonrl.run import preflight
-from horizonrl.tracking import mlflow_runs, sweep_runs
-from tasks.sweep import Link, close_sweep, link_cell, open_sweep, publish_report, publish_study, register_best, run_cell
+from tasks.sweep import (
+    Link,
+    close_sweep,
+    link_cell,
+    open_sweep,
+    publish_report,
+    publish_study,
+    register_best,
+    report_inputs,
+    run_cell,
+    scheduled_instance,
+    unfinished_cells,
+)
 
 
 @flow(name="sweep", log_prints=True)
@@ -38,13 +48,10 @@ def sweep(
     ``allow_change``: fields every resumed cell may change, as ``train``'s (recorded in each cell's run)."""
     log = get_run_logger()
     if new_instance and instance is None:
-        instance = f"{scheduled_time():%Y%m%dT%H%M%SZ}-{mlflow_runs.git_commit()[:8]}"
+        instance = scheduled_instance()
     spec, cells = load_sweep(sweep_path, instance)  # 1. every cell's config checked before any work
     name = instance_name(spec.name, instance)
-    cfg0 = cells[0].config
-    uri = mlflow_runs.tracking_uri(cfg0.tracking_uri)
-    c = mlflow_runs.client(uri)
-    todo = [cell for cell in cells if not sweep_runs.finished(c, cell)]
+    todo = unfinished_cells(cells)
     for cell in todo:  # and what each brings (model, environment, engine) before the first starts
         preflight.check_start(cell.config, allow_change or [])
     deployment = None if in_process else spec.deployment
@@ -52,7 +59,7 @@ def sweep(
         "sweep %s: %d cells, %d finished, %d to run (%s)",
         name, len(cells), len(cells) - len(todo), len(todo), deployment or "in process",
     )  # fmt: skip
-    link = Link(uri, open_sweep(spec, name, instance, cells, sweep_path), name)  # 2. the parent run
+    link = open_sweep(spec, name, instance, cells, sweep_path)  # 2. the parent run
     status, failed = "FAILED", {}
     try:
         if deployment:  # 3. the unfinished cells
@@ -60,7 +67,7 @@ def sweep(
         else:
             states = _run_here(todo, link, allow_change or [])
         failed = {name: state for name, state in states.items() if state != "Completed"}
-        rows = sweep_report(name, cfg0.experiment, uri, sweep_path, out)  # 4. the report
+        rows = sweep_report(name, cells[0].config.experiment, link.tracking_uri, sweep_path, out)  # 4. the report
         if spec.register_best:  # 5. the best cell's policy
             version = register_best(link, spec.register_best)
             log.info("best policy registered as %s version %s", spec.register_best, version)
@@ -70,14 +77,6 @@ def sweep(
     finally:
         close_sweep(link, [cell for cell in todo if cell.run_name in failed], status)
     return rows
-
-
-def scheduled_time() -> datetime:
-    """When this flow run was scheduled to start (the same for every retry of it); now, outside a flow run."""
-    from prefect.runtime import flow_run
-
-    when = flow_run.scheduled_start_time
-    return when.astimezone(UTC) if when is not None else datetime.now(UTC)
 
 
 @flow(name="sweep-report", log_prints=True)
@@ -90,19 +89,10 @@ def sweep_report(
 ) -> list[dict[str, Any]]:
     """Compare a sweep's finished cells from their MLflow metrics (``horizonrl.tracking.report``) and publish
     the page on the parent run (and at ``out``, e.g. ``docs/results.md``). Same store in, same page out."""
-    uri = mlflow_runs.tracking_uri(tracking_uri)
-    c = mlflow_runs.client(uri)
-    parent = mlflow_runs.find_run(c, experiment, sweep_name)
-    if parent is None:
-        raise ValueError(f"no sweep run named {sweep_name!r} in experiment {experiment!r}")
-    found = sweep_runs.histories(c, parent.info.run_id)
-    if not found:
-        raise ValueError(f"sweep {sweep_name!r} has no finished cell runs under it yet")
-    previous = sweep_runs.previous_instance(c, parent)
-    ctx = sweep_runs.page_context(c, parent, found, sweep_path, out, previous)
-    rows = publish_report(uri, parent, list(found.values()), ctx, out)
+    uri, parent, cells, ctx = report_inputs(sweep_name, experiment, tracking_uri, sweep_path, out)
+    rows = publish_report(uri, parent, cells, ctx, out)
     if sweep_path is not None:  # the methods paired by held-out task, from the cells' stored evaluations
-        publish_study(uri, parent.info.run_id, sweep_path, parent.data.tags.get(sweep_runs.INSTANCE_TAG))
+        publish_study(uri, parent, sweep_path)
     return rows
 
 

@@ -18,11 +18,12 @@ from prefect.runtime import flow_run
 
 from horizonrl.config import run_dir, train_config
 from horizonrl.run import preflight, runlock
-from horizonrl.tracking import mlflow_runs
+from tasks.context import open_owners
 from tasks.evaluate import evaluate
-from tasks.run import end_failed_run, finish_run, one_line_failures, start_afresh, start_run
+from tasks.failures import one_line_failures
+from tasks.run import clean_up_killed, end_failed_run, finish_run, open_run, start_afresh, starting_policy, verify_store
 from tasks.tracking import logged
-from tasks.warmstart import clone, log_losses, record_demonstrations
+from tasks.warmstart import clone, log_losses, record_demonstrations, register_warm_start
 
 
 @flow(name="warmstart", log_prints=True, on_failure=[end_failed_run], on_crashed=[end_failed_run])
@@ -41,10 +42,12 @@ def warmstart(
     changes = preflight.check_start(cfg, allow_change or [], length="warmstart.epochs")
     with runlock.hold(run_dir(cfg)) as lock:  # one process per run name, as for train
         lock.record(flow_run_id=flow_run.get_id())
-        start_afresh(cfg)
-        run = start_run(cfg, lock.previous, changes)
-        ctx, policy = run.ctx, run.policy
-        mlflow_runs.set_tags(ctx.mlflow(), ctx.mlflow_run_id, {"horizonrl.kind": "warmstart"})
+        start_afresh(cfg)  # a start that finished no epoch, run again with other settings, is no resume
+        clean_up_killed(lock.previous)
+        found = verify_store(cfg)
+        open_owners(cfg)  # the learner and its player, until finish_run
+        ctx = open_run(cfg, found, changes, kind="warmstart")
+        policy = starting_policy(ctx, found).policy
         log_losses(ctx, policy)  # a resumed run whose last epoch crashed before its log
         demos = record_demonstrations(ctx, policy)  # 1. walkthroughs as Parquet
         if held_out and not logged(ctx, "eval/success_rate", 0):
@@ -58,10 +61,7 @@ def warmstart(
             if held_out and (epoch % cfg.eval.every == 0 or epoch == cfg.warmstart.epochs):
                 evaluate(ctx, policy, epoch, end=epoch == cfg.warmstart.epochs)  # 3. held-out
         summary: dict[str, Any] = dict(finish_run(ctx, policy))  # 4. logged as an MLflow model
-    c = ctx.mlflow()
-    version = mlflow_runs.register_policy(c, ctx.mlflow_run_id, cfg.warmstart.model_name)
-    summary["model_uri"] = f"models:/{cfg.warmstart.model_name}/{version}"
-    mlflow_runs.set_tags(c, ctx.mlflow_run_id, {"horizonrl.registered_model": summary["model_uri"]})
+    summary["model_uri"] = register_warm_start(ctx)  # 5. registered: a train run starts from it
     print(
         f"warm start registered as {summary['model_uri']} (run {ctx.mlflow_run_id}); start RL from it with --set "
         f"model.path={summary['model_uri']}"

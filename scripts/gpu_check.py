@@ -194,14 +194,13 @@ def real_model_check(path: Path, out: Path, device: str, tolerance: float, tasks
     after the sync and the sync was in place. Returns the figures; prints them."""
     from benchmarks.pipeline import learn
     from horizonrl.config import load_config
-    from horizonrl.engines.vllm import engine_from_config
+    from horizonrl.engines.vllm import VLLMLaunch
     from horizonrl.engines.vllm_server import free_port
+    from horizonrl.envs import make_suite
     from horizonrl.models.loading import load_policy, resolve_device, resolve_dtype
     from horizonrl.models.probe import probe_of
     from horizonrl.rollout.loop import SamplingSettings, collect
     from horizonrl.rollout.prompting import ChatFormat
-    from horizonrl.run.learner import Learner
-    from horizonrl.run.player import Player
     from horizonrl.training.trainer import UpdateSettings
 
     root = Path(__file__).resolve().parents[1]
@@ -226,10 +225,10 @@ def real_model_check(path: Path, out: Path, device: str, tolerance: float, tasks
     model, tokenizer = load_policy(path, dtype)
     model.to(device)
     fmt = ChatFormat.for_tokenizer(tokenizer)
-    rt = Player(Learner())
-    suite, pool = rt.suite(cfg), rt.task_pool(cfg, "train", tasks)
+    suite = make_suite(cfg.env.name, cfg.env.suite_seed, cfg.env.games, cfg.data_dir)
+    pool = suite.tasks("train", cfg.env.tier, tasks)
     t0 = time.perf_counter()
-    engine = engine_from_config(cfg, str(path), list(fmt.stop_ids))
+    engine = VLLMLaunch.from_config(cfg).engine(str(path), list(fmt.stop_ids))
     print(f"{path.name}: {dtype}, vLLM ({device} build) up in {time.perf_counter() - t0:.0f} s")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.update.lr)
     s = UpdateSettings.from_config(cfg, tokenizer.pad_token_id, sampled_here=True)

@@ -14,6 +14,8 @@ from prefect.cache_policies import NONE
 
 import methods
 from horizonrl import faults, store
+from horizonrl.config import load_config
+from horizonrl.tracking import mlflow_runs
 from horizonrl.training.checkpoint import CheckpointRef, read_estimator_state
 from horizonrl.training.sequences import step_batch
 from methods.presets import estimator_of
@@ -103,12 +105,45 @@ def advantages(ctx: RunContext, iteration: int, rollouts: RolloutRef, policy: Ch
     return AdvantageRef(iteration, str(path), str(state_path) if state_path else None)
 
 
+@dataclass(frozen=True)
+class RecomputeRun:
+    """The MLflow run of a recomputation: ``<run_name>--recompute-<method>`` in the source run's experiment."""
+
+    tracking_uri: str
+    run_id: str
+
+
+@task(name="recompute-open", retries=1, retry_delay_seconds=2, cache_policy=NONE)
+def open_recompute_run(run_dir: str, method: str, params: dict) -> RecomputeRun:
+    """The MLflow run of recomputing ``method`` over the run in ``run_dir`` (found again by name), tagged with
+    the source run; its params (method, folder, estimator parameters) logged once. Retried: it writes to
+    the tracking store."""
+    d = Path(run_dir)
+    cfg = load_config(d / "config.yaml", []) if (d / "config.yaml").is_file() else None
+    experiment, run_name = (cfg.experiment, cfg.run_name) if cfg else (d.parent.name, d.name)
+    c = mlflow_runs.client(mlflow_runs.tracking_uri(cfg.tracking_uri if cfg else None))
+    source = mlflow_runs.find_run(c, experiment, run_name)
+    tags = {
+        "horizonrl.kind": "recompute",
+        "horizonrl.source_run": run_name,
+        "method": method,
+        **({"horizonrl.source_run_id": source.info.run_id} if source else {}),
+    }
+    run_id, resumed = mlflow_runs.find_or_create_run(c, experiment, f"{run_name}--recompute-{method}", tags)
+    if not resumed:
+        own = {"method": method, "run_dir": str(d), **{f"advantage_params.{k}": v for k, v in params.items()}}
+        mlflow_runs.log_params(c, run_id, own)
+    return RecomputeRun(c.tracking_uri, run_id)
+
+
 @task(name="recompute-advantage", cache_policy=NONE)
 def recompute_iteration(
-    iteration_dir: str, method: str, params: dict, state_in: dict | None
+    iteration_dir: str, method: str, params: dict, state_in: dict | None, run: RecomputeRun | None = None
 ) -> tuple[str, dict | None, dict[str, float]]:
     """Advantages of ``method`` over one stored iteration, written next to the original rollouts as
-    ``advantages-<method>.parquet`` (other methods' tables are left alone). Returns (path, state, stats)."""
+    ``advantages-<method>.parquet`` (other methods' tables are left alone), and with ``run`` the figures
+    logged there under the training run's names (once: a rerun logs no step twice). Returns (path, state,
+    stats)."""
     d = Path(iteration_dir)
     name = estimator_of(method)
     entry = methods.ADVANTAGES.get(name)
@@ -117,4 +152,15 @@ def recompute_iteration(
     ref = RolloutRef(-1, str(d / "episodes.parquet"), str(d / "turns.parquet"))
     table, state, stats = compute_advantages(ref, name, entry.params_cls(**params), state_in, update_index)
     path, _, _ = store.write_advantages(d, method, table, state)
+    it = int(d.name.split("=")[1])
+    faults.kill_point("recompute", it)
+    if run is not None:
+        c = mlflow_runs.client(run.tracking_uri)
+        if not any(m.step == it for m in c.get_metric_history(run.run_id, "advantage/trajectories")):
+            mlflow_runs.log_metrics(c, run.run_id, "advantage", shared_names(stats, method), it)
     return str(path), state, stats
+
+
+@task(name="recompute-close", retries=1, retry_delay_seconds=2, cache_policy=NONE)
+def close_recompute_run(run: RecomputeRun) -> None:
+    mlflow_runs.client(run.tracking_uri).set_terminated(run.run_id, "FINISHED")

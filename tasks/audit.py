@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -30,15 +30,15 @@ from horizonrl.audit import page, truth
 from horizonrl.audit import points as audit_points
 from horizonrl.audit.policy import checkpoint_ref, is_checkpoint, training_run
 from horizonrl.config import MODEL_URI_PREFIXES, AuditConfig, TrainConfig
+from horizonrl.envs import EnvSuite, make_suite
 from horizonrl.files import write_json
-from horizonrl.rollout.branching import collect_branches, plan_branches
-from horizonrl.rollout.loop import SamplingSettings, sample_tasks, split_shards
+from horizonrl.rollout.loop import sample_tasks, split_shards
 from horizonrl.rollout.metrics import check_complete
 from horizonrl.run.learner import initial_model_dir, policy_from_store
 from horizonrl.seeding import derive_seed
 from horizonrl.tracking import mlflow_runs
 from horizonrl.training.checkpoint import CheckpointRef
-from tasks.context import PLAYER, RunContext
+from tasks.context import RunContext, close_owners, open_owners, owners
 from tasks.run import run_params
 from tasks.tracking import log_stage
 
@@ -81,7 +81,8 @@ def audited_policy(cfg: TrainConfig, source: str | None) -> CheckpointRef:
         return checkpoint_ref(source)
     if source is not None and source.startswith(MODEL_URI_PREFIXES):
         return policy_from_store(cfg)
-    return CheckpointRef(str(initial_model_dir(cfg, PLAYER.suite(cfg))), 0)
+    suite = make_suite(cfg.env.name, cfg.env.suite_seed, cfg.env.games, cfg.data_dir)
+    return CheckpointRef(str(initial_model_dir(cfg, suite)), 0)
 
 
 @task(name="audit-start", cache_policy=NONE)
@@ -100,7 +101,7 @@ def start_audit(cfg: TrainConfig, audit: AuditConfig, source: str | None, name: 
     if not resumed:
         audit_params = {f"audit.{k}": str(v) for k, v in audit.model_dump().items()}
         mlflow_runs.log_params(
-            c, run_id, {**run_params(cfg, policy.path), **audit_params, "audit.policy": source or ""}
+            c, run_id, {**run_params(cfg, _suite(cfg), policy.path), **audit_params, "audit.policy": source or ""}
         )
     trained_by = training_run(policy, c)
     ctx = RunContext(cfg.model_copy(update={"run_name": name}), str(folder), c.tracking_uri, run_id)
@@ -133,14 +134,13 @@ def play_groups(ref: AuditRef) -> GroupsRef:
     if Path(groups.appo_episodes).is_file():
         return groups
     cfg, t0, cpu0 = ref.ctx.cfg, time.perf_counter(), time.process_time()
-    PLAYER.sync(cfg, ref.policy)
+    player = owners(ref.ctx).player
+    player.sync(ref.policy)
     size = cfg.env.train_pool if ref.audit.split == "train" else ref.audit.tasks
-    tasks = sample_tasks(
-        PLAYER.task_pool(cfg, ref.audit.split, size), ref.audit.tasks, derive_seed(cfg.seed, "audit"), 0
-    )
+    tasks = sample_tasks(player.task_pool(ref.audit.split, size), ref.audit.tasks, derive_seed(cfg.seed, "audit"), 0)
     shard = split_shards(tasks, 1, cfg.rollout.group_size, derive_seed(cfg.seed, "audit", "play"))[0]
-    records = PLAYER.play(cfg, shard, cfg.rollout.group_size)
-    branches = _appo_branches(cfg, records, derive_seed(cfg.seed, "audit", "branches"))
+    records = player.play(shard)
+    branches, _ = player.play_branches(records, derive_seed(cfg.seed, "audit", "branches"))
     check_complete(records + branches, "audit episodes")
     for rows, episodes, turns in ((records, groups.episodes, groups.turns),
                                   (records + branches, groups.appo_episodes, groups.appo_turns)):  # fmt: skip
@@ -151,17 +151,17 @@ def play_groups(ref: AuditRef) -> GroupsRef:
     return groups
 
 
-def _appo_branches(cfg: TrainConfig, records: list, seed: int) -> list:
-    """APPO's branches over the played groups, planned and played with APPO's settings (its preset and
-    ``per_method.appo``) by the player that played them."""
-    params = cfg.model_copy(update={"method": "appo", "advantage_params": {}, "loss_params": {}}).branching()
-    starts, _, _ = plan_branches(
-        records, cfg.rollout.branch_budget or cfg.rollout.group_size, params, PLAYER.fmt.tokenizer
-    )
-    settings = SamplingSettings.from_config(cfg, PLAYER.suite(cfg), seed)
-    return collect_branches(
-        PLAYER.episodes(cfg), starts, PLAYER.engine, PLAYER.fmt, settings, first_rollout_id=len(records)
-    )
+def open_audit_player(ref: AuditRef) -> None:
+    """The audit's player, built as an evaluation's (``tasks.context.open_owners``), with APPO's branching
+    settings (its preset and ``per_method.appo``): it plays the groups, APPO's branches over them and the
+    continuations."""
+    appo = {"method": "appo", "advantage_params": {}, "loss_params": {}}
+    open_owners(ref.ctx.cfg.model_copy(update=appo), evaluation=True)
+
+
+def _suite(cfg: TrainConfig) -> EnvSuite:
+    """The suite ``cfg`` plays (the suite factory: what a run's params need, without a player)."""
+    return make_suite(cfg.env.name, cfg.env.suite_seed, cfg.env.games, cfg.data_dir)
 
 
 @task(name="audit-points", cache_policy=NONE)
@@ -216,17 +216,18 @@ def _block(ref: AuditRef, parents: dict, plan: list, b: int, n: int, first: int)
         stored = store.read_table(paths[1], "episodes")
         if truth.matches(stored, plan, parents, first):
             return stored, Counter()
-    PLAYER.sync(cfg, ref.policy)
-    before = Counter(getattr(PLAYER.engine, "counts", {}))
-    settings = SamplingSettings.from_config(cfg, PLAYER.suite(cfg), derive_seed(cfg.seed, "audit", "block", b))
-    records = truth.play_block(PLAYER.episodes(cfg), parents, plan, PLAYER.engine, PLAYER.fmt, settings, first)
+    player = owners(ref.ctx).player
+    player.sync(ref.policy)
+    before = Counter(getattr(player.engine, "counts", {}))
+    settings = replace(player.sampling, seed=derive_seed(cfg.seed, "audit", "block", b))
+    records = truth.play_block(player.episodes(), parents, plan, player.engine, player.fmt, settings, first)
     check_complete(records, "continuations")  # a dead server's: never stored as returns; the retry restarts it
     store.write_table(store.turns_table(records, ref.policy.iteration), paths[0], "turns")
     table = store.episodes_table(records, cfg.run_name, 0, ref.policy.iteration)
     store.write_table(table, paths[1], "episodes")
     get_run_logger().info("audit block %d of %d: %d continuations played", b + 1, n, len(records))
     spent = Counter(seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - cpu0)
-    return table, Counter(getattr(PLAYER.engine, "counts", {})) - before + spent
+    return table, Counter(getattr(player.engine, "counts", {})) - before + spent
 
 
 @task(name="audit-finish", cache_policy=NONE)
@@ -254,12 +255,12 @@ _ENDS = (("", "value"), ("_low", "low"), ("_high", "high"), ("_n", "n"))
 def end_failed_audit(flow: object, flow_run: FlowRun, state: State) -> None:
     """Audit flow hook (failure, crash): the environment workers stopped, and the audit's MLflow run marked
     FAILED with the cause (tag ``horizonrl.failure``); the same command resumes it."""
-    PLAYER.close_episodes()
     params = flow_run.parameters
     try:
         cfg = TrainConfig.model_validate(params["config"], context={"read_files": False})
     except (ValueError, KeyError):
         return
+    close_owners(Path(cfg.data_dir) / cfg.experiment / (params.get("name") or ""))
     c = mlflow_runs.client(mlflow_runs.tracking_uri(cfg.tracking_uri))
     run = mlflow_runs.find_run(c, cfg.experiment, params.get("name") or "")
     if run is not None and run.info.status == "RUNNING":

@@ -15,21 +15,13 @@ from horizonrl import faults, shared_eval
 from horizonrl.config import TrainConfig
 from horizonrl.rollout.loop import Shard, split_shards
 from horizonrl.rollout.metrics import TASK_COLUMNS, check_complete, episode_metrics, sample_episodes, task_outcomes
-from horizonrl.run.player import Player
 from horizonrl.seeding import derive_seed
 from horizonrl.store import StoreError, episodes_table, iteration_dir, read_table, turns_table, write_table
-from horizonrl.tracking import mlflow_runs
 from horizonrl.tracking.mlflow_runs import log_table
 from horizonrl.tracking.stats import paired_change
 from horizonrl.training.checkpoint import CheckpointRef, policy_digest
-from tasks.context import GENERATOR, PLAYER, RunContext
-from tasks.tracking import log_stage, log_success_by_env_steps, logged, trace_evaluation
-
-
-def evaluator(cfg: TrainConfig) -> Player:
-    """Who plays the evaluation: the learner's player, or in an asynchronous vLLM run the generator, which
-    owns the run's one server (the train flow lets the collects in flight end first, docs/algorithms.md §1.10)."""
-    return GENERATOR if cfg.engine.name == "vllm" and cfg.rollout.max_staleness else PLAYER
+from tasks.context import RunContext, owners
+from tasks.tracking import log_stage, log_success_by_env_steps, logged, set_run_tags, trace_evaluation
 
 
 @dataclass(frozen=True)
@@ -52,8 +44,8 @@ def play(ctx: RunContext, policy: CheckpointRef, iteration: int, what: Plays) ->
     (``<kind>-block-<b>-of-<n>-*.parquet`` in the iteration's folder) and a block stored by an earlier try of
     this very evaluation (same checkpoint, tasks and sampling seeds) is read instead of played again."""
     cfg, kind, samples = ctx.cfg, what.kind, what.samples
-    p = evaluator(cfg)
-    tasks = p.task_pool(cfg, cfg.eval.split, what.n_tasks)
+    p = owners(ctx).evaluator  # in an asynchronous vLLM run the generator: it owns the run's one server
+    tasks = p.task_pool(cfg.eval.split, what.n_tasks)
     n_blocks = math.ceil(len(tasks) / cfg.eval.block_tasks) if cfg.eval.block_tasks else 1
     d = iteration_dir(cfg.data_dir, cfg.experiment, cfg.run_name, iteration)
     synced, episodes, turns = False, [], []
@@ -62,9 +54,9 @@ def play(ctx: RunContext, policy: CheckpointRef, iteration: int, what: Plays) ->
         stored = _stored_block(paths, shard, samples, policy.iteration) if n_blocks > 1 else None
         if stored is None:
             if not synced:
-                p.sync(cfg, policy)
+                p.sync(policy)
                 synced = True
-            records = p.play(cfg, shard, samples, what.greedy)
+            records = p.play(shard, what.greedy)
             check_complete(records)
             stored = (
                 turns_table(records, policy.iteration),
@@ -100,7 +92,7 @@ def played(ctx: RunContext, policy: CheckpointRef, iteration: int, what: Plays) 
         get_run_logger().info(
             "iteration 0 %s: read as run %s played it (the same policy and settings)", kind, played_by["run_name"]
         )
-    mlflow_runs.set_tags(ctx.mlflow(), ctx.mlflow_run_id, {f"horizonrl.eval0.{kind}.played_by": played_by["run_name"]})
+    set_run_tags(ctx, {f"horizonrl.eval0.{kind}.played_by": played_by["run_name"]})
     return episodes, turns
 
 
@@ -168,13 +160,31 @@ def evaluate(
         seed = derive_seed(cfg.seed, "eval-greedy", iteration)
         greedy = played(ctx, policy, iteration, Plays("eval_greedy", n_tasks, 1, True, seed))
         greedy_metrics = episode_metrics(greedy[0])
-        metrics.update(
-            {f"greedy_{k}": greedy_metrics[k] for k in ("success_rate", "mean_return", "mean_turns", "invalid_rate")}
-        )
+        metrics.update({f"greedy_{k}": greedy_metrics[k] for k in GREEDY_FIGURES})
     store_evaluation(ctx, iteration, "eval", episodes, turns)
     if greedy is not None:
         store_evaluation(ctx, iteration, "eval_greedy", *greedy)
     faults.kill_point("evaluate", iteration)
+    _log_evaluation(ctx, iteration, episodes, turns, metrics, env_steps)
+    log_stage(
+        ctx, "time", {"eval_s": time.perf_counter() - t0}, iteration
+    )  # this try's; with the iterations', a run's cost
+    return metrics
+
+
+GREEDY_FIGURES = ("success_rate", "mean_return", "mean_turns", "invalid_rate")
+"""The figures of greedy decoding logged beside the sampled ones, as ``eval/greedy_<name>``."""
+
+
+def _log_evaluation(
+    ctx: RunContext,
+    iteration: int,
+    episodes: pa.Table,
+    turns: pa.Table,
+    metrics: dict[str, float],
+    env_steps: int | None,
+) -> None:
+    """An evaluation's sample table, traces and ``eval/*`` figures, and its log line."""
     if not logged(ctx, "eval/success_rate", iteration):
         table = sample_episodes(episodes, turns)
         log_table(ctx.mlflow(), ctx.mlflow_run_id, table, f"episodes/eval_iter_{iteration:05d}.json")
@@ -182,9 +192,6 @@ def evaluate(
     if env_steps is not None:
         log_success_by_env_steps(ctx, env_steps, metrics["success_rate"])
     log_stage(ctx, "eval", metrics, iteration)
-    log_stage(
-        ctx, "time", {"eval_s": time.perf_counter() - t0}, iteration
-    )  # this try's; with the iterations', a run's cost
     greedy_text = f" (greedy {metrics['greedy_success_rate']:.3f})" if "greedy_success_rate" in metrics else ""
     paired_text = (
         f"; paired change from iteration 0 {100 * metrics['paired_change']:+.1f} points "
@@ -201,7 +208,6 @@ def evaluate(
         episodes.num_rows,
         paired_text,  # nothing but at the run's last end
     )
-    return metrics
 
 
 def paired_figures(ctx: RunContext, episodes: pa.Table) -> dict[str, float]:

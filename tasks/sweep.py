@@ -39,12 +39,39 @@ from horizonrl.tracking import (
 UNFINISHED = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING]
 
 
+@task(name="sweep-unfinished", cache_policy=NONE)
+def unfinished_cells(cells: list[Cell]) -> list[Cell]:
+    """The cells whose run has not ended after all its iterations (``sweep_runs.finished``): the ones to run."""
+    c = mlflow_runs.client(mlflow_runs.tracking_uri(cells[0].config.tracking_uri))
+    return [cell for cell in cells if not sweep_runs.finished(c, cell)]
+
+
+def scheduled_instance() -> str:
+    """The name of a scheduled firing's instance: when its flow run was scheduled to start (the same for every
+    retry of it; now, outside a flow run) and the commit, so a rerun of the same flow run resumes it."""
+    from prefect.runtime import flow_run
+
+    when = flow_run.scheduled_start_time
+    when = when.astimezone(UTC) if when is not None else datetime.now(UTC)
+    return f"{when:%Y%m%dT%H%M%SZ}-{mlflow_runs.git_commit()[:8]}"
+
+
+@dataclass(frozen=True)
+class Link:
+    """Where a starting cell's run is nested: the store and the sweep's parent run."""
+
+    tracking_uri: str
+    parent_id: str
+    sweep_name: str
+
+
 @task(name="sweep-open", cache_policy=NONE)
-def open_sweep(spec: SweepConfig, name: str, instance: str | None, cells: list[Cell], sweep_path: str) -> str:
+def open_sweep(spec: SweepConfig, name: str, instance: str | None, cells: list[Cell], sweep_path: str) -> Link:
     """The sweep's parent run (found or created, tagged with the commit, the sweep file logged), with the
-    cells that started before nested under it; returns the parent's run id."""
+    cells that started before nested under it."""
     cfg0 = cells[0].config
-    c = mlflow_runs.client(mlflow_runs.tracking_uri(cfg0.tracking_uri))
+    uri = mlflow_runs.tracking_uri(cfg0.tracking_uri)
+    c = mlflow_runs.client(uri)
     tags = {
         sweep_runs.SWEEP_TAG: name,
         "horizonrl.kind": "sweep",
@@ -56,16 +83,7 @@ def open_sweep(spec: SweepConfig, name: str, instance: str | None, cells: list[C
     c.log_text(parent_id, Path(sweep_path).read_text(), "sweep.yaml")
     for cell in cells:
         sweep_runs.link(c, parent_id, name, cell, create=False)
-    return parent_id
-
-
-@dataclass(frozen=True)
-class Link:
-    """Where a starting cell's run is nested: the store and the sweep's parent run."""
-
-    tracking_uri: str
-    parent_id: str
-    sweep_name: str
+    return Link(uri, parent_id, name)
 
 
 @task(name="sweep-link-cell", task_run_name="link {cell.run_name}", cache_policy=NONE)
@@ -85,6 +103,24 @@ def close_sweep(link: Link, failed_cells: list[Cell], status: str) -> None:
     c.set_terminated(link.parent_id, status)
 
 
+@task(name="sweep-report-inputs", cache_policy=NONE)
+def report_inputs(
+    sweep_name: str, experiment: str, tracking_uri: str | None, sweep_path: str | None, out: str | None
+) -> tuple[str, Any, list[report.CellHistory], results_page.PageContext]:
+    """What the sweep's page is made of: (store, parent run, every finished cell's histories, the page's
+    context: the sweep file, the previous instance)."""
+    uri = mlflow_runs.tracking_uri(tracking_uri)
+    c = mlflow_runs.client(uri)
+    parent = mlflow_runs.find_run(c, experiment, sweep_name)
+    if parent is None:
+        raise ValueError(f"no sweep run named {sweep_name!r} in experiment {experiment!r}")
+    found = sweep_runs.histories(c, parent.info.run_id)
+    if not found:
+        raise ValueError(f"sweep {sweep_name!r} has no finished cell runs under it yet")
+    previous = sweep_runs.previous_instance(c, parent)
+    return uri, parent, list(found.values()), sweep_runs.page_context(c, parent, found, sweep_path, out, previous)
+
+
 @task(name="sweep-publish-report", cache_policy=NONE)
 def publish_report(
     tracking_uri: str,
@@ -97,29 +133,10 @@ def publish_report(
     metrics to the parent run; publish table, summary and, for an instance, the drift from the previous
     instance as Prefect artifacts; ``out`` also writes the page and its figures there. Rerunning it
     replaces the parent's report files with the same page."""
-    import matplotlib.pyplot as plt
-
     c = mlflow_runs.client(tracking_uri)
     parent_id, sweep_name = parent.info.run_id, parent.info.run_name
     summaries = report.summarize(cells)
-    curves = report.curves(cells)
-    pages = {"report": ("report/report.md", {x: f"success_vs_{x}.png" for x in report.X_AXES})}
-    if out is not None:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)  # its figures are written before the page
-        pages["out"] = (out, {x: f"{Path(out).stem}_{x}.png" for x in report.X_AXES})
-    for where, (page, figures) in pages.items():
-        md = results_page.results_page(cells, ctx, figures)
-        for x, name in figures.items():
-            fig = plots.plot(curves, x)
-            if where == "report":
-                c.log_figure(parent_id, fig, f"report/{name}")
-            else:
-                fig.savefig(Path(out).parent / name, metadata={"Software": None})
-            plt.close(fig)
-        if where == "report":
-            c.log_text(parent_id, md, page)
-        else:
-            Path(out).write_text(md)
+    pages = _write_pages(c, parent_id, cells, ctx, out)
     rows = report.table(summaries)
     c.log_text(parent_id, pd.DataFrame(rows).to_json(orient="split", index=False), sweep_runs.REPORT_TABLE)
     sweep_runs.log_comparison(c, parent_id, rows)
@@ -140,6 +157,34 @@ def publish_report(
     if out is not None:
         print(f"page: {out}; figures: {', '.join(str(Path(out).parent / f) for f in pages['out'][1].values())}")
     return rows
+
+
+def _write_pages(
+    c: Any, parent_id: str, cells: list[report.CellHistory], ctx: results_page.PageContext, out: str | None
+) -> dict[str, tuple[str, dict[str, str]]]:
+    """The results page and its learning curves: to the parent run (``report/``) and, with ``out``, beside
+    ``out``; returns {where: (page, {x axis: figure file})}."""
+    import matplotlib.pyplot as plt
+
+    curves = report.curves(cells)
+    pages = {"report": ("report/report.md", {x: f"success_vs_{x}.png" for x in report.X_AXES})}
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)  # its figures are written before the page
+        pages["out"] = (out, {x: f"{Path(out).stem}_{x}.png" for x in report.X_AXES})
+    for where, (page, figures) in pages.items():
+        md = results_page.results_page(cells, ctx, figures)
+        for x, name in figures.items():
+            fig = plots.plot(curves, x)
+            if where == "report":
+                c.log_figure(parent_id, fig, f"report/{name}")
+            else:
+                fig.savefig(Path(out).parent / name, metadata={"Software": None})
+            plt.close(fig)
+        if where == "report":
+            c.log_text(parent_id, md, page)
+        else:
+            Path(out).write_text(md)
+    return pages
 
 
 def _publish_drift(c: Any, parent: Any, summaries: list[report.VariantSummary], ctx: results_page.PageContext) -> None:
@@ -166,15 +211,15 @@ def _publish_drift(c: Any, parent: Any, summaries: list[report.VariantSummary], 
 
 
 @task(name="sweep-publish-study", cache_policy=NONE)
-def publish_study(tracking_uri: str, parent_id: str, sweep_path: str, instance: str | None) -> int:
+def publish_study(tracking_uri: str, parent: Any, sweep_path: str) -> int:
     """The cells compared task by task, on the parent run: the study's record and page (``horizonrl study``)
     under ``study/``, and each pair of methods' pooled paired difference and verdict as
     ``compare/<a>-vs-<b>/...`` metrics beside the variants' figures. Returns how many figures it logged."""
-    spec, cells = load_sweep(sweep_path, instance)
-    c = mlflow_runs.client(tracking_uri)
+    spec, cells = load_sweep(sweep_path, parent.data.tags.get(sweep_runs.INSTANCE_TAG))
+    c, parent_id = mlflow_runs.client(tracking_uri), parent.info.run_id
     with tempfile.TemporaryDirectory() as tmp:
         record, out = Path(tmp) / "record", Path(tmp) / "page.md"
-        study_record.export(cells, c, record)
+        study_record.export(cells, tracking_uri, record)
         study_page.write(record, out, study_page.meta(spec.name, sweep_path, "record", "page.md", spec.tuning))
         c.log_artifacts(parent_id, tmp, "study")
         outcomes, _, status = study_record.load(record)

@@ -9,7 +9,9 @@ logged again either.
 from __future__ import annotations
 
 import os
+import resource
 import sys
+import time
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -45,6 +47,27 @@ def log_stage(
     mlflow_runs.log_metrics(c, ctx.mlflow_run_id, stage, metrics, iteration)
     for name, (path, digest) in (inputs or {}).items():
         mlflow_runs.log_parquet_input(c, ctx.mlflow_run_id, name, path, digest)
+
+
+def log_startup(ctx: RunContext, started: str | None, iteration: int) -> None:
+    """``time/startup_s``: from the process's start (``started``, Unix time as text; None: not a command's
+    process, e.g. a sweep cell or a deployment) to the run's first stage: imports, Prefect's API server,
+    opening the run."""
+    if started is not None:
+        log_stage(ctx, "time", {"startup_s": time.time() - float(started)}, iteration)
+
+
+def log_iteration(ctx: RunContext, iteration: int, seconds: float, elapsed_s: float, env_steps: int) -> None:
+    """An iteration's ``time/*`` figures (its wall seconds, the run's training seconds and environment steps
+    so far) and ``system/max_rss_mb``, the process's peak memory."""
+    figures = {"iteration_s": seconds, "train_s": elapsed_s, "env_steps": env_steps}
+    log_stage(ctx, "time", figures, iteration)
+    log_stage(ctx, "system", {"max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, iteration)
+
+
+def set_run_tags(ctx: RunContext, tags: dict[str, str]) -> None:
+    """Tags on the run's MLflow run (set again with the same value on a retry or resume)."""
+    mlflow_runs.set_tags(ctx.mlflow(), ctx.mlflow_run_id, tags)
 
 
 def log_adapter(ctx: RunContext, ref: CheckpointRef) -> None:

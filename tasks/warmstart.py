@@ -11,17 +11,18 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from horizonrl import faults, store
-from horizonrl.config import TrainConfig
+from horizonrl.config import WarmStartConfig
 from horizonrl.files import file_digest
 from horizonrl.rollout.loop import turn_horizon
 from horizonrl.seeding import derive_seed
+from horizonrl.tracking import mlflow_runs
 from horizonrl.training.checkpoint import CheckpointRef, read_state, save_checkpoint
 from horizonrl.training.cloning import clone_epoch
 from horizonrl.training.demonstrations import play_walkthroughs
 from horizonrl.training.sequences import train_rows
 from horizonrl.training.trainer import annealed_lr
-from tasks.context import LEARNER, PLAYER, RunContext
-from tasks.tracking import log_adapter, log_stage, logged
+from tasks.context import RunContext, owners
+from tasks.tracking import log_adapter, log_stage, logged, set_run_tags
 
 
 @dataclass(frozen=True)
@@ -35,27 +36,10 @@ def record_demonstrations(ctx: RunContext, policy: CheckpointRef) -> Demonstrati
     """Play the walkthroughs of the first ``warmstart.demonstrations`` training tasks and store them in the
     trajectory schema (``kind = demonstration``), tokenized by ``policy``'s tokenizer; stored once, reused
     by a resumed run."""
-    cfg, ws = ctx.cfg, ctx.cfg.warmstart
     d = ctx.path / "demonstrations"
     ref = DemonstrationsRef(str(d / "episodes.parquet"), str(d / "turns.parquet"))
     if not (d / "episodes.parquet").is_file():
-        suite = PLAYER.suite(cfg)
-        fmt = PLAYER.format(cfg, policy)
-        tasks = suite.tasks("train", cfg.env.tier, ws.demonstrations)
-        records = play_walkthroughs(
-            suite,
-            tasks,
-            fmt,
-            action_mode=cfg.rollout.action_mode,
-            context=cfg.rollout.context,
-            history_turns=cfg.rollout.history_turns,
-            max_turns=turn_horizon(cfg, suite),
-            perturbed_share=ws.perturbed_share,
-            seed=cfg.seed,
-            expert=ws.expert,
-        )
-        store.write_table(store.turns_table(records, 0), ref.turns, "turns")
-        store.write_table(store.episodes_table(records, cfg.run_name, 0, 0), ref.episodes, "episodes")
+        _play_demonstrations(ctx, policy, ref)
     episodes = store.read_table(ref.episodes, "episodes", columns=["won", "n_turns", "gen_tokens"])
     stats = {
         "episodes": float(episodes.num_rows),
@@ -78,15 +62,34 @@ def record_demonstrations(ctx: RunContext, policy: CheckpointRef) -> Demonstrati
     return ref
 
 
+def _play_demonstrations(ctx: RunContext, policy: CheckpointRef, ref: DemonstrationsRef) -> None:
+    """Play the walkthroughs with the run's suite, in ``policy``'s chat format, and store them."""
+    cfg, ws, player = ctx.cfg, ctx.cfg.warmstart, owners(ctx).player
+    records = play_walkthroughs(
+        player.suite,
+        player.suite.tasks("train", cfg.env.tier, ws.demonstrations),
+        player.chat_format(policy),
+        action_mode=cfg.rollout.action_mode,
+        context=cfg.rollout.context,
+        history_turns=cfg.rollout.history_turns,
+        max_turns=turn_horizon(cfg.env, player.suite),
+        perturbed_share=ws.perturbed_share,
+        seed=cfg.seed,
+        expert=ws.expert,
+    )
+    store.write_table(store.turns_table(records, 0), ref.turns, "turns")
+    store.write_table(store.episodes_table(records, cfg.run_name, 0, 0), ref.episodes, "episodes")
+
+
 @task(name="clone", cache_policy=NONE)
 def clone(ctx: RunContext, epoch: int, demos: DemonstrationsRef, policy: CheckpointRef) -> CheckpointRef:
     """One epoch of behaviour cloning from ``policy``; its output is checkpoint ``epoch``. Logs the loss of
     every optimizer step (``clone/loss``, step = optimizer step) and the epoch's mean (``clone/epoch_loss``).
     Not retried, like the PPO update: a half-applied epoch lives only in memory."""
-    cfg, ws = ctx.cfg, ctx.cfg.warmstart
-    loaded = LEARNER.get(cfg, policy)
+    cfg, ws, learner = ctx.cfg, ctx.cfg.warmstart, owners(ctx).learner
+    loaded = learner.get(policy)
     try:
-        lr = _clone_lr(cfg, epoch)
+        lr = _clone_lr(ws, epoch)
         for group in loaded.optimizer.param_groups:
             group["lr"] = lr
         rows = train_rows(store.read_table(demos.turns, "turns"), cfg.rollout.context)
@@ -110,16 +113,28 @@ def clone(ctx: RunContext, epoch: int, demos: DemonstrationsRef, policy: Checkpo
         }
         ref = save_checkpoint(ctx.path, epoch, loaded.model, loaded.tokenizer, loaded.optimizer, state)
     except BaseException:
-        LEARNER.drop()
+        learner.weights.drop()
         raise
     faults.kill_point("clone", epoch)
-    LEARNER.advance(ref)
+    learner.weights.advance(ref)
     log_adapter(ctx, ref)
     log_losses(ctx, ref)
     get_run_logger().info(
         "epoch %d: %d steps at lr %.2g, loss %.4f -> %.4f", epoch, len(losses), lr, losses[0], losses[-1]
     )
     return ref
+
+
+@task(name="register-warm-start", retries=1, retry_delay_seconds=2, cache_policy=NONE)
+def register_warm_start(ctx: RunContext) -> str:
+    """Register the run's logged policy as ``warmstart.model_name`` (a finished warm start run again registers
+    nothing new) and tag the run with it; returns the ``models:/<name>/<version>`` URI. Retried: it writes
+    to the tracking store."""
+    name = ctx.cfg.warmstart.model_name
+    version = mlflow_runs.register_policy(ctx.mlflow(), ctx.mlflow_run_id, name)
+    model_uri = f"models:/{name}/{version}"
+    set_run_tags(ctx, {"horizonrl.registered_model": model_uri})
+    return model_uri
 
 
 def log_losses(ctx: RunContext, ref: CheckpointRef) -> None:
@@ -133,11 +148,13 @@ def log_losses(ctx: RunContext, ref: CheckpointRef) -> None:
     for i in range(0, len(metrics), 1000):  # MLflow's batch limit
         ctx.mlflow().log_batch(ctx.mlflow_run_id, metrics=metrics[i : i + 1000])
     log_stage(
-        ctx, "clone", {"epoch_loss": sum(losses) / len(losses), "lr": _clone_lr(ctx.cfg, ref.iteration)}, ref.iteration
+        ctx,
+        "clone",
+        {"epoch_loss": sum(losses) / len(losses), "lr": _clone_lr(ctx.cfg.warmstart, ref.iteration)},
+        ref.iteration,
     )
 
 
-def _clone_lr(cfg: TrainConfig, epoch: int) -> float:
+def _clone_lr(ws: WarmStartConfig, epoch: int) -> float:
     """The cloning rate of ``epoch`` (1-based): ``warmstart.lr``, annealed to ``warmstart.lr_final``."""
-    ws = cfg.warmstart
     return annealed_lr(ws.lr, ws.lr_final, epoch, ws.epochs)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from horizonrl.tracking.mlflow_runs import RUN_NAME_TAG
+from horizonrl.training.checkpoint import CheckpointRef, resume_checkpoint
 from mlflow import MlflowClient
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,6 +139,29 @@ def cli_run(args: list[str], env: dict[str, str], log_dir: Path, timeout: float 
     err.write_text("")
     rc = CLIProcess(args, env, out, stderr=err).wait(timeout)
     return subprocess.CompletedProcess(["horizonrl", *args], rc, out.read_text(), err.read_text())
+
+
+def newest_checkpoint(run_dir: Path) -> CheckpointRef | None:
+    """The newest checkpoint of the run in ``run_dir`` that verifies against its manifest, or None."""
+    return resume_checkpoint(run_dir)[0]
+
+
+def built_owners(monkeypatch, on_build=None) -> list:
+    """Every run's owners the construction point builds in this process while the test runs (``on_build``
+    called with each as it is built), so a test can look at what a flow built and closed."""
+    import tasks.context
+
+    built, build = [], tasks.context.build_run
+
+    def record(cfg):
+        owners = build(cfg)
+        built.append(owners)
+        if on_build is not None:
+            on_build(owners)
+        return owners
+
+    monkeypatch.setattr(tasks.context, "build_run", record)
+    return built
 
 
 def run_of(c: MlflowClient, name: str):

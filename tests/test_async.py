@@ -11,20 +11,19 @@ import signal
 import pyarrow.parquet as pq
 import pytest
 import torch
-from flowkit import run_of, steps
+from flowkit import built_owners, newest_checkpoint, run_of, steps
 from safetensors.torch import load_file
 from test_reliability import api_url, assert_same_tensors, config, files, finish, run_dir, start_cli  # noqa: F401
 
 from horizonrl import store
 from horizonrl.config import TrainConfig, load_config
 from horizonrl.models.loading import load_policy
-from horizonrl.run.learner import Policy
-from horizonrl.training.checkpoint import CheckpointRef, checkpoint_dir, latest_checkpoint
+from horizonrl.training.checkpoint import checkpoint_dir
+from horizonrl.training.iteration import UpdatePlan
 from horizonrl.training.sequences import TrainRow, attach_advantages, train_rows
 from horizonrl.training.trainer import UpdateSettings, behaviour_weighted, recompute_old_logprobs
 from methods.losses import PPOLossParams, ppo_clip
 from mlflow import MlflowClient
-from tasks.context import GENERATOR
 
 MAIN = "configs/loop_household_easy.yaml"
 
@@ -57,6 +56,19 @@ def test_defaults_are_synchronous_and_keep_the_pi_old_path():
         load_config(MAIN, ["rollout.max_staleness=1"]), 0, sampled_here=False, decoupled=True
     )
     assert stale.decoupled and stale.pi_old_tol is None, "rows of an older version: pi_old (pi_prox) recomputed"
+
+
+@pytest.mark.parametrize("stale", [False, True])
+@pytest.mark.parametrize(
+    "overrides", [[], ["engine.name=vllm"], ["model.lora.rank=4"], ["rollout.runner=ray", "rollout.shards=2"]]
+)
+def test_the_learners_settings_for_an_updates_rows_are_the_configs(overrides, stale):
+    """The learner's plan, built once at the run's start, adapted to one update's rows (``for_rows``) gives
+    what ``UpdateSettings.from_config`` gives for those rows: the pi_old shortcut only for rows the learner's
+    own weights sampled, the sampler measured only on vLLM, the decoupled objective for stale rows."""
+    cfg = load_config(MAIN, ["method=drgrpo", *overrides])
+    got = UpdatePlan.from_config(cfg, horizon=8).for_rows(7, stale).settings
+    assert got == UpdateSettings.from_config(cfg, 7, sampled_here=not stale, decoupled=stale, horizon=8)
 
 
 def _row(behav: list[float], adv: list[float]) -> TrainRow:
@@ -164,22 +176,26 @@ def test_fixed_lag_rows_carry_their_version_weigh_their_behaviour_logprobs_and_r
         return c
 
     first = start_cli(cfg("r"), api_url, tmp_path / "cli-0.log", "update:2")
-    taken = []  # the optimizer of every version the generator took
-    generator_get = GENERATOR.weights.get
+    taken = []  # the optimizer held beside every version the generator played
 
-    def get(c: TrainConfig, ref: CheckpointRef) -> Policy:
-        policy = generator_get(c, ref)
-        taken.append(policy.optimizer)
-        return policy
+    def watch(run):
+        sync = run.generator.sync
+        run.generator.sync = lambda policy, serving=None: (
+            sync(policy, serving),
+            taken.append(run.generator.weights.current.optimizer),
+        )[0]
 
-    monkeypatch.setattr(GENERATOR.weights, "get", get)
+    built = built_owners(monkeypatch, watch)
     train(config=cfg("straight"))
     assert len(taken) >= 2 and all(o is None for o in taken), taken
+    (run,) = built
+    assert run.generator.weights is not run.learner.weights and run.collector is run.generator
+    assert run.generator.weights.current is None, "the generator's copy is let go at the run's end"
     for n, fault in enumerate(("update:2", "advantage:3")):
         log = tmp_path / f"cli-{n}.log"
         rc = finish(first if n == 0 else start_cli(cfg("r"), api_url, log, fault))
         assert rc == -signal.SIGKILL, f"{fault}: not killed (rc {rc}):\n{log.read_text()[-3000:]}"
-        assert latest_checkpoint(run_dir(tmp_path)).iteration < 3
+        assert newest_checkpoint(run_dir(tmp_path)).iteration < 3
     log = tmp_path / "cli-final.log"
     assert finish(start_cli(cfg("r"), api_url, log)) == 0, log.read_text()[-3000:]
 
@@ -188,7 +204,7 @@ def test_fixed_lag_rows_carry_their_version_weigh_their_behaviour_logprobs_and_r
     assert {it: set(v) for it, v in turn_versions.items()} == {1: {0}, 2: {0}, 3: {1}}
     c = MlflowClient(cfg("straight")["tracking_uri"])
     rid = run_of(c, "straight").info.run_id
-    stale = {m.step: m.value for m in c.get_metric_history(rid, "async/staleness_max")}
+    stale = {m.step: m.value for m in c.get_metric_history(rid, "async/staleness")}
     assert stale == {1: 0.0, 2: 1.0, 3: 1.0}
     for key in ("collect/success_rate", "update/steps", "async/learner_idle_fraction", "async/generator_idle_fraction"):
         assert steps(c, rid, key) == [1, 2, 3], key

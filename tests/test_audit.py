@@ -15,7 +15,7 @@ import pytest
 from flowkit import run_of, tiny_config
 
 import methods
-from flows.audit import audit, audit_settings
+from flows.audit import audit
 from flows.cli import main
 from horizonrl import store
 from horizonrl.audit.page import recorded_audits, write_page
@@ -24,6 +24,7 @@ from horizonrl.models import pretrained
 from horizonrl.training.checkpoint import checkpoint_dir
 from mlflow import MlflowClient
 from tasks.audit import audited_policy
+from tasks.audit_settings import audit_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"tasks": 3, "points": 6, "continuations": 2, "block_points": 4, "bootstrap": 100}

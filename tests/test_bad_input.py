@@ -12,11 +12,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from flowkit import tiny_config
+from flowkit import newest_checkpoint, tiny_config
 
 from flows.cli import main
 from horizonrl import store
-from horizonrl.training.checkpoint import latest_checkpoint
 
 CONFIG = "config.yaml"
 
@@ -196,7 +195,7 @@ def test_bad_stored_rollouts_fail_the_run_naming_the_file(
     assert len(exhausted) == 1 and "collect" in caplog.text, caplog.text[-3000:]  # collect was retried, then failed
     assert str(path) in exhausted[0] and message in exhausted[0]
     assert sorted(p.name for p in d.iterdir()) == ["episodes.parquet", "turns.parquet"] and path.read_bytes() == planted
-    assert latest_checkpoint(tmp_path / "data" / "test" / "bad").iteration == 0
+    assert newest_checkpoint(tmp_path / "data" / "test" / "bad").iteration == 0
 
 
 def test_recompute_checks_every_input_before_writing(prefect_harness, tmp_path, capsys):
@@ -250,7 +249,7 @@ def test_disk_refusals_are_reported_in_one_line_and_other_errors_keep_their_trac
     from horizonrl.config import ConfigError
     from horizonrl.run.preflight import PreflightError
     from horizonrl.training.checkpoint import CheckpointWriteError
-    from tasks.run import known_failure
+    from tasks.failures import known_failure
 
     for code in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
         assert known_failure(OSError(code, "refused"))

@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
-from flowkit import flat, run_of, tiny_config
+from flowkit import flat, newest_checkpoint, run_of, tiny_config
 from safetensors.torch import load_file
 
 from horizonrl import store
@@ -25,7 +25,6 @@ from horizonrl.training.checkpoint import (
     MANIFEST,
     CheckpointRef,
     checkpoint_dir,
-    latest_checkpoint,
     save_checkpoint,
     verify,
 )
@@ -49,7 +48,7 @@ def test_manifest_names_a_missing_resized_or_changed_file(tmp_path, tiny_policy)
     assert verify(ref) == "optimizer.pt is missing"
     (folder / MANIFEST).unlink()
     assert "manifest.json is missing" in verify(ref)
-    assert latest_checkpoint(tmp_path) is None
+    assert newest_checkpoint(tmp_path) is None
 
 
 def test_a_full_weight_checkpoint_carries_the_probe_of_the_weights_it_holds(tmp_path, tiny_policy):

@@ -16,21 +16,21 @@ import time
 
 import pytest
 import torch
+from flowkit import newest_checkpoint
 from test_reliability import RUN, config, metric_steps, run_dir
 from test_trainer import hand_rows, recompute_old_logprobs, settings
 
 import methods
 from horizonrl import faults
-from horizonrl.config import ModelConfig, TrainConfig
+from horizonrl.config import ModelConfig, RayConfig, TrainConfig
 from horizonrl.models.loading import load_policy
 from horizonrl.training.checkpoint import (
     CheckpointRef,
-    latest_checkpoint,
     load_optimizer_state,
     save_checkpoint,
     verify,
 )
-from horizonrl.training.iteration import update_policy
+from horizonrl.training.iteration import UpdatePlan, update_policy
 from horizonrl.training.parallel import balanced_shares, rank_device, update_backend
 from horizonrl.training.rank_group import RankFailed, RankGroup
 from horizonrl.training.rank_worker import pid_alive
@@ -213,9 +213,8 @@ def test_a_ray_actor_group_gives_the_weights_and_figures_of_one_process(tiny_pol
     from horizonrl.run.cluster import Cluster
     from horizonrl.training.ray_ranks import RayRankGroup
 
-    cluster = Cluster()
-    ray_run = {"run_name": "ray-ranks", "ray": {"num_cpus": 2}, "update": {"world_size": 2, "launcher": "ray"}}
-    cluster.join(TrainConfig.model_validate(ray_run))
+    cluster = Cluster(RayConfig(num_cpus=2))
+    cluster.join()
     try:
         group = RayRankGroup(2, "gloo")
         try:
@@ -311,7 +310,8 @@ def _iteration(cfg, run_dir, it, policy, rows, s, ranks=None):
     model, tokenizer = load_policy(policy.path)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.update.lr, weight_decay=cfg.update.weight_decay)
     load_optimizer_state(policy, optimizer)
-    return update_policy(cfg, run_dir, it, policy, model, tokenizer, optimizer, rows, s, 100 + it, {}, ranks=ranks)
+    plan = dataclasses.replace(UpdatePlan.from_config(cfg, horizon=1), settings=s)
+    return update_policy(plan, run_dir, it, policy, model, tokenizer, optimizer, rows, 100 + it, {}, ranks=ranks)
 
 
 @pytest.mark.slow
@@ -408,14 +408,14 @@ def test_a_killed_rank_fails_the_run_naming_it_and_the_rerun_resumes(prefect_har
     monkeypatch.setenv(faults.ENV, "update-rank:2")
     with pytest.raises(RankFailed, match=r"^update rank 1 of 2 failed: -9 "):
         train(config=cfg)
-    assert latest_checkpoint(run_dir(tmp_path)).iteration == 1
+    assert newest_checkpoint(run_dir(tmp_path)).iteration == 1
     deadline = time.monotonic() + 30
     while rank_processes(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not rank_processes(tmp_path), "a rank outlived the failed update"
     monkeypatch.delenv(faults.ENV)
     train(config=cfg)
-    assert latest_checkpoint(run_dir(tmp_path)).iteration == 2
+    assert newest_checkpoint(run_dir(tmp_path)).iteration == 2
     steps = metric_steps(f"sqlite:///{tmp_path}/mlflow.db", RUN)
     assert steps["update/comm_share"] == [1, 2] and steps["update/world_size"] == [1, 2]
     assert not list((run_dir(tmp_path) / ".update-ranks").glob("*/")), "the ranks' spool is left"

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pytest
 from faulty_env import FAULTS, FaultySuite, faulty_suite
-from flowkit import run_of, tiny_config
+from flowkit import built_owners, run_of, tiny_config
 
 from horizonrl import store
 from horizonrl.envs import SUITES
@@ -179,17 +179,17 @@ def test_train_flow_counts_environment_errors_and_goes_on(prefect_harness, tmp_p
     assert "update/loss" in run.data.metrics or any(k.startswith("update/") for k in run.data.metrics)
 
 
-def test_train_flow_steps_environments_in_workers_and_leaves_none(prefect_harness, tmp_path, tracking_uri):
+def test_train_flow_steps_environments_in_workers_and_leaves_none(prefect_harness, tmp_path, tracking_uri, monkeypatch):
     """The whole train flow with a pool of two workers and generation overlapping stepping (collect and
     evaluation); the workers are gone when the run ends."""
     from flows.train import train
     from mlflow import MlflowClient
-    from tasks.context import PLAYER
 
     cfg = tiny_config(tmp_path, tracking_uri, "pooled", iterations=1)
     cfg["rollout"] = {**cfg["rollout"], "env_workers": 2, "overlap": True}
+    built = built_owners(monkeypatch)
     train(config=cfg)
-    assert PLAYER._episodes is None  # closed at the end of the run
+    assert built[0].player._episodes is None  # closed at the end of the run
     kids = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == os.getpid() and _running(p)]
     assert not [p for p in kids if b"spawn" in (p / "cmdline").read_bytes()]
     run = run_of(MlflowClient(tracking_uri), "pooled")

@@ -14,12 +14,13 @@ import yaml
 from flowkit import run_of, tiny_config
 from test_reliability import api_url, finish, start_cli  # noqa: F401
 
-from flows.evaluate import CONTINUES_TAG, evaluate_policy
+from flows.evaluate import evaluate_policy
 from horizonrl import store
 from horizonrl.rollout.loop import split_shards
 from horizonrl.run.player import Player
 from mlflow import MlflowClient
 from tasks.evaluate import _stored_block
+from tasks.evaluation_run import CONTINUES_TAG
 
 TIMING = ("gen_s", "env_s")  # wall-clock columns: the only ones two plays of the same episodes differ in
 
@@ -43,12 +44,12 @@ def test_a_failed_evaluation_replays_only_the_blocks_it_had_not_stored(prefect_h
     played: list[tuple[int, int]] = []  # (first task's group id, tasks) of every held-out block played
     real_play = Player.play
 
-    def play(self, cfg, shard, group_size, greedy=False):
+    def play(self, shard, greedy=False):
         if shard.tasks[0].split == "test":
             played.append((shard.first_group_id, len(shard.tasks)))
             if len(played) == 2:
                 raise RuntimeError("the sampler died in the middle of block 1")
-        return real_play(self, cfg, shard, group_size, greedy)
+        return real_play(self, shard, greedy)
 
     monkeypatch.setattr(Player, "play", play)
     train(config=_config(tmp_path, "failed"))

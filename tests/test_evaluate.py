@@ -231,8 +231,8 @@ def test_a_killed_evaluation_is_marked_by_the_next_one(world, monkeypatch, caplo
 
 def test_evaluate_settable_fields_are_fields_of_the_config():
     """Every ``EVAL_SETTABLE`` entry names a section or field the config has, so none is a dead name."""
-    from flows.evaluate import EVAL_SETTABLE
     from horizonrl.config import TrainConfig
+    from tasks.evaluation_run import EVAL_SETTABLE
 
     flat = TrainConfig().flat()
     for entry in EVAL_SETTABLE:

@@ -18,11 +18,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from flowkit import CLIProcess, cli_run, flat, run_of, steps, tiny_config
+from flowkit import CLIProcess, cli_run, flat, newest_checkpoint, run_of, steps, tiny_config
 from safetensors.torch import load_file
 
 from horizonrl import faults, store
-from horizonrl.training.checkpoint import checkpoint_dir, latest_checkpoint
+from horizonrl.training.checkpoint import checkpoint_dir
 from mlflow import MlflowClient
 
 TIMING = ["gen_s", "env_s"]  # wall-clock columns, the only ones allowed to differ
@@ -75,7 +75,7 @@ def test_resume_is_exact_for_stateful_and_branching_methods(prefect_harness, tmp
     straight = {**cfg, "run_name": "straight"}
     killed = _cli(_train_args(cfg), tmp_path, fault)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert latest_checkpoint(tmp_path / "data" / "test" / "killed").iteration == 1
+    assert newest_checkpoint(tmp_path / "data" / "test" / "killed").iteration == 1
     train(config=cfg)
     train(config=straight)
     for it in (1, 2):
@@ -147,7 +147,7 @@ def test_a_warmstart_killed_after_an_epoch_resumes_to_the_same_policy(prefect_ha
     killed = _cli(["warmstart", *(f"--set={k}={v}" for k, v in flat(ws("killed")).items())], tmp_path, "clone:1")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     a, b = tmp_path / "data" / "test" / "straight", tmp_path / "data" / "test" / "killed"
-    assert latest_checkpoint(b).iteration == 1
+    assert newest_checkpoint(b).iteration == 1
     c = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     assert not c.get_metric_history(run_of(c, "killed").info.run_id, "clone/epoch_loss")
     assert warmstart(config=ws("killed"))["model_uri"] == "models:/m-killed/1"
@@ -242,7 +242,7 @@ def test_a_sweep_killed_with_a_cell_half_done_is_run_again_to_the_same_cells(pre
     killed = _cli(["sweep", str(path), "--here"], tmp_path, "update:2")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     cell = tmp_path / "data" / "test" / "pair--seed=3"
-    assert latest_checkpoint(cell).iteration == 1
+    assert newest_checkpoint(cell).iteration == 1
     sweep(str(path), in_process=True)
     train(config={**_config(tmp_path, "straight"), "seed": 3})
     wa, wb = (
@@ -304,7 +304,7 @@ def test_a_read_only_then_full_disk_under_the_mlflow_artifacts(prefect_harness, 
         run = run_of(c, "disk")
         assert run.info.status == "FAILED" and "No space left on device" in run.data.tags["horizonrl.failure"]
         d = tmp_path / "data" / "test" / "disk"
-        assert latest_checkpoint(d).iteration == 1
+        assert newest_checkpoint(d).iteration == 1
         tables = {p: p.read_bytes() for p in (d / "iter=00001").glob("*.parquet")}
         assert tables, "the iteration's tables were stored before the disk filled"
         evals = steps(c, run.info.run_id, "eval/success_rate")

@@ -50,9 +50,9 @@ def test_lora_trains_adapters_only_lowers_the_loss_and_round_trips_exactly(tiny_
     torch.manual_seed(0)
     adir = initial_adapter_dir(tmp_path, tiny_policy_dir, LORA, seed=0)
     assert (adir / ADAPTER_WEIGHTS).is_file() and not (adir / "model.safetensors").exists()
-    assert json.loads((adir / ADAPTER_CONFIG).read_text())["base_model_name_or_path"] == str(
-        Path(tiny_policy_dir).resolve()
-    )
+    written = json.loads((adir / ADAPTER_CONFIG).read_text())
+    assert written["base_model_name_or_path"] == str(Path(tiny_policy_dir).resolve())
+    assert written["target_modules"] == sorted(LORA.target_modules)  # peft's set order, settled
     assert initial_adapter_dir(tmp_path, tiny_policy_dir, LORA, seed=0) == adir  # built once
     model, tokenizer = load_policy(adir)
     base, _ = load_policy(tiny_policy_dir)
@@ -92,6 +92,8 @@ def test_lora_trains_adapters_only_lowers_the_loss_and_round_trips_exactly(tiny_
     ref = save_checkpoint(tmp_path / "run", 1, model, tokenizer, optimizer, {"seed": 0})
     files = {p.name for p in Path(ref.path).iterdir()}
     assert {ADAPTER_CONFIG, ADAPTER_WEIGHTS, "optimizer.pt"} <= files and "model.safetensors" not in files
+    # the same bytes in any process (peft writes target_modules in a salted set's order): one policy digest
+    assert json.loads((Path(ref.path) / ADAPTER_CONFIG).read_text())["target_modules"] == sorted(LORA.target_modules)
     saved = load_file(str(Path(ref.path) / ADAPTER_WEIGHTS))
     adapter = peft.get_peft_model_state_dict(model)  # the adapter tensors by name
     assert saved.keys() == adapter.keys() and all(torch.equal(saved[k], v) for k, v in adapter.items())
@@ -104,9 +106,8 @@ def test_lora_trains_adapters_only_lowers_the_loss_and_round_trips_exactly(tiny_
 
 
 def test_learner_builds_a_lora_policy_and_each_checkpoints_adapter_is_logged(tiny_policy_dir, tmp_path):
-    from horizonrl.envs import make_suite
-    from horizonrl.run.learner import Learner, initial_model_dir
-    from horizonrl.run.player import Player
+    from horizonrl.run.learner import initial_model_dir
+    from horizonrl.run.owners import build_run
     from horizonrl.tracking import mlflow_runs
     from mlflow import MlflowClient
     from tasks.context import RunContext
@@ -118,13 +119,12 @@ def test_learner_builds_a_lora_policy_and_each_checkpoints_adapter_is_logged(tin
     )
     c = MlflowClient(uri)
     run_id = c.create_run(c.create_experiment("lora", artifact_location=(tmp_path / "artifacts").as_uri())).info.run_id
-    learner = Learner()
-    suite = make_suite(cfg.env.name, cfg.env.suite_seed, cfg.env.games, data_dir=cfg.data_dir)
-    model, tokenizer = load_policy(initial_model_dir(cfg, suite))  # what start_run does
+    built = build_run(cfg)
+    learner, player = built.learner, built.player
+    model, tokenizer = load_policy(initial_model_dir(cfg, built.suite))  # what the run's start does
     ref0 = save_checkpoint(tmp_path / "run", 0, model, tokenizer, None, {"mlflow_run_id": run_id})
-    loaded = learner.get(cfg, ref0)
-    player = Player(learner)
-    player.sync(cfg, ref0)
+    loaded = learner.get(ref0)
+    player.sync(ref0)
     assert type(loaded.model).__name__ == "PeftModelForCausalLM" and player.engine.model is loaded.model
     assert player.engine.device.type == "cpu"
     assert next(p for n, p in loaded.model.named_parameters() if "lora_A" in n).requires_grad
@@ -132,7 +132,7 @@ def test_learner_builds_a_lora_policy_and_each_checkpoints_adapter_is_logged(tin
         tmp_path / "run", 1, loaded.model, loaded.tokenizer, loaded.optimizer, {"mlflow_run_id": run_id}
     )
     assert stored_probe(ref1.path) is None  # an adapter is hot-loaded, never checked against a probe
-    learner.advance(ref1)  # what the update task does after writing the checkpoint, then logs the adapter
+    learner.weights.advance(ref1)  # what the learner's update does after writing the checkpoint; the task logs it
     log_adapter(RunContext(cfg, str(tmp_path / "run"), uri, run_id), ref1)
     logged = {Path(a.path).name for a in c.list_artifacts(run_id, "adapters/iter=00001")}
     assert logged == {ADAPTER_CONFIG, ADAPTER_WEIGHTS}

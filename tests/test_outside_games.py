@@ -19,7 +19,7 @@ import pytest
 
 from horizonrl.config import ModelConfig, TrainConfig
 from horizonrl.engines.base import TokenTrie
-from horizonrl.envs import CLOSED_TEXT, suite_corpus
+from horizonrl.envs import CLOSED_TEXT, make_suite, suite_corpus
 from horizonrl.envs.textworld_env import TextWorldSuite, game_spec, tw_make_path
 from horizonrl.envs.textworld_games import load_games
 from horizonrl.models.loading import tiny_model_dir
@@ -162,8 +162,9 @@ def test_symlinked_games_one_game_file_and_the_horizon(outside_game, tmp_path):
         load_games(str(base), 0)
 
     raw = {"env": {"name": "textworld-cooking", "games": str(store / "cook.z8")}, "data_dir": str(tmp_path / "d")}
-    assert run_params(TrainConfig.model_validate(raw))["env.horizon"] == str(
+    games = make_suite("textworld-cooking", 0, str(store / "cook.z8"), str(tmp_path / "d"))
+    assert run_params(TrainConfig.model_validate(raw), games)["env.horizon"] == str(
         game_spec("tw-cooking", "easy", "train").horizon
     )
     raw["env"]["max_turns"] = 7
-    assert run_params(TrainConfig.model_validate(raw))["env.horizon"] == "7"
+    assert run_params(TrainConfig.model_validate(raw), games)["env.horizon"] == "7"

@@ -73,11 +73,11 @@ def test_saved_untied_with_the_logits_of_the_tied_model(smollm2):
 def test_model_path_names_a_pretrained_model_and_resolves_to_its_folder(smollm2):
     """``model.path: smollm2-135m-instruct`` validates (vLLM CPU included: head_dim 64) and the run's
     starting weights are the cached folder; a folder or hub id passes through ``resolve`` unchanged."""
-    from horizonrl.run.learner import Learner, initial_model_dir
-    from horizonrl.run.player import Player
+    from horizonrl.envs import make_suite
+    from horizonrl.run.learner import initial_model_dir
 
     cfg = load_config(None, [f"model.path={SMOLLM2}", f"data_dir={DATA}", "engine.name=vllm"])
-    assert initial_model_dir(cfg, Player(Learner()).suite(cfg)) == smollm2
+    assert initial_model_dir(cfg, make_suite(cfg.env.name)) == smollm2
     assert pretrained.resolve(SMOLLM2, DATA) == smollm2
     assert pretrained.resolve("org/model", DATA) == "org/model" and pretrained.resolve(smollm2, DATA) == smollm2
 

@@ -171,22 +171,20 @@ def _parent(pid: int) -> int:
         return -1
 
 
-def test_the_owners_never_travel_with_a_shard(tiny_policy_dir):
-    """Ray pickles a task's function with its globals, and Prefect's context with the flow's: the process's
-    learner and player must arrive empty (a worker fills its own), never carrying this process's model."""
+def test_the_owners_never_travel_with_a_shard(tmp_path):
+    """Ray pickles a task's function with its globals, and Prefect's context with the flow's: a run's owners
+    must never be shipped (a worker builds its own player, ``tasks.context.shard_player``), so pickling any of
+    them fails loudly instead of copying this process's model, optimizer or environments."""
     import pickle
 
     import cloudpickle
 
-    from horizonrl.run.learner import Learner
-    from horizonrl.run.player import Player
+    from horizonrl.config import load_config
+    from horizonrl.run.owners import build_run
     from tasks.collect import play_shard
 
-    learner = Learner()
-    learner.current = object()  # stands for a loaded policy
-    player = Player(learner)
-    player.engine = object()  # stands for an engine over it
-    copy = pickle.loads(pickle.dumps(player))
-    assert isinstance(copy, Player) and copy.engine is None and copy.weights.current is None
-    assert pickle.loads(pickle.dumps(learner)).current is None
+    built = build_run(load_config(None, [f"data_dir={tmp_path}", "rollout.max_staleness=1"]))
+    for owner in (built.player, built.generator, built.learner, built.learner.weights):
+        with pytest.raises(TypeError, match="never travel"):
+            pickle.dumps(owner)
     assert len(cloudpickle.dumps(play_shard)) < 20_000  # the task, not a model

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
-from flowkit import REPO, CLIProcess, flat, leftovers, run_of, steps, tiny_config
+from flowkit import REPO, CLIProcess, flat, leftovers, newest_checkpoint, run_of, steps, tiny_config
 from safetensors.torch import load_file
 
 from horizonrl import faults, store
@@ -34,7 +34,6 @@ from horizonrl.tracking import report
 from horizonrl.training.checkpoint import (
     CheckpointWriteError,
     checkpoint_dir,
-    latest_checkpoint,
     load_optimizer_state,
     save_checkpoint,
 )
@@ -165,7 +164,7 @@ def test_sigkill_at_every_stage_resumes_to_the_same_run(api_url, tmp_path):
         rc = finish(start_cli(config(tmp_path, eval=SCHEDULE), api_url, logs[-1], fault))
         assert rc == -signal.SIGKILL, f"{fault}: the process was not killed (rc {rc}):\n{logs[-1].read_text()[-3000:]}"
         d = run_dir(tmp_path)
-        assert latest_checkpoint(d).iteration == completed, fault
+        assert newest_checkpoint(d).iteration == completed, fault
         assert not logged_at(tmp_path, key, step), f"{fault}: {key} was logged before the kill"
         if fault == "checkpoint:1":
             assert list((d / "checkpoints").glob(".iter=00001.tmp-*/model.safetensors")), (
@@ -214,7 +213,7 @@ def test_sigkill_at_every_stage_resumes_to_the_same_run(api_url, tmp_path):
     for k in opt_a:
         assert_same_tensors(opt_b[k], opt_a[k], f"optimizer state of parameter {k}")
     model, _ = load_policy(cb)  # the resumed run's checkpoint loads, with its optimizer
-    assert load_optimizer_state(latest_checkpoint(b), torch.optim.AdamW(model.parameters()))
+    assert load_optimizer_state(newest_checkpoint(b), torch.optim.AdamW(model.parameters()))
 
     killed_steps, straight_steps = metric_steps(uri, RUN), metric_steps(uri, STRAIGHT)
     assert all(len(s) == len(set(s)) for s in killed_steps.values()), "a metric step was logged twice"
@@ -240,7 +239,7 @@ def test_sigkill_at_every_stage_resumes_to_the_same_run(api_url, tmp_path):
                 store.iteration_dir(tmp_path / "data", "test", name, it) / "episodes.parquet", "episodes"
             )
             assert episodes.num_rows == 4 and set(episodes["run_name"].to_pylist()) == {name}
-        assert latest_checkpoint(run_dir(tmp_path, name)).iteration == 2
+        assert newest_checkpoint(run_dir(tmp_path, name)).iteration == 2
 
 
 def eval_curve(tracking_uri: str, run_name: str) -> dict[int, float]:
@@ -333,7 +332,7 @@ def test_nonfinite_steps_are_skipped_and_counted_and_too_many_abort(prefect_harn
     monkeypatch.setenv(faults.ENV, "nan-grad:2")
     with pytest.raises(TooManyNonFiniteSteps, match=r"update\.max_nan_skips = 4\); last good checkpoint: .*iter=00001"):
         train(config={**cfg, "iterations": 2})
-    assert latest_checkpoint(d).iteration == 1 and not checkpoint_dir(d, 2).exists()
+    assert newest_checkpoint(d).iteration == 1 and not checkpoint_dir(d, 2).exists()
     assert {p: file_digest(p) for p in checkpoint_dir(d, 1).iterdir()} == before
     assert not [p for p in d.rglob("*") if ".tmp-" in p.name]
     assert steps(c, run_of(c, RUN).info.run_id, "update/steps") == [1]
@@ -426,7 +425,7 @@ def test_full_disk_while_writing_a_checkpoint_keeps_the_previous_one(full_disk, 
     assert str(checkpoint_dir(disk, 2)) in str(err.value) and os.strerror(code) in str(err.value)
     assert {p.name: file_digest(p) for p in first.iterdir()} == before
     assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["iter=00001"]  # no partial folder
-    assert latest_checkpoint(disk).iteration == 1
+    assert newest_checkpoint(disk).iteration == 1
 
 
 def test_a_second_process_on_a_held_run_is_refused_naming_the_holder(prefect_harness, tmp_path, capsys):

@@ -11,9 +11,9 @@ import torch
 from flowkit import run_of, tiny_config
 
 from horizonrl import store
-from horizonrl.config import TrainConfig, warm_start_config
+from horizonrl.config import TrainConfig, run_dir, warm_start_config
 from horizonrl.models.loading import load_policy
-from horizonrl.run.learner import Learner
+from horizonrl.run.owners import build_run
 from horizonrl.tracking import mlflow_runs
 from horizonrl.training.checkpoint import CheckpointRef, policy_digest, save_checkpoint
 from mlflow import MlflowClient
@@ -45,21 +45,20 @@ def _checkpoint_zero(run_dir: Path, policy_dir: Path, scale: float) -> Checkpoin
 
 
 def test_two_runs_with_different_starts_get_their_own_reference(tmp_path, tracking_uri, tiny_policy_dir):
-    """In one process (an in-process sweep) each run's KL reference is its own checkpoint 0: before the fix,
-    the first run's start served every later run."""
-    cfg = _cfg(tmp_path, tracking_uri, method="grpo")
-    a = _checkpoint_zero(tmp_path / "a", tiny_policy_dir, 1.0)
-    b = _checkpoint_zero(tmp_path / "b", tiny_policy_dir, 0.5)
-    same_as_a = _checkpoint_zero(tmp_path / "c", tiny_policy_dir, 1.0)
-    assert policy_digest(a) == policy_digest(same_as_a) != policy_digest(b)
-    learner = Learner()
-    ref_a = learner.reference(cfg, tmp_path / "a")
-    ref_b = learner.reference(cfg, tmp_path / "b")
+    """In one process (an in-process sweep) each run's KL reference is its own checkpoint 0: a run's learner is
+    built for that run at its start (``horizonrl.run.owners``), so no later run is served an earlier one's
+    start (when one learner served the process, the first run's start served every later run)."""
+    cfgs = {name: _cfg(tmp_path, tracking_uri, method="grpo", run_name=name) for name in ("a", "b", "c")}
+    starts = {name: _checkpoint_zero(run_dir(cfgs[name]), tiny_policy_dir, scale) for name, scale in
+              (("a", 1.0), ("b", 0.5), ("c", 1.0))}  # fmt: skip
+    assert policy_digest(starts["a"]) == policy_digest(starts["c"]) != policy_digest(starts["b"])
+    learners = {name: build_run(cfg).learner for name, cfg in cfgs.items()}
+    ref_a, ref_b = learners["a"].reference(), learners["b"].reference()
     weights = {name: p.detach().clone() for name, p in ref_a.named_parameters()}
     for name, p in ref_b.named_parameters():
         assert torch.allclose(p, 0.5 * weights[name]), name
-    assert learner.reference(cfg, tmp_path / "c") is not ref_b
-    assert learner.reference(cfg, tmp_path / "c") is learner.reference(cfg, tmp_path / "a"), "one start: one copy"
+    assert learners["c"].reference() is not ref_a, "one run's start is never another run's copy"
+    assert learners["a"].reference() is ref_a, "loaded once per run"
     assert not any(p.requires_grad for p in ref_b.parameters())
 
 

@@ -14,13 +14,13 @@ import pytest
 import yaml
 from flowkit import tiny_config
 
-from flows.evaluate import config_of_run
 from flows.sweep import sweep, sweep_report
 from horizonrl.config import TrainConfig
 from horizonrl.config.sweep import load_sweep
 from horizonrl.tracking import mlflow_runs
 from horizonrl.tracking.sweep_runs import BASE_TAG, INSTANCE_TAG, PREVIOUS_TAG, SWEEP_TAG, finished
 from mlflow import MlflowClient
+from tasks.evaluation_run import config_of_run
 from tasks.sweep import artifact_key
 
 SWEEPS = sorted((Path(__file__).parents[1] / "configs" / "sweeps").glob("*.y*ml"))
@@ -135,7 +135,7 @@ def test_finished_means_run_finished_after_all_iterations(tmp_path, tracking_uri
 
 
 def test_config_of_run_reads_the_config_the_run_logged(tmp_path, tracking_uri):
-    """The evaluate flow's source config is the run's ``config.yaml`` artifact, as ``start_run`` logs it."""
+    """The evaluate flow's source config is the run's ``config.yaml`` artifact, as ``open_run`` logs it."""
     cfg = TrainConfig.model_validate(
         {
             **tiny_config(tmp_path, tracking_uri),

@@ -34,11 +34,11 @@ def _episodes_by_step(c: MlflowClient, run_id: str) -> dict[int, float]:
 
 def test_train_flow_logs_every_stage(prefect_harness, tmp_path, tracking_uri, monkeypatch):
     from flows.train import train
-    from horizonrl.run.learner import Learner
+    from horizonrl.run.learner import Weights
 
     loads = []  # the policy is read from disk once, at the start: checkpoints it writes stay in memory
-    load = Learner.load
-    monkeypatch.setattr(Learner, "load", lambda self, cfg, path: loads.append(str(path)) or load(self, cfg, path))
+    load = Weights.load
+    monkeypatch.setattr(Weights, "load", lambda self, path: loads.append(str(path)) or load(self, path))
     read_state = iteration_module.read_state  # each update takes 1 s more, so its time cannot hide in noise
     monkeypatch.setattr(iteration_module, "read_state", lambda *a, **k: time.sleep(1.0) or read_state(*a, **k))
     summary = train(config=_config(tmp_path, tracking_uri))
@@ -63,8 +63,8 @@ def test_train_flow_logs_every_stage(prefect_harness, tmp_path, tracking_uri, mo
     assert {"iter=1/turns", "iter=1/episodes", "iter=2/advantages-loop"} <= inputs
     artifacts = {a.path for a in c.list_artifacts(run.info.run_id, "episodes")}
     assert "episodes/eval_iter_00002.json" in artifacts
-    from flows.evaluate import config_of_run
     from horizonrl.config import TrainConfig
+    from tasks.evaluation_run import config_of_run
 
     assert config_of_run(c, run.info.run_id) == TrainConfig.model_validate(
         _config(tmp_path, tracking_uri)

@@ -358,8 +358,8 @@ def test_a_shard_plays_on_the_server_another_process_synced(live, tiny_policy_di
     the two processes (Ray's shipping of the task is ``tests/test_ray_collect.py``'s)."""
     from horizonrl.config import load_config
     from horizonrl.rollout.loop import iteration_shards
-    from horizonrl.run.learner import Learner
-    from horizonrl.run.player import Player
+    from horizonrl.run.learner import Weights
+    from horizonrl.run.owners import build_player
     from horizonrl.training.checkpoint import CheckpointRef
 
     cfg = load_config(
@@ -376,17 +376,17 @@ def test_a_shard_plays_on_the_server_another_process_synced(live, tiny_policy_di
         ],
     )
     policy = CheckpointRef(str(tiny_policy_dir), 0)
-    owner, shard_process = Player(Learner()), Player(Learner())
+    owner, shard_process = (build_player(cfg, Weights(cfg.model)) for _ in range(2))
     try:
-        sync = owner.sync(cfg, policy)
+        sync = owner.sync(policy)
         serving = owner.serving()
         assert sync.path == "in_place" and serving.url == live.client.base_url
-        shard = iteration_shards(cfg, owner.task_pool(cfg, "train", cfg.env.train_pool), 1)[1]
-        assert shard_process.sync(cfg, policy, serving) is None
-        played = shard_process.play(cfg, shard, cfg.rollout.group_size)
+        shard = iteration_shards(owner.task_pool("train", cfg.env.train_pool), cfg.rollout, cfg.seed, 1)[1]
+        assert shard_process.sync(policy, serving) is None
+        played = shard_process.play(shard)
         assert shard_process.weights.current is None  # no weights loaded there
         assert len(played) == 2 and all(r.turns for r in played)
-        mine = owner.play(cfg, shard, cfg.rollout.group_size)
+        mine = owner.play(shard)
 
         def key(records):
             return [
@@ -396,7 +396,7 @@ def test_a_shard_plays_on_the_server_another_process_synced(live, tiny_policy_di
 
         assert key(played) == key(mine)
         with pytest.raises(ValueError, match="not the checkpoint to play"):
-            shard_process.sync(cfg, CheckpointRef(str(tmp_path / "iter=1"), 1), serving)
+            shard_process.sync(CheckpointRef(str(tmp_path / "iter=1"), 1), serving)
     finally:
         owner.close_episodes()
         shard_process.close_episodes()
@@ -414,7 +414,7 @@ def test_a_fixed_lag_run_plays_each_iteration_on_the_server_synced_to_its_versio
     checkpoint's (the learner's recompute within 1e-4; the next checkpoint's are off by > 1e-3): iteration 2
     was played while update 1 wrote checkpoint 1, and no episode of it was sampled by checkpoint 1. The
     generator loads no weights: every sync is checked against the probe stored with the checkpoint."""
-    from flowkit import run_of, tiny_config
+    from flowkit import built_owners, run_of, tiny_config
 
     from flows.train import train
     from horizonrl import store
@@ -423,7 +423,6 @@ def test_a_fixed_lag_run_plays_each_iteration_on_the_server_synced_to_its_versio
     from horizonrl.training.sequences import attach_advantages, train_rows
     from horizonrl.training.trainer import UpdateSettings, recompute_old_logprobs
     from mlflow import MlflowClient
-    from tasks.context import GENERATOR
 
     cfg = tiny_config(tmp_path, f"sqlite:///{tmp_path}/mlflow.db", "vllm-k1", iterations=3)
     cfg.update(
@@ -434,13 +433,17 @@ def test_a_fixed_lag_run_plays_each_iteration_on_the_server_synced_to_its_versio
     )
     cfg["rollout"] = {**cfg["rollout"], "max_staleness": 1}
     loaded = []  # what the generator loaded: nothing, each sync is checked against the checkpoint's stored probe
-    generator_load = GENERATOR.weights.load
-    monkeypatch.setattr(GENERATOR.weights, "load", lambda c, path: loaded.append(path) or generator_load(c, path))
+
+    def watch(run):
+        load = run.generator.weights.load
+        run.generator.weights.load = lambda path: loaded.append(path) or load(path)
+
+    built = built_owners(monkeypatch, watch)
     try:
         train(config=cfg)
     finally:
         live.policy_path = None  # the server now serves this run's last checkpoint
-    assert loaded == [] and GENERATOR.weights.current is None
+    assert loaded == [] and built[0].generator.weights.current is None
     run = tmp_path / "data" / "test" / "vllm-k1"
     c = MlflowClient(cfg["tracking_uri"])
     rid = run_of(c, "vllm-k1").info.run_id
@@ -451,7 +454,7 @@ def test_a_fixed_lag_run_plays_each_iteration_on_the_server_synced_to_its_versio
         for kind in ("episodes", "turns"):
             versions[it, kind] = set(store.read_table(d / f"{kind}.parquet", kind)["policy_version"].to_pylist())
     assert versions == {(it, kind): {max(it - 2, 0)} for it in (1, 2, 3) for kind in ("episodes", "turns")}
-    assert {m.step: m.value for m in c.get_metric_history(rid, "async/staleness_max")} == {1: 0.0, 2: 1.0, 3: 1.0}
+    assert {m.step: m.value for m in c.get_metric_history(rid, "async/staleness")} == {1: 0.0, 2: 1.0, 3: 1.0}
     assert {m.step: m.value for m in c.get_metric_history(rid, "collect/weight_sync_in_place")} == {3: 1.0}
     assert not c.get_metric_history(rid, "update/weight_sync_in_place"), "the learner synced the server"
     validated = TrainConfig.model_validate(cfg)

@@ -52,7 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from horizonrl.config import TrainConfig
+from horizonrl.config import TrainConfig, VLLMConfig
 from horizonrl.engines import vllm_cache
 from horizonrl.engines.base import Generation, SampleRequest, TokenTrie
 from horizonrl.engines.vllm_server import (
@@ -151,18 +151,19 @@ class VLLMEngine:
         except VLLMUnreachable as err:  # the server died: this episode ends as an error, the batch goes on
             return Generation([], [], [], [], [], finished=False, error=f"vLLM server unreachable: {err}")
 
-    def _free(self, k: int, prompt: list[int], request: SampleRequest) -> Generation:
-        body = completion_body(
-            self.model,
-            prompt,
-            request.max_new_tokens,
-            request.temperature,
-            request.greedy,
-            derive_seed(request.seed, "vllm", k),
-            self.top_logprobs,
+    def _action_body(self, k: int, prompt: list[int], request: SampleRequest, top_logprobs: int) -> dict:
+        """The request for prompt ``k``'s whole action (up to ``max_new_tokens``), seeded by its place in the
+        batch, with ``top_logprobs`` log-probs a token (free mode, and admissible mode in one request)."""
+        seed = derive_seed(request.seed, "vllm", k)
+        return completion_body(
+            self.model, prompt, request.max_new_tokens, request.temperature, request.greedy, seed, top_logprobs,
             self.end_ids,
+        )  # fmt: skip
+
+    def _free(self, k: int, prompt: list[int], request: SampleRequest) -> Generation:
+        comp = parse_completion(
+            self.client.post("/v1/completions", self._action_body(k, prompt, request, self.top_logprobs))
         )
-        comp = parse_completion(self.client.post("/v1/completions", body))
         if comp.finish_reason == "stop" and (not comp.steps or comp.steps[-1].token not in self.end_ids):
             raise VLLMError("the server stopped without returning the stop token; the action would lose its end id")
         g = Generation([], [], [], [], [])
@@ -224,16 +225,7 @@ class VLLMEngine:
         0, entropy 0, ``policy_mask`` False). Sampling draws from the same distributions as the per-step
         path with one seed per action instead of one per step."""
         flat, width = trie_paths(trie.root)
-        body = completion_body(
-            self.model,
-            prompt,
-            request.max_new_tokens,
-            request.temperature,
-            request.greedy,
-            derive_seed(request.seed, "vllm", k),
-            max(1, min(width, self.top_logprobs)),
-            self.end_ids,
-        )
+        body = self._action_body(k, prompt, request, max(1, min(width, self.top_logprobs)))
         body["vllm_xargs"] = {TRIE_ARG: flat}
         comp = parse_completion(self.client.post("/v1/completions", body))
         g, node = Generation([], [], [], [], []), trie.root
@@ -386,48 +378,80 @@ class VLLMSession:
         return gens
 
 
-def engine_from_config(cfg: TrainConfig, policy_path: str, end_ids: list[int]) -> VLLMEngine:
-    """An engine for ``cfg.engine.vllm``: reach ``url``, or start a server serving ``policy_path``
-    (for a LoRA policy: its base model, with runtime adapter loading on; for full weights: its untied serving
-    copy, so later checkpoints reload in place) in the trainer's dtype, so sampler and learner run the
-    same precision (float32 on the CPU build)."""
-    from horizonrl.models import lora
-    from horizonrl.models.loading import resolve_device, resolve_dtype
+@dataclass(frozen=True)
+class VLLMLaunch:
+    """How a run reaches its vLLM server (``vllm.url``) or starts one: the ``engine.vllm`` section and the
+    run's values a server needs (the vLLM build's device, the sampler's dtype, the seed, the data folder
+    its weight copies live under, the LoRA rank). Built once at the run's start."""
 
-    v = cfg.engine.vllm
-    device = cfg.vllm_device()
-    tolerance = SYNC_TOLERANCE if v.sync_tolerance is None else v.sync_tolerance
-    root = Path(cfg.data_dir) / "vllm"
-    common = dict(
-        weights_dir=root / f"weights-{v.port}",
-        tolerance=tolerance,
-        reload_in_place=v.reload_in_place,
-        one_request=v.one_request_per_action,
-    )
-    if v.url is not None:
-        return VLLMEngine(VLLMClient(v.url, v.request_timeout_s), end_ids, v.top_logprobs, v.max_concurrency, **common)
-    is_lora = lora.is_adapter_dir(policy_path)
-    dtype = "float32" if device == "cpu" else str(resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device)))
-    source = lora.base_model_path(policy_path) if is_lora else str(policy_path)
-    model_dir = source if is_lora else str(serving_copy(source, root / f"weights-{v.port}" / "w000000").resolve())
-    spec = ServerSpec(
-        python=str(v.interpreter()),
-        model=model_dir,
-        port=v.port,
-        gpu_memory_utilization=v.gpu_memory_utilization,
-        max_logprobs=v.top_logprobs,
-        max_lora_rank=cfg.model.lora.rank if is_lora and cfg.model.lora is not None else None,
-        dtype=dtype.removeprefix("torch."),
-        seed=cfg.seed,
-        device=device,
-        cache_root=str(vllm_cache.cache_root()),
-        cpu_kvcache_gib=v.cpu_kvcache_gib,
-        dev_mode=v.reload_in_place and not is_lora,
-        max_model_len=max_positions(source),
-        trie_processor=v.one_request_per_action,
-    )
-    server = VLLMServer(spec, root / f"server-{v.port}.log", v.startup_timeout_s, source=source)
-    server.start()
-    return VLLMEngine(
-        VLLMClient(server.url, v.request_timeout_s), end_ids, v.top_logprobs, v.max_concurrency, server, **common
-    )
+    vllm: VLLMConfig
+    device: str  # the vLLM build: cpu | cuda
+    dtype: str  # the sampler's dtype, the trainer's: float32 on the CPU build
+    seed: int
+    data_dir: str
+    lora_rank: int | None
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> VLLMLaunch:
+        from horizonrl.models.loading import resolve_device, resolve_dtype
+
+        device = cfg.vllm_device()
+        dtype = "float32" if device == "cpu" else str(resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device)))
+        rank = cfg.model.lora.rank if cfg.model.lora is not None else None
+        return cls(cfg.engine.vllm, device, dtype.removeprefix("torch."), cfg.seed, cfg.data_dir, rank)
+
+    def reaching(self, url: str) -> VLLMLaunch:
+        """The same settings for a server another process started, at ``url``."""
+        return dataclasses.replace(self, vllm=self.vllm.model_copy(update={"url": url}))
+
+    def engine(self, policy_path: str, end_ids: list[int]) -> VLLMEngine:
+        """An engine that reaches ``vllm.url``, or starts a server serving ``policy_path`` (for a LoRA policy:
+        its base model, with runtime adapter loading on; for full weights: its untied serving copy, so later
+        checkpoints reload in place) in the trainer's dtype, so sampler and learner run the same precision
+        (float32 on the CPU build)."""
+        v = self.vllm
+        tolerance = SYNC_TOLERANCE if v.sync_tolerance is None else v.sync_tolerance
+        root = Path(self.data_dir) / "vllm"
+        common = dict(
+            weights_dir=root / f"weights-{v.port}",
+            tolerance=tolerance,
+            reload_in_place=v.reload_in_place,
+            one_request=v.one_request_per_action,
+        )
+        if v.url is not None:
+            client = VLLMClient(v.url, v.request_timeout_s)
+            return VLLMEngine(client, end_ids, v.top_logprobs, v.max_concurrency, **common)
+        log = root / f"server-{v.port}.log"
+        server = VLLMServer(self._spec(policy_path), log, v.startup_timeout_s, source=self._source(policy_path))
+        server.start()
+        client = VLLMClient(server.url, v.request_timeout_s)
+        return VLLMEngine(client, end_ids, v.top_logprobs, v.max_concurrency, server, **common)
+
+    def _source(self, policy_path: str) -> str:
+        """What the server loads: a LoRA policy's base model, or the full weights themselves."""
+        from horizonrl.models import lora
+
+        return lora.base_model_path(policy_path) if lora.is_adapter_dir(policy_path) else str(policy_path)
+
+    def _spec(self, policy_path: str) -> ServerSpec:
+        from horizonrl.models import lora
+
+        v, is_lora, source = self.vllm, lora.is_adapter_dir(policy_path), self._source(policy_path)
+        root = Path(self.data_dir) / "vllm"
+        model_dir = source if is_lora else str(serving_copy(source, root / f"weights-{v.port}" / "w000000").resolve())
+        return ServerSpec(
+            python=str(v.interpreter()),
+            model=model_dir,
+            port=v.port,
+            gpu_memory_utilization=v.gpu_memory_utilization,
+            max_logprobs=v.top_logprobs,
+            max_lora_rank=self.lora_rank if is_lora else None,
+            dtype=self.dtype,
+            seed=self.seed,
+            device=self.device,
+            cache_root=str(vllm_cache.cache_root()),
+            cpu_kvcache_gib=v.cpu_kvcache_gib,
+            dev_mode=v.reload_in_place and not is_lora,
+            max_model_len=max_positions(source),
+            trie_processor=v.one_request_per_action,
+        )

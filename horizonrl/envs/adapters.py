@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from horizonrl.envs.base import Task
-from horizonrl.envs.progress import content_words, render_key, split_command, tidy, verb_label
+from horizonrl.envs.progress import action_label, content_words, render_key, split_command, tidy
 from horizonrl.seeding import derive_seed
 
 ALFWORLD_SPLITS = {"train": "train", "dev": "valid_seen", "test": "valid_unseen"}
@@ -179,8 +179,7 @@ class AlfworldEnv:
         return self._goal
 
     def abstract_action(self, action: str) -> str:
-        verb, argument = split_command(action, ALFWORLD_VERBS)
-        return verb_label(verb, argument, self._tracker.goal_words)
+        return action_label(action, ALFWORLD_VERBS, self._tracker.goal_words)
 
     def walkthrough(self) -> list[str]:
         """The PDDL planner's policy from a second env on the same game (tests and warm-start only)."""

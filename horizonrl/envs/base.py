@@ -9,6 +9,7 @@ plays one command. ``info`` always carries ``won`` (bool), ``admissible_commands
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -77,3 +78,23 @@ class EnvSuite(Protocol):
     def max_turns(self, tier: str) -> int:
         """Horizon of the tier."""
         ...
+
+
+RANDOM_TURNS = 20
+"""Turns of random play an episode of a benchmark suite's corpus takes (``played_lines``)."""
+
+
+def played_lines(env: Env, task: Task, oracle: bool, random_turns: int = RANDOM_TURNS) -> list[str]:
+    """The observations and admissible commands of one episode of ``task`` (a suite's corpus, which a
+    word tokenizer is trained on): its walkthrough, or uniform random play (seeded by the task) for up to
+    ``random_turns`` turns."""
+    observation, info = env.reset(task)
+    lines = [observation, *info["admissible_commands"]]
+    rng = random.Random(task.seed)
+    plan: list[str | None] = list(env.walkthrough()) if oracle else [None] * random_turns
+    for planned in plan:
+        observation, _, done, info = env.step(planned or rng.choice(info["admissible_commands"]))
+        lines += [observation, *info["admissible_commands"]]
+        if done:
+            break
+    return lines

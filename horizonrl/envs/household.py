@@ -17,13 +17,12 @@ agent has seen the lamp", and ``use desklamp 1`` toggles the tracked lamp.
 from __future__ import annotations
 
 import hashlib
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from horizonrl.envs.base import Task
+from horizonrl.envs.base import Task, played_lines
 from horizonrl.envs.household_world import (
     DIGITS,
     FAMILIES,
@@ -535,8 +534,8 @@ class HouseholdSuite:
         lines += _demo_lines(env)
         for tier in TIERS:
             for task in self.tasks("train", tier, n_tasks):
-                lines += _episode_lines(env, task, oracle=True)
-                lines += _episode_lines(env, task, oracle=False)
+                lines += played_lines(env, task, oracle=True, random_turns=TIERS[task.tier].horizon)
+                lines += played_lines(env, task, oracle=False, random_turns=TIERS[task.tier].horizon)
         return list(dict.fromkeys(lines))
 
 
@@ -582,20 +581,6 @@ def _demo_lines(env: HouseholdEnv) -> list[str]:
     """Every observation form once, so the corpus does not depend on random play reaching rare ones."""
     observation, _ = env.reset_layout(_DEMO_LAYOUT, "medium")
     return [observation] + [env.step(action)[0] for action in _DEMO_SCRIPT]
-
-
-def _episode_lines(env: HouseholdEnv, task: Task, oracle: bool) -> list[str]:
-    """Observations and admissible commands of one episode: the walkthrough, or uniform random play."""
-    observation, info = env.reset(task)
-    lines = [observation, *info["admissible_commands"]]
-    rng = random.Random(task.seed)
-    actions: list[str | None] = list(env.walkthrough()) if oracle else [None] * TIERS[task.tier].horizon
-    for planned in actions:
-        observation, _, done, info = env.step(planned or rng.choice(info["admissible_commands"]))
-        lines += [observation, *info["admissible_commands"]]
-        if done:
-            break
-    return lines
 
 
 def split_of(signature: str) -> str:

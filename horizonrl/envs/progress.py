@@ -9,7 +9,9 @@ reported. These helpers never read a walkthrough, a gold path or the simulator's
 * ``content_words(text)``: lower-case words minus stop words; the "is it in the task description" test.
 * ``verb_label(verb, argument, goal_words)``: ``TAKE_GOAL`` when a word of the argument appears in the
   task description, ``TAKE_OTHER`` when not, ``LOOK`` when the verb takes no argument.
+* ``action_label(action, verbs, goal_words)``: ``verb_label`` of a command split by ``split_command``.
 * ``render_key(prefix, fields)``: ``prefix|name=value|...`` with booleans as 0/1.
+* ``game_info(...)``: the ``info`` a benchmark game's episode returns after reset and every step.
 """
 
 from __future__ import annotations
@@ -59,7 +61,32 @@ def verb_label(verb: str, argument: str, goal_words: frozenset[str]) -> str:
     return f"{name}_GOAL" if content_words(argument) & goal_words else f"{name}_OTHER"
 
 
+def action_label(action: str, verbs: Iterable[str], goal_words: frozenset[str]) -> str:
+    """A command's goal-relative label (docs/algorithms.md §2.4): its verb (the longest of ``verbs`` that
+    prefixes it) and whether its argument is named in the goal: FOCUS_ON_GOAL, TAKE_OTHER, WAIT."""
+    verb, argument = split_command(action, verbs)
+    return verb_label(verb, argument, goal_words)
+
+
 def render_key(prefix: str, fields: dict[str, Any]) -> str:
     """'prefix|score=2/5|recipe=1': the progress key, booleans as 0/1, no spaces."""
     values = (f"{name}={int(v) if isinstance(v, bool) else v}" for name, v in fields.items())
     return "|".join([prefix, *values]).replace(" ", "_")
+
+
+def game_info(
+    won: bool, lost: bool, commands: Iterable[str], valid: bool, score: float, key: str, family: str, goal: str
+) -> dict[str, Any]:
+    """The ``info`` of a benchmark game's step (``envs.base``): outcome, the sorted admissible ``commands``,
+    whether the action was one, the ``score`` in [0, 1], the progress ``key`` (BLPO), the game ``family``
+    and the ``goal`` as the agent read it."""
+    return {
+        "won": won,
+        "lost": lost,
+        "admissible_commands": sorted(commands),
+        "valid": valid,
+        "score": score,
+        "progress_key": key,
+        "family": family,
+        "goal": goal,
+    }

@@ -34,8 +34,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from horizonrl.envs.base import Task
-from horizonrl.envs.progress import content_words, render_key, split_command, tidy, verb_label
+from horizonrl.envs.base import Task, played_lines
+from horizonrl.envs.progress import action_label, content_words, game_info, render_key, tidy
 from horizonrl.seeding import derive_seed
 
 TASK_NAMES = (
@@ -242,12 +242,6 @@ def progress_key(task_name: str, tracker: Tracker) -> str:
     return render_key(f"sw_v1|{task_name}", {"score": tracker.score, "focus": tracker.focused})
 
 
-def abstract_action_label(tracker: Tracker, action: str) -> str:
-    """Verb + whether its object is named in the task description: FOCUS_ON_GOAL, PICK_UP_OTHER, WAIT."""
-    verb, argument = split_command(action, VERBS)
-    return verb_label(verb, argument, tracker.goal_words)
-
-
 class ScienceWorldEnv:
     """One ScienceWorld episode on a simulator borrowed from the suite's ``JvmHost``."""
 
@@ -286,23 +280,15 @@ class ScienceWorldEnv:
         return self._obs, float(self._info["won"]), self._done, self._info
 
     def _info_of(self, info: dict[str, Any], valid: bool) -> dict[str, Any]:
-        score = int(info["score"])
-        return {
-            "won": score >= 100,
-            "lost": score < 0,
-            "admissible_commands": sorted(set(info["valid"])),
-            "valid": valid,
-            "score": max(0, min(score, 100)) / 100,
-            "progress_key": progress_key(self.task_name, self._tracker),
-            "family": self.task_name,
-            "goal": self._tracker.description,
-        }
+        score, key = int(info["score"]), progress_key(self.task_name, self._tracker)
+        clipped = max(0, min(score, 100)) / 100
+        return game_info(score >= 100, score < 0, set(info["valid"]), valid, clipped, key, self.task_name, self.goal())
 
     def goal(self) -> str:
         return self._tracker.description
 
     def abstract_action(self, action: str) -> str:
-        return abstract_action_label(self._tracker, action)
+        return action_label(action, VERBS, self._tracker.goal_words)
 
     def walkthrough(self) -> list[str]:
         """The benchmark's gold path, from a second simulator (so this episode's state is untouched)."""
@@ -369,15 +355,7 @@ class ScienceWorldSuite:
         try:
             for task in tasks:
                 for oracle in (True, False):
-                    observation, info = env.reset(task)
-                    lines += [observation, *info["admissible_commands"]]
-                    rng = random.Random(task.seed)
-                    plan: list[str | None] = list(env.walkthrough()) if oracle else [None] * 20
-                    for planned in plan:
-                        observation, _, done, info = env.step(planned or rng.choice(info["admissible_commands"]))
-                        lines += [observation, *info["admissible_commands"]]
-                        if done:
-                            break
+                    lines += played_lines(env, task, oracle)
         finally:
             env.close()
         return list(dict.fromkeys(lines))

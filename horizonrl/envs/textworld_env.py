@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import subprocess
@@ -40,8 +39,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from horizonrl.envs.base import Task
-from horizonrl.envs.progress import content_words, render_key, split_command, tidy, verb_label
+from horizonrl.envs.base import Task, played_lines
+from horizonrl.envs.progress import action_label, content_words, game_info, render_key, tidy
 from horizonrl.envs.textworld_games import GameFolder, UserGame, load_games
 from horizonrl.seeding import derive_seed
 
@@ -222,12 +221,6 @@ def progress_key(challenge: str, tracker: Tracker) -> str:
     return render_key(f"tw_v1|{challenge}", fields)
 
 
-def abstract_action_label(tracker: Tracker, action: str) -> str:
-    """Verb + whether its argument is named by the objective or the recipe: GO_GOAL, TAKE_OTHER, LOOK."""
-    verb, argument = split_command(action, VERBS)
-    return verb_label(verb, argument, tracker.goal_words)
-
-
 class TextWorldEnv:
     """One TextWorld episode; ``reset(task)`` loads (generating once) the task's game, or with ``games``
     the user's game named by the task's family."""
@@ -290,22 +283,17 @@ class TextWorldEnv:
         return self._obs, float(bool(state["won"])), self._done, self._info
 
     def _info_of(self, state: Any, valid: bool) -> dict[str, Any]:
-        return {
-            "won": bool(state["won"]),
-            "lost": bool(state["lost"]),
-            "admissible_commands": sorted(state["admissible_commands"] or []),
-            "valid": valid,
-            "score": min(1.0, max(0.0, int(state["score"]) / max(1, int(state["max_score"])))),
-            "progress_key": progress_key(self.challenge, self._tracker),
-            "family": self.challenge,
-            "goal": self._tracker.objective,
-        }
+        score = min(1.0, max(0.0, int(state["score"]) / max(1, int(state["max_score"]))))
+        key, commands = progress_key(self.challenge, self._tracker), state["admissible_commands"] or []
+        return game_info(
+            bool(state["won"]), bool(state["lost"]), commands, valid, score, key, self.challenge, self.goal()
+        )
 
     def goal(self) -> str:
         return self._tracker.objective
 
     def abstract_action(self, action: str) -> str:
-        return abstract_action_label(self._tracker, action)
+        return action_label(action, VERBS, self._tracker.goal_words)
 
     def walkthrough(self) -> list[str]:
         """The generator's own walkthrough, from the game's ``.json`` (tests and warm-start only); a user's
@@ -397,18 +385,18 @@ class TextWorldSuite:
         if self.folder is None:
             for t in dict.fromkeys(("easy", tier)):
                 for task in self.tasks("train", t, min(n_tasks, n_games)):
-                    lines += _episode_lines(env, task, oracle=True) + _episode_lines(env, task, oracle=False)
+                    lines += played_lines(env, task, oracle=True) + played_lines(env, task, oracle=False)
         else:
             index = {name: i for i, name in enumerate(sorted(self.folder.games))}
             for name in sorted(self.folder.games):
                 task = Task(self.name, "train", tier, index[name], index[name], name)
                 if self.folder.games[name].walkthrough is not None:
-                    lines += _episode_lines(env, task, oracle=True)
+                    lines += played_lines(env, task, oracle=True)
                 else:
                     observation, info = env.reset(task)
                     lines += [observation, *info["admissible_commands"]]
             for task in self.folder_tasks("train", min(n_tasks, n_games), tier):
-                lines += _episode_lines(env, task, oracle=False)
+                lines += played_lines(env, task, oracle=False)
         env.close()
         return list(dict.fromkeys(lines))
 
@@ -431,17 +419,4 @@ def _grammar_lines(challenge: str) -> list[str]:
                 text = tidy(re.sub(r"#[^#]*#|\([^)]*\)|[<>{}\[\]]", " ", value))
                 if text and not row.startswith("#"):
                     lines.append(text)
-    return lines
-
-
-def _episode_lines(env: TextWorldEnv, task: Task, oracle: bool) -> list[str]:
-    observation, info = env.reset(task)
-    lines = [observation, *info["admissible_commands"]]
-    rng = random.Random(task.seed)
-    plan: list[str | None] = list(env.walkthrough()) if oracle else [None] * 20
-    for planned in plan:
-        observation, _, done, info = env.step(planned or rng.choice(info["admissible_commands"]))
-        lines += [observation, *info["admissible_commands"]]
-        if done:
-            break
     return lines

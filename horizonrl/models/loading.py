@@ -134,6 +134,7 @@ def initial_adapter_dir(data_dir: str | Path, base_dir: str | Path, cfg: LoraCon
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(tmp, safe_serialization=True)
+    lora.settle_config(tmp)
     tokenizer.save_pretrained(tmp)
     try:
         tmp.rename(out)

@@ -46,6 +46,17 @@ def attach(model: torch.nn.Module, cfg: LoraConfig, seed: int) -> torch.nn.Modul
         return peft.get_peft_model(model, peft_config(cfg))
 
 
+def settle_config(adapter_dir: str | Path) -> None:
+    """peft writes ``target_modules`` from a set, in an order that changes from process to process (string
+    hashing is salted per process): sorted here, so one adapter always has the same config bytes, and so the
+    same policy digest (``checkpoint.policy_digest``: a starting evaluation is shared by that digest)."""
+    path = Path(adapter_dir) / ADAPTER_CONFIG
+    config = json.loads(path.read_text())
+    if isinstance(config.get("target_modules"), list):
+        config["target_modules"] = sorted(config["target_modules"])
+    path.write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
 def is_adapter_dir(path: str | Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 

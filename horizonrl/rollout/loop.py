@@ -24,7 +24,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from horizonrl.config import TrainConfig
+from horizonrl.config import EnvConfig, RolloutConfig, TrainConfig
 from horizonrl.engines.base import Engine, Generation, SampleRequest, Session, TokenTrie
 from horizonrl.envs.base import EnvSuite, Task
 from horizonrl.envs.batch import EpisodeBatch, StepResult, as_batch, error_info
@@ -33,9 +33,9 @@ from horizonrl.rollout.records import ENGINE_FAULT, EpisodeRecord, TurnRecord
 from horizonrl.seeding import derive_seed
 
 
-def turn_horizon(cfg: TrainConfig, suite: EnvSuite) -> int:
+def turn_horizon(env: EnvConfig, suite: EnvSuite) -> int:
     """The turn horizon episodes are cut at: ``env.max_turns``, else the suite's for the tier."""
-    return cfg.env.max_turns or suite.max_turns(cfg.env.tier)
+    return env.max_turns or suite.max_turns(env.tier)
 
 
 @dataclass
@@ -75,7 +75,7 @@ class SamplingSettings:
             r.action_mode,
             r.context,
             r.history_turns,
-            turn_horizon(cfg, suite),
+            turn_horizon(cfg.env, suite),
             r.max_action_tokens,
             r.temperature,
             seed,
@@ -152,6 +152,7 @@ class Shard:
     first_group_id: int  # index of tasks[0] in the iteration's task list
     first_rollout_id: int
     seed: int
+    group_size: int  # rollouts of each task
 
 
 def split_shards(tasks: list[Task], n_shards: int, group_size: int, seed: int) -> list[Shard]:
@@ -165,7 +166,7 @@ def split_shards(tasks: list[Task], n_shards: int, group_size: int, seed: int) -
     for s in range(n):
         size = len(tasks) // n + (s < len(tasks) % n)
         shard_seed = seed if n_shards == 1 else derive_seed(seed, "shard", s)
-        shards.append(Shard(s, tasks[start : start + size], start, start * group_size, shard_seed))
+        shards.append(Shard(s, tasks[start : start + size], start, start * group_size, shard_seed, group_size))
         start += size
     return shards
 
@@ -176,17 +177,17 @@ def sample_tasks(pool: list, n: int, seed: int, iteration: int) -> list:
     return rng.sample(pool, min(n, len(pool)))
 
 
-def iteration_shards(cfg: TrainConfig, pool: list[Task], iteration: int) -> list[Shard]:
-    """The iteration's tasks drawn from the training ``pool``, fixed by (seed, iteration), in
-    ``rollout.shards`` fixed shards: group and rollout ids and one sampling seed per shard, so the records
-    do not depend on where shards play."""
-    tasks = sample_tasks(pool, cfg.rollout.tasks_per_iteration, cfg.seed, iteration)
-    return split_shards(tasks, cfg.rollout.shards, cfg.rollout.group_size, collect_seed(cfg, iteration))
+def iteration_shards(pool: list[Task], rollout: RolloutConfig, seed: int, iteration: int) -> list[Shard]:
+    """The iteration's ``rollout.tasks_per_iteration`` tasks drawn from the training ``pool``, fixed by (run
+    ``seed``, iteration), in ``rollout.shards`` fixed shards: group and rollout ids and one sampling seed per
+    shard, so the records do not depend on where shards play."""
+    tasks = sample_tasks(pool, rollout.tasks_per_iteration, seed, iteration)
+    return split_shards(tasks, rollout.shards, rollout.group_size, collect_seed(seed, iteration))
 
 
-def collect_seed(cfg: TrainConfig, iteration: int) -> int:
-    """The sampling seed of an iteration's rollouts (and of its branches)."""
-    return derive_seed(cfg.seed, "collect", iteration)
+def collect_seed(seed: int, iteration: int) -> int:
+    """The sampling seed of an iteration's rollouts (and of its branches), from the run's ``seed``."""
+    return derive_seed(seed, "collect", iteration)
 
 
 def play(
@@ -374,29 +375,11 @@ def _record_turn(
     format_penalty: float,
 ) -> None:
     """Record one turn; a format error's step reward is lowered by ``format_penalty`` (rollout.format_penalty)."""
-    admissible = ep.info["admissible_commands"]
     obs, reward, done, info = result
     reward = float(reward) - (0.0 if format_valid else format_penalty)
     ep.history[-1] = (ep.history[-1][0], gen.token_ids)
     ep.record.turns.append(
-        TurnRecord(
-            turn=turn,
-            observation=ep.obs,
-            action=action,
-            prompt_ids=delta,
-            gen=gen,
-            reward=float(reward),
-            done=bool(done),
-            won=bool(info.get("won", False)),
-            valid=bool(info.get("valid", action in admissible)),
-            format_valid=format_valid,
-            score=float(info.get("score", 0.0)),
-            progress_key=str(ep.info.get("progress_key", "")),
-            abstract_action=str(info.get("abstract_action", "")),
-            n_admissible=len(admissible),
-            gen_s=gen_s,
-            env_s=env_s,
-        )
+        TurnRecord.of_step(turn, ep.obs, ep.info, action, delta, gen, reward, done, info, format_valid, gen_s, env_s)
     )
     ep.obs, ep.info = obs, info
     if "error" in info:

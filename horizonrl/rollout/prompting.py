@@ -65,6 +65,26 @@ class _Template:
 
 
 @dataclass(frozen=True)
+class ChatStyle:
+    """How a run renders its turns over a tokenizer's template (``rollout``'s format fields): the player reads
+    its ``ChatFormat`` off the first checkpoint it plays, in this style."""
+
+    enable_thinking: bool = False
+    free_format: str = "plain"
+    format_penalty: float = 0.0
+    prompt: str = "compact"
+
+    def format(self, tokenizer: PreTrainedTokenizerBase) -> ChatFormat:
+        return ChatFormat.for_tokenizer(
+            tokenizer,
+            enable_thinking=self.enable_thinking,
+            free_format=self.free_format,
+            format_penalty=self.format_penalty,
+            prompt=self.prompt,
+        )
+
+
+@dataclass(frozen=True)
 class ChatFormat:
     """The tokenizer's chat template as per-turn id pieces, or a plain 'Task/Observation/Action' format
     for a tokenizer without one. Build it with ``for_tokenizer``."""
@@ -117,11 +137,6 @@ class ChatFormat:
             )
         stop = tuple(dict.fromkeys([ids[0], *eos]))
         return cls(tokenizer, template, ids[0], tuple(ids[1:]), stop, **options)
-
-    @property
-    def chatml(self) -> bool:
-        """Whether the pieces come from a chat template (else the plain format)."""
-        return self.template is not None
 
     def encode(self, text: str) -> list[int]:
         return self.encode_many([text])[0]

@@ -7,6 +7,7 @@ Parquet tables), so that the store does not depend on how rollouts are played.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from horizonrl.engines.base import Generation
 from horizonrl.envs.base import Task
@@ -30,6 +31,46 @@ class TurnRecord:
     n_admissible: int
     gen_s: float
     env_s: float
+
+    @classmethod
+    def of_step(
+        cls,
+        turn: int,
+        observation: str,
+        before: dict[str, Any],
+        action: str,
+        prompt_ids: list[int],
+        gen: Generation,
+        reward: float,
+        done: bool,
+        after: dict[str, Any],
+        format_valid: bool = True,
+        gen_s: float = 0.0,
+        env_s: float = 0.0,
+    ) -> TurnRecord:
+        """Turn ``turn``: ``action`` (``gen``, sampled from ``prompt_ids``, or scripted) played on ``observation``,
+        whose info was ``before``, and the environment's answer, ``reward``, ``done`` and info ``after``. The
+        admissible commands and the progress key are the state's the action was taken in; outcome, validity,
+        score and abstract action the answer's."""
+        commands = before["admissible_commands"]
+        return cls(
+            turn=turn,
+            observation=observation,
+            action=action,
+            prompt_ids=prompt_ids,
+            gen=gen,
+            reward=float(reward),
+            done=bool(done),
+            won=bool(after.get("won", False)),
+            valid=bool(after.get("valid", action in commands)),
+            format_valid=format_valid,
+            score=float(after.get("score", 0.0)),
+            progress_key=str(before.get("progress_key", "")),
+            abstract_action=str(after.get("abstract_action", "")),
+            n_admissible=len(commands),
+            gen_s=gen_s,
+            env_s=env_s,
+        )
 
 
 ENGINE_FAULT = "engine fault: "

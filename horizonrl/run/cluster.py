@@ -2,44 +2,43 @@
 
 from __future__ import annotations
 
-from horizonrl.config import RayConfig, TrainConfig
+from horizonrl.config import RayConfig
 
 
 class Cluster:
-    """This process's membership of a Ray cluster (shards on ``rollout.runner: ray``, update ranks on
-    ``update.launcher: ray``)."""
+    """This process's membership of the run's Ray cluster (shards on ``rollout.runner: ray``, update ranks on
+    ``update.launcher: ray``), as section ``ray`` says."""
 
-    def __init__(self) -> None:
-        self._joined: RayConfig | None = None
+    def __init__(self, ray: RayConfig) -> None:
+        self.ray = ray
+        self.joined = False
 
-    def join(self, cfg: TrainConfig) -> None:
-        """Join the run's Ray cluster and stay, if the run uses one: ``ray.address``, or a new local cluster
-        bound to 127.0.0.1 (``address="local"``, so a ``RAY_ADDRESS`` in the environment cannot redirect it),
-        without the dashboard's modules (its API server stays, on 127.0.0.1)."""
-        uses_ray = cfg.rollout.runner == "ray" or (cfg.update.launcher == "ray" and cfg.update.world_size > 1)
-        if not uses_ray or self._joined == cfg.ray:
+    def join(self) -> None:
+        """Join the run's Ray cluster and stay: ``ray.address``, or a new local cluster bound to 127.0.0.1
+        (``address="local"``, so a ``RAY_ADDRESS`` in the environment cannot redirect it), without the
+        dashboard's modules (its API server stays, on 127.0.0.1)."""
+        if self.joined:
             return
-        self.leave()
         import ray  # the optional "ray" extra
 
-        if cfg.ray.address is not None:
-            ray.init(address=cfg.ray.address, namespace="horizonrl")
+        if self.ray.address is not None:
+            ray.init(address=self.ray.address, namespace="horizonrl")
         else:
             ray.init(
                 address="local",
-                num_cpus=cfg.ray.num_cpus,
-                object_store_memory=cfg.ray.object_store_mb * 2**20,
+                num_cpus=self.ray.num_cpus,
+                object_store_memory=self.ray.object_store_mb * 2**20,
                 include_dashboard=False,
                 _node_ip_address="127.0.0.1",
                 namespace="horizonrl",
             )
-        self._joined = cfg.ray
+        self.joined = True
 
     def leave(self) -> None:
         """Leave the Ray cluster: a local one stops with all its processes (workers, raylet, GCS); a
         cluster given by address keeps running."""
-        if self._joined is not None:
+        if self.joined:
             import ray
 
             ray.shutdown()
-            self._joined = None
+            self.joined = False

@@ -1,34 +1,36 @@
 """The player: plays a run's episodes with one engine in this process's environments.
 
-A player holds the environment host and task pools, one chat format and one engine, and moves in two
-steps: ``sync(cfg, policy)`` at a version boundary (the engine plays ``policy`` from then on), then
-``play``/``play_branches`` straight into the rollout loop. Its engine is the transformers engine over its
-``weights``' model (the learner's in a synchronous run, where an update moves the played weights in
-place), a vLLM engine that owns the process's server, or one that plays on a server another process
-keeps in sync (``Serving``). The asynchronous generator is a second player with its own weights on the
-transformers engine; on vLLM it holds none (a sync is checked against the checkpoint's stored probe).
+Built once at the run's start (``horizonrl.run.owners``) from plain values: the suite, how its environments
+step, the chat style, the sampling settings, the branching settings of a method that branches, and where its
+vLLM server is (none: the transformers engine). It moves in two steps: ``sync(policy)`` at a version
+boundary (the engine plays ``policy`` from then on), then ``play``/``play_branches`` straight into the
+rollout loop. Its engine is the transformers engine over its ``weights``' model (the learner's in a
+synchronous run, where an update moves the played weights in place), a vLLM engine that owns the run's
+server, or one that plays on a server another process keeps in sync (``Serving``). The asynchronous
+generator is a second player with its own weights on the transformers engine; on vLLM it holds none (a
+sync is checked against the checkpoint's stored probe).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
-from horizonrl.config import TrainConfig
 from horizonrl.engines.base import Engine
 from horizonrl.engines.hf import TransformersEngine
-from horizonrl.engines.vllm import VLLMEngine, WeightSync, engine_from_config
-from horizonrl.envs import EnvSuite, make_suite, suite_ref
-from horizonrl.envs.batch import EpisodeBatch, InProcess
-from horizonrl.envs.pool import EnvPool
+from horizonrl.engines.vllm import VLLMEngine, VLLMLaunch, WeightSync
+from horizonrl.envs import EnvSuite, Task
+from horizonrl.envs.batch import EpisodeBatch
 from horizonrl.models import lora
-from horizonrl.models.loading import policy_tokenizer, resolve_device
+from horizonrl.models.loading import policy_tokenizer
 from horizonrl.models.probe import Probe, probe_of, stored_probe
 from horizonrl.rollout.branching import collect_branches, plan_branches
-from horizonrl.rollout.loop import SamplingSettings, Shard, collect, collect_seed
-from horizonrl.rollout.prompting import ChatFormat
+from horizonrl.rollout.loop import SamplingSettings, Shard, collect
+from horizonrl.rollout.prompting import ChatFormat, ChatStyle
 from horizonrl.rollout.records import EpisodeRecord
-from horizonrl.run.learner import Learner
+from horizonrl.run.learner import Weights
 from horizonrl.training.checkpoint import CheckpointRef
+from methods.appo import BranchingParams
 
 
 @dataclass(frozen=True)
@@ -41,102 +43,118 @@ class Serving:
     policy: str
 
 
+@dataclass(frozen=True)
+class Branching:
+    """A branching method's settings (APPO): branches planned per task group, and how they are picked."""
+
+    budget: int
+    params: BranchingParams
+
+
 class Player:
-    """Plays episodes for the runs of this process; ``weights`` holds the model its transformers engine plays
-    and the vLLM server's weights are verified against."""
+    """Plays the episodes of one run in this process; ``weights`` holds the model its transformers engine
+    plays and the vLLM server's weights are verified against."""
 
-    def __init__(self, weights: Learner) -> None:
+    def __init__(
+        self,
+        weights: Weights,
+        suite: EnvSuite,
+        tier: str,
+        environments: Callable[[], EpisodeBatch],
+        chat: ChatStyle,
+        sampling: SamplingSettings,
+        branching: Branching | None = None,
+        server: VLLMLaunch | None = None,
+    ) -> None:
+        """``environments`` starts where the episodes step (``rollout.env_workers`` worker processes, or this
+        process), at the first episode; ``sampling``: the run's settings, each play with its own seed;
+        ``server``: where the run's vLLM server is (None: the transformers engine plays)."""
         self.weights = weights
-        self.fmt: ChatFormat | None = None
+        self.suite = suite
+        self.tier = tier
+        self.sampling = sampling
+        self._environments = environments
+        self._chat = chat
+        self._branching = branching
+        self._launch = server
+        self.fmt: ChatFormat | None = None  # read off the first checkpoint synced: a run's share one tokenizer
         self.engine: Engine | None = None  # what plays now, set by sync
-        self._format_for: str | None = None  # the config digest fmt was built for
-        self._server: VLLMEngine | None = None  # owns the process's vLLM server: kept across checkpoints and runs
+        self._server: VLLMEngine | None = None  # owns the run's vLLM server: kept across checkpoints
         self._followed: tuple[str, VLLMEngine] | None = None  # (url, engine) of another process's server
-        self._suites: dict[tuple[str, int, str | None], EnvSuite] = {}
-        self._pools: dict[tuple, list] = {}
-        self._episodes: tuple[tuple, EpisodeBatch] | None = None
+        self._pools: dict[tuple[str, int], list[Task]] = {}
+        self._episodes: EpisodeBatch | None = None
 
-    def suite(self, cfg: TrainConfig) -> EnvSuite:
-        key = (cfg.env.name, cfg.env.suite_seed, cfg.env.games)
-        if key not in self._suites:
-            self._suites[key] = make_suite(*key, data_dir=cfg.data_dir)
-        return self._suites[key]
+    @property
+    def serves_vllm(self) -> bool:
+        """Whether this player plays on a vLLM server (else the transformers engine)."""
+        return self._launch is not None
 
-    def task_pool(self, cfg: TrainConfig, split: str, n: int) -> list:
-        """The first ``n`` tasks of ``split`` at the configured tier (generated once per process)."""
-        key = (cfg.env.name, cfg.env.suite_seed, cfg.env.games, split, cfg.env.tier, n)
-        if key not in self._pools:
-            self._pools[key] = self.suite(cfg).tasks(split, cfg.env.tier, n)
-        return self._pools[key]
+    def task_pool(self, split: str, n: int) -> list[Task]:
+        """The first ``n`` tasks of ``split`` at the run's tier (generated once per run)."""
+        if (split, n) not in self._pools:
+            self._pools[split, n] = self.suite.tasks(split, self.tier, n)
+        return self._pools[split, n]
 
-    def episodes(self, cfg: TrainConfig) -> EpisodeBatch:
-        """Where the run's episodes step: ``rollout.env_workers`` worker processes, started once and kept
-        warm across iterations (JVMs, loaded games), or this process when it is 0."""
-        r = cfg.rollout
-        key = (cfg.env.name, cfg.env.suite_seed, cfg.env.games, r.env_workers, r.step_timeout_s)
-        if self._episodes is None or self._episodes[0] != key:
-            self.close_episodes()
-            ref = suite_ref(cfg.env.name, cfg.env.games, cfg.data_dir)
-            batch = (
-                EnvPool(ref, cfg.env.suite_seed, r.env_workers, step_timeout_s=r.step_timeout_s)
-                if r.env_workers
-                else InProcess(self.suite(cfg))
-            )
-            self._episodes = (key, batch)
-        return self._episodes[1]
+    def episodes(self) -> EpisodeBatch:
+        """Where the run's episodes step: started at the first episode and kept warm until ``close`` (JVMs,
+        loaded games)."""
+        if self._episodes is None:
+            self._episodes = self._environments()
+        return self._episodes
 
     def close_episodes(self) -> None:
         """Stop the environment workers (and with them their JVMs or games)."""
         if self._episodes is not None:
-            self._episodes[1].close()
+            self._episodes.close()
             self._episodes = None
 
-    def sync(self, cfg: TrainConfig, policy: CheckpointRef, serving: Serving | None = None) -> WeightSync | None:
+    def close(self) -> None:
+        """The run ended: stop the environments and the vLLM server this player owns (a server another
+        process owns goes on)."""
+        self.close_episodes()
+        for engine in (self._server, self._followed[1] if self._followed else None):
+            if engine is not None:
+                engine.close()
+        self._server, self._followed, self.engine = None, None, None
+
+    def chat_format(self, policy: CheckpointRef) -> ChatFormat:
+        """The run's chat format, read off ``policy``'s tokenizer the first time (every checkpoint of a run has
+        the same tokenizer)."""
+        if self.fmt is None:
+            self.fmt = self._chat.format(policy_tokenizer(policy.path))
+        return self.fmt
+
+    def sync(self, policy: CheckpointRef, serving: Serving | None = None) -> WeightSync | None:
         """From now on play ``policy`` (a version boundary: no episode is in flight): the transformers engine
         over the weights of ``policy``, the owned vLLM server synced to it, or, given ``serving``, the
         server another process synced. Returns how the owned server's weights moved
         (``engines.vllm.WeightSync``), None when they did not."""
-        self.format(cfg, policy)
+        fmt = self.chat_format(policy)
         if serving is not None:
-            self.engine = self._follow(cfg, policy, serving)
+            self.engine = self._follow(policy, serving)
             return None
-        if cfg.engine.name == "vllm":
-            return self._serve(cfg, policy)
+        if self._launch is not None:
+            return self._serve(policy)
         if isinstance(self.engine, TransformersEngine) and not self.weights.holds(policy):
             self.engine = None  # it holds the version played so far: let that go before the next one loads
-        model = self.weights.get(cfg, policy).model
+        model = self.weights.get(policy).model
         if not isinstance(self.engine, TransformersEngine) or self.engine.model is not model:
-            device = str(resolve_device(cfg.model.device))
-            self.engine = TransformersEngine(model, self.fmt.tokenizer.pad_token_id, list(self.fmt.stop_ids), device)
+            device = str(self.weights.device)
+            self.engine = TransformersEngine(model, fmt.tokenizer.pad_token_id, list(fmt.stop_ids), device)
         return None
-
-    def format(self, cfg: TrainConfig, policy: CheckpointRef) -> ChatFormat:
-        """The run's chat format, read off ``policy``'s tokenizer once per config (every checkpoint of a run
-        has the same tokenizer)."""
-        if self.fmt is None or self._format_for != cfg.digest():
-            r = cfg.rollout
-            self.fmt = ChatFormat.for_tokenizer(
-                policy_tokenizer(policy.path),
-                enable_thinking=r.enable_thinking,
-                free_format=r.free_format,
-                format_penalty=r.format_penalty,
-                prompt=r.prompt,
-            )
-            self._format_for, self.engine = cfg.digest(), None  # the engine stops on the format's ids
-        return self.fmt
 
     def serving(self) -> Serving:
         """Where other processes find the server this player owns and synced, and what it serves."""
         return Serving(self.engine.client.base_url, self.engine.model, self.engine.policy_path)
 
-    def play(self, cfg: TrainConfig, shard: Shard, group_size: int, greedy: bool = False) -> list[EpisodeRecord]:
-        """``group_size`` episodes of each of the shard's tasks, numbered from the shard's first ids and
+    def play(self, shard: Shard, greedy: bool = False) -> list[EpisodeRecord]:
+        """``shard.group_size`` episodes of each of the shard's tasks, numbered from the shard's first ids and
         sampled with its seed."""
-        settings = SamplingSettings.from_config(cfg, self.suite(cfg), shard.seed, greedy)
+        settings = replace(self.sampling, seed=shard.seed, greedy=greedy)
         return collect(
-            self.episodes(cfg),
+            self.episodes(),
             shard.tasks,
-            group_size,
+            shard.group_size,
             self.engine,
             self.fmt,
             settings,
@@ -144,22 +162,20 @@ class Player:
             first_group_id=shard.first_group_id,
         )
 
-    def play_branches(
-        self, cfg: TrainConfig, records: list[EpisodeRecord], iteration: int
-    ) -> tuple[list[EpisodeRecord], dict[str, float]]:
+    def play_branches(self, records: list[EpisodeRecord], seed: int) -> tuple[list[EpisodeRecord], dict[str, float]]:
         """A branching method's branches (APPO), planned over the iteration's initial rollouts and played in
-        one batch; with the planner's figures."""
-        budget = cfg.rollout.branch_budget or cfg.rollout.group_size
-        starts, _, stats = plan_branches(records, budget, cfg.branching(), self.fmt.tokenizer)
-        settings = SamplingSettings.from_config(cfg, self.suite(cfg), collect_seed(cfg, iteration))
-        envs = self.episodes(cfg)
-        return collect_branches(envs, starts, self.engine, self.fmt, settings, first_rollout_id=len(records)), stats
+        one batch, sampled with ``seed`` (the iteration's); with the planner's figures."""
+        b = self._branching
+        starts, _, stats = plan_branches(records, b.budget, b.params, self.fmt.tokenizer)
+        settings = replace(self.sampling, seed=seed)
+        first = len(records)
+        return collect_branches(self.episodes(), starts, self.engine, self.fmt, settings, first_rollout_id=first), stats
 
-    def _serve(self, cfg: TrainConfig, policy: CheckpointRef) -> WeightSync | None:
+    def _serve(self, policy: CheckpointRef) -> WeightSync | None:
         """The owned vLLM server (started on first use; started again if it died), synced to ``policy`` and
         verified against its weights' probe log-probs."""
         if self._server is None:
-            self._server = engine_from_config(cfg, policy.path, list(self.fmt.stop_ids))
+            self._server = self._launch.engine(policy.path, list(self.fmt.stop_ids))
         engine = self.engine = self._server
         if not engine.alive():  # died (its episodes ended as errors): start again
             engine.restart()
@@ -167,10 +183,10 @@ class Player:
         if policy.path == engine.policy_path or lora.is_adapter_dir(policy.path):
             engine.sync(policy.path)
         else:
-            engine.sync(policy.path, self._probe(cfg, policy))
+            engine.sync(policy.path, self._probe(policy))
         return engine.last_sync if engine.last_sync is not before else None
 
-    def _probe(self, cfg: TrainConfig, policy: CheckpointRef) -> Probe:
+    def _probe(self, policy: CheckpointRef) -> Probe:
         """The probe ``policy``'s weights were written with; for a folder without one (a model folder, an older
         checkpoint), computed from the weights held here when they are ``policy``'s, else from a copy loaded
         for the call and dropped: a player that only serves keeps no model in memory."""
@@ -180,22 +196,19 @@ class Player:
         if self.weights.holds(policy):
             model = self.weights.current.model
         else:
-            model = self.weights.load(cfg, policy.path)[0].to(resolve_device(cfg.model.device))
+            model = self.weights.load(policy.path)[0].to(self.weights.device)
         return probe_of(model, model.get_input_embeddings().num_embeddings)
 
-    def _follow(self, cfg: TrainConfig, policy: CheckpointRef, serving: Serving) -> VLLMEngine:
+    def _follow(self, policy: CheckpointRef, serving: Serving) -> VLLMEngine:
         """An engine that plays on ``serving`` and never syncs it (its owner does): no weights loaded here."""
         if serving.policy != policy.path:
             raise ValueError(f"the shared server serves {serving.policy}, not the checkpoint to play, {policy.path}")
         if self._followed is None or self._followed[0] != serving.url:
-            v = cfg.engine.vllm.model_copy(update={"url": serving.url})
-            reached = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"vllm": v})})
-            self._followed = (serving.url, engine_from_config(reached, policy.path, list(self.fmt.stop_ids)))
+            reached = self._launch.reaching(serving.url).engine(policy.path, list(self.fmt.stop_ids))
+            self._followed = (serving.url, reached)
         engine = self._followed[1]
         engine.model, engine.policy_path = serving.model, serving.policy  # what the owner serves now
         return engine
 
     def __reduce__(self) -> tuple:
-        """A player never travels: pickled it arrives empty (with an empty learner), so a Ray worker plays
-        with its own engine and environments."""
-        return (Player, (Learner(),))
+        raise TypeError("a player never travels: a worker process builds its own (tasks.context.shard_player)")

@@ -63,8 +63,10 @@ def cell_progress(c: MlflowClient, run_id: str, seed: int, method: str) -> pd.Da
     return pd.DataFrame(rows, columns=["seed", "method", "iteration", *PROGRESS_METRICS])
 
 
-def export(cells: list[Cell], c: MlflowClient, out: Path) -> dict[str, int]:
-    """Write the study's three files into ``out`` from the cells' runs and folders; returns row counts."""
+def export(cells: list[Cell], tracking_uri: str, out: Path) -> dict[str, int]:
+    """Write the study's three files into ``out`` from the cells' runs (in the store at ``tracking_uri``) and
+    folders; returns row counts."""
+    c = mlflow_runs.client(tracking_uri)
     outcomes, progress, status = [], [], []
     warm_starts: dict[str, int] = {}
     for cell in cells:

@@ -25,7 +25,7 @@ import torch
 
 from horizonrl.faults import kill_point
 from horizonrl.files import file_digest, folder_digest, fsync_dir
-from horizonrl.models.lora import is_adapter_dir
+from horizonrl.models.lora import is_adapter_dir, settle_config
 from horizonrl.models.probe import save_probe
 
 STATE_FILE = "state.json"
@@ -73,7 +73,9 @@ def save_checkpoint(
     try:
         tmp.mkdir(parents=True)
         model.save_pretrained(tmp, safe_serialization=True)
-        if not is_adapter_dir(tmp):  # what a server synced to full weights is checked against (models/probe.py)
+        if is_adapter_dir(tmp):
+            settle_config(tmp)
+        else:  # what a server synced to full weights is checked against (models/probe.py)
             save_probe(model, tmp)
         tokenizer.save_pretrained(tmp)
         if optimizer is not None:
@@ -102,11 +104,6 @@ def checkpoints(run_dir: Path) -> list[CheckpointRef]:
     root = Path(run_dir) / "checkpoints"
     found = sorted(p for p in root.glob("iter=*") if p.is_dir()) if root.is_dir() else []
     return [CheckpointRef(str(p), int(p.name.split("=")[1])) for p in found]
-
-
-def latest_checkpoint(run_dir: Path) -> CheckpointRef | None:
-    """The newest checkpoint that verifies against its manifest, or None."""
-    return resume_checkpoint(run_dir)[0]
 
 
 def resume_checkpoint(run_dir: Path) -> tuple[CheckpointRef | None, list[tuple[CheckpointRef, str]]]:

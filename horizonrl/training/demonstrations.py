@@ -97,26 +97,7 @@ def _play_one(
         gen = _scripted(fmt, action, commands if action_mode == "admissible" else None)
         history.append((obs_ids, gen.token_ids))
         next_obs, reward, done, next_info = env.step(action)
-        record.turns.append(
-            TurnRecord(
-                turn=turn,
-                observation=obs,
-                action=action,
-                prompt_ids=delta,
-                gen=gen,
-                reward=float(reward),
-                done=bool(done),
-                won=bool(next_info.get("won", False)),
-                valid=bool(next_info.get("valid", action in commands)),
-                format_valid=True,
-                score=float(next_info.get("score", 0.0)),
-                progress_key=str(info.get("progress_key", "")),
-                abstract_action=str(next_info.get("abstract_action", "")),
-                n_admissible=len(commands),
-                gen_s=0.0,
-                env_s=0.0,
-            )
-        )
+        record.turns.append(TurnRecord.of_step(turn, obs, info, action, delta, gen, reward, done, next_info))
         obs, info = next_obs, next_info
         if done:
             record.status = "won" if next_info.get("won") else "done"

@@ -116,6 +116,15 @@ class UpdateSettings:
             u.packing,
         )
 
+    def for_rows(self, pad_id: int, stale: bool) -> UpdateSettings:
+        """The run's settings (``from_config`` with ``sampled_here``) for one update's rows: padded with
+        ``pad_id`` (the policy's tokenizer's); ``stale``, rows played by an older checkpoint than the one
+        trained (asynchronous rollouts): what ``from_config`` gives with ``sampled_here`` off and
+        ``decoupled`` on."""
+        if not stale:
+            return replace(self, pad_id=pad_id)
+        return replace(self, pad_id=pad_id, pi_old_tol=None, measure_sampler=False, decoupled=True)
+
     @property
     def needs_reference(self) -> bool:
         """The loss has a KL term to the frozen initial policy."""
