@@ -104,3 +104,11 @@ def test_the_committed_study_page_is_what_its_committed_record_gives():
         for a, b in zip(group["method"], group["method"][1:]):
             diff = 100 * (won[a] - won[b]).dropna().mean() + 0.0
             assert f"{diff:+.1f} [" in text, (seed, a, b)
+
+
+def test_a_cell_the_sweep_will_run_or_resume_is_not_shown_as_failed():
+    from horizonrl.tracking.study_page import _state
+
+    assert _state("FINISHED", 40) == "finished"
+    assert _state("RUNNING", 15) == _state("FAILED", 15) == "in progress (resumes after iteration 15)"
+    assert _state("FAILED", 0).startswith("to run (its start failed") and _state("NOT STARTED", 0) == "to run"

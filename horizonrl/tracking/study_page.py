@@ -156,18 +156,29 @@ def _cost_lines(cost_table: pd.DataFrame, cells: pd.DataFrame) -> list[str]:
     ]
     for r in cost_table.itertuples():
         if pd.isna(r.iterations):
-            lines.append(f"| {r.seed} | {r.method} | {r.status} | | | | | |")
+            lines.append(f"| {r.seed} | {r.method} | {_state(r.status, 0)} | | | | | |")
             continue
         start = " (incl. the start)" if r.played_start else ""
         total = r.iterations_min + r.evaluations_min
+        state = _state(r.status, int(r.iterations))
         lines.append(
-            f"| {r.seed} | {r.method} | {r.status} | {int(r.iterations)} | {r.env_steps:,.0f} | "
+            f"| {r.seed} | {r.method} | {state} | {int(r.iterations)} | {r.env_steps:,.0f} | "
             f"{r.iterations_min:.0f} | {r.evaluations_min:.0f}{start} | {total:.0f} |"
         )
     ws = cells[cells["method"] == "warmstart"]
     for r in ws.itertuples():
-        lines.append(f"| {r.seed} | warm start (shared) | {r.status} | | | {r.wall_s / 60:.0f} (wall) | | |")
+        lines.append(f"| {r.seed} | warm start (shared) | {_state(r.status, 0)} | | | {r.wall_s / 60:.0f} (wall) | | |")
     return lines
+
+
+def _state(status: str, iterations: int) -> str:
+    """A cell's MLflow status as a reader needs it: a cell the sweep will run or resume is not a failure (a start
+    that failed before its first iteration is started afresh; a stopped one resumes at its last checkpoint)."""
+    if status == "FINISHED":
+        return "finished"
+    if iterations > 0:
+        return f"in progress (resumes after iteration {iterations})"
+    return "to run (its start failed: the sweep starts it afresh)" if status in ("FAILED", "KILLED") else "to run"
 
 
 def page(outcomes: pd.DataFrame, progress: pd.DataFrame, cells: pd.DataFrame, meta: dict, figures: dict) -> str:
