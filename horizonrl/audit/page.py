@@ -81,12 +81,11 @@ def write_page(folders: list[Path], out: Path) -> Path:
     travels with the repository where the audits' folders do not (``recorded_audits`` reads it back)."""
     audits = [json.loads((Path(f) / SCORES_FILE).read_text()) for f in folders]
     lines = [HEADER, "", "# Credit assignment, measured", "", *_intro(len(audits))]
+    beside = out.parent / out.stem
     for scores in audits:
-        record = out.parent / out.stem / scores["name"]
-        record.mkdir(parents=True, exist_ok=True)
-        (record / SCORES_FILE).write_text(json.dumps(scores, indent=1, sort_keys=True) + "\n")
-        picture = out.parent / out.stem / f"{scores['name']}.png"
-        figure(scores, picture)
+        (beside / scores["name"]).mkdir(parents=True, exist_ok=True)
+        (beside / scores["name"] / SCORES_FILE).write_text(json.dumps(scores, indent=1, sort_keys=True) + "\n")
+        picture = figure(scores, beside / f"{scores['name']}.png")
         lines += _section(scores, picture.relative_to(out.parent).as_posix())
     out.write_text("\n".join(lines) + "\n")
     return out

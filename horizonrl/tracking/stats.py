@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 BOOTSTRAP = 10_000  # resamples of the seeds
+Z_95 = 1.959963984540054  # the normal quantile of a two-sided 95% interval
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def wilson(p: float, n: int) -> tuple[float, float]:
     """95% Wilson score interval of a success rate ``p`` over ``n`` episodes (inside [0, 1])."""
     if n <= 0:
         return float("nan"), float("nan")
-    z = 1.959963984540054
+    z = Z_95
     centre, spread = (
         (p + z * z / (2 * n)) / (1 + z * z / n),
         z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n),

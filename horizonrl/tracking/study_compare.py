@@ -3,7 +3,7 @@
 Within a seed every cell starts from the same warm start and ends on the same held-out tasks, so two methods'
 final outcomes can be paired by task: the difference of each task's success leaves out how hard the task is.
 Per pair of methods and per seed: the mean paired difference with its 95% percentile-bootstrap interval over
-tasks (``stats.paired_change``) and McNemar's exact test on the tasks the two disagree on. Pooled: the same
+tasks (as ``stats.paired_change``) and McNemar's exact test on the tasks the two disagree on. Pooled: the same
 over every (seed, task). A pair is told apart only when every seed's interval and the pooled one exclude 0 on
 the same side; the spread between seeds is shown beside the paired figures, which are each one seed's noise.
 """
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from horizonrl.tracking.stats import Interval, interval, paired_change
+from horizonrl.tracking.stats import Z_95, Interval, interval
 
-Z_95, Z_80 = 1.959963984540054, 0.8416212335729143  # two-sided 5% level, 80% power
+Z_80 = 0.8416212335729143  # 80% power
 CLAIMS = (  # (method claimed better, than, the claim as the study tests it)
     ("loop", "grpo", "LOOP: its leave-one-out PPO trains long-horizon agents better than GRPO-style baselines"),
     ("blpo", "gigpo", "BLPO: beats GiGPO at a matched budget (ALFWorld, WebShop)"),
@@ -31,12 +31,30 @@ CLAIMS = (  # (method claimed better, than, the claim as the study tests it)
 @dataclass(frozen=True)
 class SeedPair:
     seed: int
-    change: Interval  # mean over tasks of success(a) - success(b), 95% bootstrap interval over tasks
-    tasks: int
-    a_only: int  # tasks a won and b lost (one sample each)
-    b_only: int
-    mcnemar_p: float
-    sd: float  # standard deviation of the per-task differences
+    differences: tuple[float, ...]  # success(a) - success(b) on each task both played, in task order
+    change: Interval  # their mean, 95% bootstrap interval over tasks
+
+    @property
+    def tasks(self) -> int:
+        return len(self.differences)
+
+    @property
+    def a_only(self) -> int:
+        """Tasks a won and b lost (one sample each)."""
+        return sum(d > 0 for d in self.differences)
+
+    @property
+    def b_only(self) -> int:
+        return sum(d < 0 for d in self.differences)
+
+    @property
+    def mcnemar_p(self) -> float:
+        return mcnemar_p(self.a_only, self.b_only)
+
+    @property
+    def sd(self) -> float:
+        """Standard deviation of the per-task differences (0 for one task)."""
+        return float(np.std(self.differences, ddof=1)) if self.tasks > 1 else 0.0
 
 
 @dataclass(frozen=True)
@@ -86,25 +104,20 @@ def seed_pair(finals: pd.DataFrame, seed: int, a: str, b: str) -> SeedPair | Non
     side = {m: finals[(finals["seed"] == seed) & (finals["method"] == m)].set_index("task")["won"] for m in (a, b)}
     if side[a].empty or side[b].empty:
         return None
-    change, n = paired_change({t: [w] for t, w in side[b].items()}, {t: [w] for t, w in side[a].items()})
     shared = side[a].index.intersection(side[b].index)
-    d = side[a][shared] - side[b][shared]
-    a_only, b_only = int((d > 0).sum()), int((d < 0).sum())
-    return SeedPair(seed, change, n, a_only, b_only, mcnemar_p(a_only, b_only), float(d.std(ddof=1)) if n > 1 else 0.0)
+    d = tuple((side[a][shared] - side[b][shared]).sort_index().tolist())  # in task order: the interval's draws
+    return SeedPair(seed, d, interval(d))
 
 
 def pairs(finals: pd.DataFrame, methods: list[str]) -> list[Pair]:
-    """Every pair of ``methods`` (in that order) with at least one seed where both finished."""
+    """Every pair of ``methods`` (in that order) with at least one seed where both finished; pooled over the
+    seeds' per-task differences."""
     out = []
     for a, b in itertools.combinations(methods, 2):
         seeds = [p for s in sorted(finals["seed"].unique()) if (p := seed_pair(finals, int(s), a, b)) is not None]
-        if not seeds:
-            continue
-        diffs = []
-        for p in seeds:
-            both = finals[finals["seed"] == p.seed].pivot(index="task", columns="method", values="won")[[a, b]].dropna()
-            diffs.extend((both[a] - both[b]).tolist())
-        out.append(Pair(a, b, seeds, interval(diffs), len(diffs)))
+        if seeds:
+            pooled = [d for p in seeds for d in p.differences]
+            out.append(Pair(a, b, seeds, interval(pooled), len(pooled)))
     return out
 
 
