@@ -427,12 +427,12 @@ def _evaluate_args(p: argparse.ArgumentParser) -> None:
 
 def _evaluate(args: argparse.Namespace) -> int:
     from flows.evaluate import evaluate_policy
-    from tasks.evaluation_run import evaluation_plan, one_line
+    from tasks.evaluation_run import evaluation_inputs, one_line
     from tasks.failures import OneLineErrors
 
     inputs = (args.source, args.model, args.config, args.split, args.n_tasks, args.samples, args.set)
     try:  # before the flow, so that bad input is one line, not a flow's traceback, and no run is created
-        evaluation_plan(*inputs)
+        evaluation_inputs(*inputs)
     except ValueError as err:
         raise Refused(f"evaluate: {one_line(err)}") from err
     try:

@@ -81,8 +81,7 @@ def audited_policy(cfg: TrainConfig, source: str | None) -> CheckpointRef:
         return checkpoint_ref(source)
     if source is not None and source.startswith(MODEL_URI_PREFIXES):
         return policy_from_store(cfg)
-    suite = make_suite(cfg.env.name, cfg.env.suite_seed, cfg.env.games, cfg.data_dir)
-    return CheckpointRef(str(initial_model_dir(cfg, suite)), 0)
+    return CheckpointRef(str(initial_model_dir(cfg, _suite(cfg))), 0)
 
 
 @task(name="audit-start", cache_policy=NONE)

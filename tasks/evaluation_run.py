@@ -244,7 +244,7 @@ class EvaluationPlan:
     params: dict[str, str]
 
 
-def evaluation_plan(
+def evaluation_inputs(
     source: str | None,
     model: str | None,
     config_path: str | None,
@@ -253,10 +253,11 @@ def evaluation_plan(
     samples: int | None = None,
     overrides: list[str] | None = None,
     tracking_uri: str | None = None,
-) -> EvaluationPlan:
+) -> tuple[TrainConfig, CheckpointRef, str, str | None, MlflowClient]:
     """``source`` (a run id, ``runs:/<run id>`` or ``models:/<name>/<version>``) with its run's config, or
-    ``model`` played as ``config_path`` says: the config, the policy (downloaded, checked) and the run's
-    params. Every problem is a one-line ``ValueError`` (the command line calls it before the flow)."""
+    ``model`` played as ``config_path`` says, checked: (the config, the policy (downloaded, checked), the model's
+    URI, the source run's id, the store's client). Every problem is a one-line ``ValueError`` (the command line
+    calls it before the flow; the flow's first task, with ``evaluation_plan``)."""
     if (source is None) == (model is None):
         raise ValueError("give a source run or model (--source), or a model with a config (--model)")
     if source is not None and config_path is not None:
@@ -268,12 +269,20 @@ def evaluation_plan(
     mlflow.set_tracking_uri(c.tracking_uri)  # the fluent API (logged models, downloads) reads the global URI
     if model is None:
         source_run_id, model_uri, cfg = evaluation_config(c, source, split, n_tasks, samples, overrides)
-        policy = checked_policy(cfg, model_uri, split)
+        return cfg, checked_policy(cfg, model_uri, split), model_uri, source_run_id, c
+    cfg = model_evaluation_config(c, model, config_path, split, n_tasks, samples, overrides)
+    return cfg, checked_policy(cfg, None, split), model, None, c
+
+
+def evaluation_plan(
+    cfg: TrainConfig, policy: CheckpointRef, model_uri: str, source_run_id: str | None, c: MlflowClient
+) -> EvaluationPlan:
+    """What ``evaluation_inputs`` checked, with the run's origin tags (the source run, or the model's lineage:
+    its folder's digest, computed here once) and params."""
+    if source_run_id is not None:
         origin = {SOURCE_TAG: source_run_id}
     else:
-        cfg = model_evaluation_config(c, model, config_path, split, n_tasks, samples, overrides)
-        policy = checked_policy(cfg, None, split)
-        source_run_id, model_uri, origin = None, model, mlflow_runs.lineage_tags(c, model, policy.path)
+        origin = mlflow_runs.lineage_tags(c, model_uri, policy.path)
     suite = make_suite(cfg.env.name, cfg.env.suite_seed, cfg.env.games, cfg.data_dir)
     return EvaluationPlan(cfg, policy, model_uri, source_run_id, origin, run_params(cfg, suite, policy.path))
 
@@ -290,7 +299,9 @@ def plan_evaluation(
     tracking_uri: str | None,
 ) -> EvaluationPlan:
     """``evaluation_plan`` as the flow's first task. Not retried: its failures are the input's."""
-    return evaluation_plan(source, model, config_path, split, n_tasks, samples, overrides, tracking_uri)
+    return evaluation_plan(
+        *evaluation_inputs(source, model, config_path, split, n_tasks, samples, overrides, tracking_uri)
+    )
 
 
 @task(name="evaluation-open", cache_policy=NONE)

@@ -422,7 +422,8 @@ class VLLMLaunch:
             client = VLLMClient(v.url, v.request_timeout_s)
             return VLLMEngine(client, end_ids, v.top_logprobs, v.max_concurrency, **common)
         log = root / f"server-{v.port}.log"
-        server = VLLMServer(self._spec(policy_path), log, v.startup_timeout_s, source=self._source(policy_path))
+        source = self._source(policy_path)
+        server = VLLMServer(self._spec(policy_path, source), log, v.startup_timeout_s, source=source)
         server.start()
         client = VLLMClient(server.url, v.request_timeout_s)
         return VLLMEngine(client, end_ids, v.top_logprobs, v.max_concurrency, server, **common)
@@ -433,10 +434,11 @@ class VLLMLaunch:
 
         return lora.base_model_path(policy_path) if lora.is_adapter_dir(policy_path) else str(policy_path)
 
-    def _spec(self, policy_path: str) -> ServerSpec:
+    def _spec(self, policy_path: str, source: str) -> ServerSpec:
+        """The server's command line; ``source`` is ``_source(policy_path)``."""
         from horizonrl.models import lora
 
-        v, is_lora, source = self.vllm, lora.is_adapter_dir(policy_path), self._source(policy_path)
+        v, is_lora = self.vllm, lora.is_adapter_dir(policy_path)
         root = Path(self.data_dir) / "vllm"
         model_dir = source if is_lora else str(serving_copy(source, root / f"weights-{v.port}" / "w000000").resolve())
         return ServerSpec(
