@@ -56,10 +56,11 @@ def resume_changes(
     naming every such field with its old and new value; so does a ``length`` (``iterations``, or a warm
     start's ``warmstart.epochs``) below the iterations the run has finished."""
     before = last_config(run_folder)
-    if before is None or failed_start(run_folder, cfg):
+    if before is None:
         return []
-    changes = config_changes(before, cfg)
-    done = finished_iterations(run_folder)
+    changes, done = config_changes(before, cfg), finished_iterations(run_folder)
+    if _starts_afresh(changes, done):
+        return []
     asked = int(cfg.flat()[length])
     if asked < done:
         raise ConfigChangeRefused(
@@ -105,10 +106,15 @@ def failed_start(run_folder: str | Path, cfg: TrainConfig) -> list[Change]:
     only ``EXTENDING`` ones, which resume as they are). Such a start is not a resume: the changed run starts
     afresh (``set_aside``)."""
     before = last_config(run_folder)
-    if before is None or finished_iterations(run_folder):
+    if before is None:
         return []
     changes = config_changes(before, cfg)
-    return changes if any(not _covered(c.field, EXTENDING) for c in changes) else []
+    return changes if _starts_afresh(changes, finished_iterations(run_folder)) else []
+
+
+def _starts_afresh(changes: list[Change], done: int) -> bool:
+    """A start that finished no iteration, run again with settings beyond ``EXTENDING`` changed: not a resume."""
+    return not done and any(not _covered(c.field, EXTENDING) for c in changes)
 
 
 def set_aside(run_folder: str | Path) -> Path:
