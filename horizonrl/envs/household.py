@@ -17,6 +17,7 @@ agent has seen the lamp", and ``use desklamp 1`` toggles the tracked lamp.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -477,6 +478,15 @@ class _Enumeration:
     found: dict[str, list[tuple[int, str]]] = field(default_factory=lambda: {split: [] for split in SPLITS})
 
 
+# What a suite works out from its seed alone, shared by every suite of that seed in the process: a process
+# that starts many runs (a sweep run in place, an evaluation beside its training, the test suite) builds a
+# suite per run, and would otherwise enumerate the same tasks and play the same corpus again each time.
+# Reentrant: the corpus enumerates tasks while it is built.
+_SHARED = threading.RLock()
+_ENUMERATIONS: dict[tuple[int, str], _Enumeration] = {}  # (suite seed, tier) -> its tasks found so far
+_CORPORA: dict[tuple[int, int], tuple[str, ...]] = {}  # (suite seed, n_tasks) -> the corpus lines
+
+
 class HouseholdSuite:
     """Household tasks per tier with content-disjoint splits, fixed by the suite seed.
 
@@ -489,8 +499,6 @@ class HouseholdSuite:
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
-        self._enumerations: dict[str, _Enumeration] = {}
-        self._corpora: dict[int, list[str]] = {}
 
     def tasks(self, split: str, tier: str, n: int, offset: int = 0) -> list[Task]:
         if split not in SPLITS or tier not in TIERS:
@@ -503,16 +511,17 @@ class HouseholdSuite:
 
     def _find(self, tier: str, split: str, n: int) -> list[tuple[int, str]]:
         """The first ``n`` (seed, family) of ``split``, extending the tier's enumeration as needed."""
-        state = self._enumerations.setdefault(tier, _Enumeration())
-        while len(state.found[split]) < n:
-            seed = derive_seed(self.seed, self.name, tier, state.counter)
-            state.counter += 1
-            layout = generate_layout(seed, TIERS[tier])
-            signature = layout.signature()
-            if signature not in state.signatures:
-                state.signatures.add(signature)
-                state.found[split_of(signature)].append((seed, layout.goal.family))
-        return state.found[split]
+        with _SHARED:
+            state = _ENUMERATIONS.setdefault((self.seed, tier), _Enumeration())
+            while len(state.found[split]) < n:
+                seed = derive_seed(self.seed, self.name, tier, state.counter)
+                state.counter += 1
+                layout = generate_layout(seed, TIERS[tier])
+                signature = layout.signature()
+                if signature not in state.signatures:
+                    state.signatures.add(signature)
+                    state.found[split_of(signature)].append((seed, layout.goal.family))
+            return state.found[split][:n]
 
     def make(self) -> HouseholdEnv:
         return HouseholdEnv()
@@ -522,10 +531,11 @@ class HouseholdSuite:
 
     def corpus(self, n_tasks: int = 200) -> list[str]:
         """Vocabulary lines, every goal form, then what walkthroughs and random play show on train tasks
-        (played once per suite and ``n_tasks``: ~2 s, and every run in the process needs it)."""
-        if n_tasks not in self._corpora:
-            self._corpora[n_tasks] = self._play_corpus(n_tasks)
-        return list(self._corpora[n_tasks])
+        (played once per process, seed and ``n_tasks``: ~2 CPU-s, and every run the process starts needs it)."""
+        with _SHARED:
+            if (self.seed, n_tasks) not in _CORPORA:
+                _CORPORA[self.seed, n_tasks] = tuple(self._play_corpus(n_tasks))
+            return list(_CORPORA[self.seed, n_tasks])
 
     def _play_corpus(self, n_tasks: int) -> list[str]:
         lines = [" ".join((*OBJECT_TYPES, *sorted(RECEPTACLE_KINDS), *ROOMS, LAMP, *DIGITS)), NOTHING_HAPPENS]

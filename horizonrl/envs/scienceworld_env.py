@@ -308,6 +308,10 @@ class ScienceWorldEnv:
             self._lease, self._sim = None, None
 
 
+# (task, suite seed, n_tasks, n_variations, tier) -> a corpus played in this process (``ScienceWorldSuite.corpus``)
+_CORPORA: dict[tuple[str, int, int, int, str], tuple[str, ...]] = {}
+
+
 class ScienceWorldSuite:
     """One ScienceWorld task; splits are the benchmark's own variation splits, shuffled by the seed."""
 
@@ -349,13 +353,19 @@ class ScienceWorldSuite:
 
     def corpus(self, n_tasks: int = 200, n_variations: int = 4, tier: str = "easy") -> list[str]:
         """Task descriptions, observations and valid actions of gold-path and random play on a few train
-        variations of the easy tier and, when ``tier`` is another, of ``tier`` too."""
-        env, lines = self.make(), []
-        tasks = [t for tr in dict.fromkeys(("easy", tier)) for t in self.tasks("train", tr, min(n_tasks, n_variations))]
-        try:
-            for task in tasks:
-                for oracle in (True, False):
-                    lines += played_lines(env, task, oracle)
-        finally:
-            env.close()
-        return list(dict.fromkeys(lines))
+        variations of the easy tier and, when ``tier`` is another, of ``tier`` too. Played once per process
+        and arguments (seconds of the simulator's time), as every run the process starts needs it."""
+        key = (self.task_name, self.seed, n_tasks, n_variations, tier)
+        if key not in _CORPORA:
+            env, lines = self.make(), []
+            tasks = [
+                t for tr in dict.fromkeys(("easy", tier)) for t in self.tasks("train", tr, min(n_tasks, n_variations))
+            ]
+            try:
+                for task in tasks:
+                    for oracle in (True, False):
+                        lines += played_lines(env, task, oracle)
+            finally:
+                env.close()
+            _CORPORA[key] = tuple(dict.fromkeys(lines))
+        return list(_CORPORA[key])
