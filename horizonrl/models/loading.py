@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from transformers import (
 
 from horizonrl.config import LoraConfig, ModelConfig
 from horizonrl.envs import CLOSED_TEXT, sha256_lines
+from horizonrl.files import file_digest
 from horizonrl.models import lora
 from horizonrl.models.tokenizers import CHAT_TOKENIZERS, fetch_tokenizer, load_tokenizer, train_word_tokenizer
 
@@ -172,10 +174,47 @@ def in_memory(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+# The files a saved tokenizer is read from, by name prefix (config.json: AutoTokenizer takes the class from
+# the model's config when tokenizer_config.json names none).
+TOKENIZER_FILE_PREFIXES = (
+    "tokenizer",
+    "special_tokens_map",
+    "added_tokens",
+    "chat_template",
+    "vocab",
+    "merges",
+    "spiece",
+    "config.json",
+)
+_POLICY_TOKENIZERS: dict[tuple[tuple[str, str], ...], PreTrainedTokenizerBase] = {}  # files' (name, sha256) ->
+_POLICY_TOKENIZERS_MAX = 8
+_POLICY_TOKENIZERS_LOCK = threading.Lock()
+
+
 def policy_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer of a policy directory (a LoRA directory holds its own), padding with eos if it has no
-    pad token; without the weights, for a process that only plays on a server others keep in sync."""
-    tokenizer = load_tokenizer(path)
+    pad token; without the weights, for a process that only plays on a server others keep in sync.
+
+    Loaded once per process and content of the tokenizer's files: a run reads its policy's tokenizer at
+    several stages and each checkpoint holds a copy, and a genuine chat tokenizer's JSON (11 MB for Qwen3)
+    takes ~0.3 s to parse. The instance is shared: callers read it and never change it."""
+    folder = Path(path)
+    if not folder.is_dir():  # a hub id
+        return _with_pad(load_tokenizer(path))
+    key = tuple(
+        (f.name, file_digest(f))
+        for f in sorted(folder.iterdir())
+        if f.is_file() and f.name.startswith(TOKENIZER_FILE_PREFIXES)
+    )
+    with _POLICY_TOKENIZERS_LOCK:
+        if key not in _POLICY_TOKENIZERS:
+            if len(_POLICY_TOKENIZERS) >= _POLICY_TOKENIZERS_MAX:
+                del _POLICY_TOKENIZERS[next(iter(_POLICY_TOKENIZERS))]  # the oldest
+            _POLICY_TOKENIZERS[key] = _with_pad(load_tokenizer(folder))
+        return _POLICY_TOKENIZERS[key]
+
+
+def _with_pad(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
