@@ -197,7 +197,11 @@ def _fmt(e: dict, absolute: bool = False) -> str:
     if absolute and value < 0:
         value, low, high = (_negated(e)[k] for k in ("value", "low", "high"))
     if any(isinstance(x, float) and math.isnan(x) for x in (value, low, high)):
-        return "n/a" if isinstance(value, float) and math.isnan(value) else f"{value:.2f} (no interval: too few points)"
+        if isinstance(value, float) and math.isnan(value):
+            return "n/a"
+        if e.get("n"):  # e.g. a Spearman over three points, whose -1.00 says little
+            return f"{value:.2f} (only {e['n']} points: no interval)"
+        return f"{value:.2f} (no interval: too few points)"
     return f"{value:.2f} [{low:.2f}, {high:.2f}]"
 
 
