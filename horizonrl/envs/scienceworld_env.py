@@ -308,8 +308,8 @@ class ScienceWorldEnv:
             self._lease, self._sim = None, None
 
 
-# (task, suite seed, n_tasks, n_variations, tier) -> a corpus played in this process (``ScienceWorldSuite.corpus``)
-_CORPORA: dict[tuple[str, int, int, int, str], tuple[str, ...]] = {}
+# (task, suite seed, variations per tier, tier) -> a corpus played in this process (``ScienceWorldSuite.corpus``)
+_CORPORA: dict[tuple[str, int, int, str], tuple[str, ...]] = {}
 
 
 class ScienceWorldSuite:
@@ -355,17 +355,19 @@ class ScienceWorldSuite:
         """Task descriptions, observations and valid actions of gold-path and random play on a few train
         variations of the easy tier and, when ``tier`` is another, of ``tier`` too. Played once per process
         and arguments (seconds of the simulator's time), as every run the process starts needs it."""
-        key = (self.task_name, self.seed, n_tasks, n_variations, tier)
+        n = min(n_tasks, n_variations)
+        key = (self.task_name, self.seed, n, tier)
         if key not in _CORPORA:
-            env, lines = self.make(), []
-            tasks = [
-                t for tr in dict.fromkeys(("easy", tier)) for t in self.tasks("train", tr, min(n_tasks, n_variations))
-            ]
-            try:
-                for task in tasks:
-                    for oracle in (True, False):
-                        lines += played_lines(env, task, oracle)
-            finally:
-                env.close()
-            _CORPORA[key] = tuple(dict.fromkeys(lines))
+            _CORPORA[key] = tuple(self._play_corpus(n, tier))
         return list(_CORPORA[key])
+
+    def _play_corpus(self, n: int, tier: str) -> list[str]:
+        env, lines = self.make(), []
+        tasks = [t for tr in dict.fromkeys(("easy", tier)) for t in self.tasks("train", tr, n)]
+        try:
+            for task in tasks:
+                for oracle in (True, False):
+                    lines += played_lines(env, task, oracle)
+        finally:
+            env.close()
+        return list(dict.fromkeys(lines))
