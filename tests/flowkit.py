@@ -38,10 +38,11 @@ def tiny_config(tmp_path: Path, tracking_uri: str, run_name: str = "e2e", iterat
 
 
 # What every `horizonrl` command imports before its own work: ~6.5 CPU-s per process on these machines,
-# paid once per test worker by the fork server below instead of once per CLI process. Prefect itself is
-# left out: it reads its settings (PREFECT_API_URL, PREFECT_HOME) when imported, and each test gives its
-# own; the libraries it imports are in (half its import time). MLflow's SQL store and Alembic, which it
-# imports at a process's first store open, are in too (1 CPU-s per process).
+# paid once per test worker by the fork server below instead of once per CLI process. Prefect reads its
+# settings (PREFECT_API_URL, PREFECT_HOME, logging) when imported, and each test gives its own: the child
+# reads them again from its own environment (``_cli_main``), as Prefect's plugins make it do after they
+# change the environment. MLflow's SQL store and Alembic, which it imports at a process's first store open,
+# are in too (1 CPU-s per process).
 _PRELOAD = [
     "torch",
     "transformers.models.qwen2.modeling_qwen2",
@@ -55,19 +56,21 @@ _PRELOAD = [
     "horizonrl.store",
     "horizonrl.tracking.mlflow_runs",
     "methods",
-    *("griffe", "rich", "coolname", "websockets", "pendulum", "jsonschema", "httpx", "pydantic_settings", "anyio"),
+    "prefect",
+    "prefect.flow_engine",
+    "prefect.task_engine",
 ]
 _forks: multiprocessing.context.ForkServerContext | None = None
 
 
 class CLIProcess:
     """``horizonrl <args>`` as a process of its own, forked from a server that has imported torch,
-    transformers and MLflow already (``multiprocessing``'s fork server). The process is real: its own
-    pid, environment, working folder, session and output files; a SIGKILL kills it and nothing else; it
-    imports Prefect and runs ``flows.cli.main`` as ``python -m flows.cli`` would, atexit hooks included.
-    What it saves is only the imports, the largest share of a short CLI run's CPU in the suite. The
-    entry point itself (the ``horizonrl`` console script) is run as a fresh interpreter by the benchmark
-    test, and the stack test's flow runs start fresh from Prefect's worker."""
+    transformers, MLflow and Prefect already (``multiprocessing``'s fork server). The process is real: its
+    own pid, environment, working folder, session and output files; a SIGKILL kills it and nothing else; it
+    reads Prefect's settings from its own environment and runs ``flows.cli.main`` as ``python -m flows.cli``
+    would, atexit hooks included. What it saves is only the imports, the largest share of a short CLI run's
+    CPU in the suite. The entry point itself (the ``horizonrl`` console script) is run as a fresh interpreter
+    by the benchmark test, and the stack test's flow runs start fresh from Prefect's worker."""
 
     def __init__(
         self,
@@ -110,6 +113,11 @@ def _cli_main(args: list[str], env: dict[str, str], stdout: str, stderr: str, ne
     sys.path.insert(0, str(REPO))
     os.environ.clear()
     os.environ.update(env)
+    import prefect.context
+    import prefect.logging.configuration
+
+    prefect.context.refresh_global_settings_context()  # the settings this child's environment gives
+    prefect.logging.configuration.setup_logging(incremental=False)
     for fd, path in ((1, stdout), (2, stderr)):
         out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(out, fd)
