@@ -637,8 +637,14 @@ def _stop_temporary_server() -> None:
 
     if get_current_settings().api.url:  # a server of its own (the stack's, PREFECT_API_URL): nothing to stop
         return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
     from prefect.server.api.server import SubprocessASGIServer
 
+    # The flow's last logs and events go to the server before it stops: left queued, they were sent at exit
+    # to a server no longer there, retried for about a minute after the summary had been printed.
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=10)
     SubprocessASGIServer().stop()
 
 

@@ -12,7 +12,9 @@ import gc
 import json
 import os
 import signal
+import sqlite3
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -64,11 +66,18 @@ def api_url(prefect_harness) -> str:
 
 
 def start_cli(
-    cfg: dict, api_url: str | None, log: Path, fault: str | None = None, command: list[str] | None = None
-) -> CLIProcess:
+    cfg: dict,
+    api_url: str | None,
+    log: Path,
+    fault: str | None = None,
+    command: list[str] | None = None,
+    fresh: bool = False,
+) -> CLIProcess | subprocess.Popen:
     """``horizonrl train`` with ``cfg`` as --set overrides (or ``horizonrl <command>``), a process in its own
     session; ``api_url`` None: with no API, so that it starts Prefect's temporary server as a user's run does
-    (in the log's folder, where no local stack is up, even when one is up in the repository)."""
+    (in the log's folder, where no local stack is up, even when one is up in the repository). ``fresh``: the
+    console script in a new interpreter, as a user starts it, not a child of the suite's fork server (whose
+    children end with ``os._exit``, skipping what the interpreter's own shutdown does)."""
     env = {k: v for k, v in os.environ.items() if k not in (faults.ENV, "PREFECT_API_URL")}
     env.update(PREFECT_HOME=str(log.parent / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
     if api_url:
@@ -77,10 +86,21 @@ def start_cli(
         env[faults.ENV] = fault
     args = command or ["train", *(f"--set={k}={v}" for k, v in flat(cfg).items())]
     log.write_text("")
-    return CLIProcess(args, env, log, new_session=True, cwd=REPO if api_url else log.parent)
+    cwd = REPO if api_url else log.parent
+    if fresh:
+        with open(log, "w") as out:
+            return subprocess.Popen(
+                [str(Path(sys.executable).with_name("horizonrl")), *args],
+                env=env,
+                cwd=cwd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+    return CLIProcess(args, env, log, new_session=True, cwd=cwd)
 
 
-def finish(proc: CLIProcess, timeout: float = 300) -> int:
+def finish(proc: CLIProcess | subprocess.Popen, timeout: float = 300) -> int:
     """Wait for the CLI, then kill whatever it left in its session (a killed process cleans up nothing)."""
     rc = proc.wait(timeout=timeout)
     try:
@@ -450,8 +470,6 @@ def test_a_second_process_on_a_held_run_is_refused_naming_the_holder(prefect_har
 
 
 def flow_run_state(prefect_home: Path, flow_run_id: str) -> str:
-    import sqlite3
-
     with sqlite3.connect(prefect_home / "prefect.db") as db:
         rows = db.execute("SELECT id, state_type FROM flow_run").fetchall()
     return {str(i).replace("-", ""): state for i, state in rows}[flow_run_id.replace("-", "")]
@@ -492,7 +510,10 @@ def test_second_process_refused_and_a_killed_run_leaves_no_server(api_url, tmp_p
     assert all(f"{name}=false".encode() in server_env for name in TEMPORARY_SERVER_IDLE)  # its idle loops off
 
     third = start_cli(
-        config(tmp_path, iterations=1, eval={"every": 50, "n_tasks": 2, "greedy": False}), None, tmp_path / "third.log"
+        config(tmp_path, iterations=1, eval={"every": 50, "n_tasks": 2, "greedy": False}),
+        None,
+        tmp_path / "third.log",
+        fresh=True,
     )
     assert finish(third) == 0, (tmp_path / "third.log").read_text()[-3000:]
     out = (tmp_path / "third.log").read_text()
@@ -502,4 +523,13 @@ def test_second_process_refused_and_a_killed_run_leaves_no_server(api_url, tmp_p
     assert out.strip().splitlines()[-1] == f"data: {tmp_path / 'data' / 'test' / RUN}", out[-1000:]
     assert leftovers(str(home)) == []
     assert flow_run_state(home, holder["flow_run_id"]) == "CRASHED"
+    # the run's last words reached its temporary server before it stopped: on main they were still queued
+    # when it stopped, and the process spent a minute after the summary sending them to it, then said so
+    assert "Error logging to API" not in out, out[-3000:]
+    with sqlite3.connect(home / "prefect.db") as db:
+        said = db.execute(
+            "SELECT log.message FROM log JOIN flow_run ON log.flow_run_id = flow_run.id "
+            "WHERE flow_run.state_type = 'COMPLETED' AND log.task_run_id IS NULL AND log.name = 'prefect.flow_runs'"
+        ).fetchall()
+    assert ("Finished in state Completed()",) in said, said
     assert run_of(MlflowClient(f"sqlite:///{tmp_path}/mlflow.db"), RUN).info.status == "FINISHED"
