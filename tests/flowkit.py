@@ -126,9 +126,12 @@ def _cli_main(args: list[str], env: dict[str, str], stdout: str, stderr: str, ne
     sys.argv = ["horizonrl", *args]
     code = 1
     try:
+        from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
         from flows.cli import main
 
-        code = main(args)
+        with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):  # as in the harness (conftest.py)
+            code = main(args)
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else 1
     finally:
