@@ -112,3 +112,27 @@ def test_a_cell_the_sweep_will_run_or_resume_is_not_shown_as_failed():
     assert _state("FINISHED", 40) == "finished"
     assert _state("RUNNING", 15) == _state("FAILED", 15) == "in progress (resumes after iteration 15)"
     assert _state("FAILED", 0).startswith("to run (its start failed") and _state("NOT STARTED", 0) == "to run"
+
+
+def test_a_cell_started_but_before_its_first_iteration_shows_no_number_it_lacks():
+    """A cell whose only record is the starting evaluation another cell played (no environment step logged
+    yet) costs 0 minutes of its own and shows a blank, not 'nan', for its steps."""
+    from horizonrl.tracking.study_page import _cost_lines, cost
+
+    progress = pd.DataFrame(
+        [
+            {
+                "seed": 0,
+                "method": "grpo",
+                "iteration": 0,
+                "env_steps": float("nan"),
+                "iteration_s": float("nan"),
+                "eval_s": 0.4,
+            }
+        ]
+    )
+    cells = pd.DataFrame(
+        [{"seed": 0, "method": "grpo", "status": "RUNNING", "iterations": 0, "run_name": "b", "eval0_played_by": "a"}]
+    )
+    [line] = _cost_lines(cost(progress, cells), cells)[2:]
+    assert line == "| 0 | grpo | to run | 0 |  | 0 | 0 | 0 |", line

@@ -161,8 +161,9 @@ def _cost_lines(cost_table: pd.DataFrame, cells: pd.DataFrame) -> list[str]:
         start = " (incl. the start)" if r.played_start else ""
         total = r.iterations_min + r.evaluations_min
         state = _state(r.status, int(r.iterations))
+        steps = "" if pd.isna(r.env_steps) else f"{r.env_steps:,.0f}"  # none logged before its first iteration ends
         lines.append(
-            f"| {r.seed} | {r.method} | {state} | {int(r.iterations)} | {r.env_steps:,.0f} | "
+            f"| {r.seed} | {r.method} | {state} | {int(r.iterations)} | {steps} | "
             f"{r.iterations_min:.0f} | {r.evaluations_min:.0f}{start} | {total:.0f} |"
         )
     ws = cells[cells["method"] == "warmstart"]
