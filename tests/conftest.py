@@ -25,7 +25,7 @@ os.environ.setdefault("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1")
 @pytest.fixture(scope="session")
 def prefect_harness():
     """A real (temporary) Prefect API for flow runs; entering it costs ~13 s, so once per session."""
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+    from flowkit import without_heartbeats
     from prefect.testing.utilities import prefect_test_harness
 
     from flows.cli import TEMPORARY_SERVER_IDLE
@@ -39,13 +39,7 @@ def prefect_harness():
     idle = (*TEMPORARY_SERVER_IDLE, *events)
     os.environ.update(dict.fromkeys(idle, "false"))
     try:
-        # Flow-run heartbeats off in this process: they let a server mark a crashed run, which no test here
-        # asks of this one, and each flow run's end waited for the heartbeat thread's next one-second tick
-        # (0.9 s of a trivial flow's 1.1 s, measured; a few hundred flow runs in the suite).
-        with (
-            prefect_test_harness(server_startup_timeout=120),
-            temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}),
-        ):
+        with prefect_test_harness(server_startup_timeout=120), without_heartbeats():
             for name in idle:
                 os.environ.pop(name)
             yield
