@@ -331,7 +331,7 @@ def _postgres_up(stack: Stack, timeout_s: float) -> str:
                     f"{timeout_s:.0f} s "
                     f"({str(err).strip()}); see {stack.home / 'postgres.log'}"
                 ) from None
-            time.sleep(0.5)
+            time.sleep(0.2)
     with conn:
         for name in PG_DATABASES:
             if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is None:
@@ -444,7 +444,7 @@ def _wait_http(
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
-        time.sleep(0.5)
+        time.sleep(0.2)  # a refused connection on loopback costs nothing; `stack up` waits on each part in turn
     raise TimeoutError(
         f"stack {name} did not answer at {url} within {timeout_s:.0f} s; see {stack.home / (name + '.log')}"
     )

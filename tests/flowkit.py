@@ -330,7 +330,7 @@ class Browser:
             assert time.monotonic() < deadline, (
                 f"page does not show {missing} after {timeout:.0f} s; it shows:\n{page[:2000]}"
             )
-            time.sleep(0.5)
+            time.sleep(0.1)
 
     def click(self, text: str) -> None:
         """Click, with the mouse, the innermost element whose whole text is ``text``; a page tab

@@ -103,7 +103,7 @@ def test_a_logged_policy_is_served_without_the_project(tiny_policy_dir, househol
                 break
             except OSError:
                 assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-                time.sleep(1)
+                time.sleep(0.2)
         status, answer = _post(f"http://127.0.0.1:{port}/invocations", [row])
         assert status == 200 and answer["predictions"][0] in row["admissible"], answer
         status, answer = _post(f"http://127.0.0.1:{port}/invocations", [{**row, "admissible": None}])

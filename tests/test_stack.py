@@ -192,7 +192,7 @@ def _wait_for_running_cells(api: str, sweep: subprocess.Popen, log: Path, timeou
         ).json()
         if runs:
             return
-        time.sleep(0.5)
+        time.sleep(0.2)
     raise AssertionError(f"no cell of the sweep was running after {timeout} s:\n{log.read_text()[-3000:]}")
 
 

@@ -262,7 +262,7 @@ class VLLMServer:
             if time.monotonic() > deadline:
                 self.stop()
                 raise VLLMError(f"vLLM server not healthy after {self.startup_timeout_s:.0f} s; see {self.log_path}")
-            time.sleep(0.5)
+            time.sleep(0.1)  # a refused connection costs nothing; a (re)start's first answer is used at once
 
     def stop(self) -> None:
         if self.proc is None:
