@@ -60,6 +60,7 @@ _PRELOAD = [
     "prefect",
     "prefect.flow_engine",
     "prefect.task_engine",
+    "cli_warmup",  # last: a policy log's one-time work (tests/cli_warmup.py)
 ]
 _forks: multiprocessing.context.ForkServerContext | None = None
 
