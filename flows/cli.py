@@ -324,7 +324,10 @@ def _report(args: argparse.Namespace) -> int:
 
 def _study_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("sweep_file", help="sweep YAML the study ran from")
-    p.add_argument("--record", required=True, help="folder of the record's CSV files, committed beside the page")
+    p.add_argument(
+        "--record",
+        help="folder of the record's CSV files, committed beside the page (default: the sweep file's record)",
+    )
     p.add_argument("--out", required=True, help="the page (markdown), its figures beside it")
     p.add_argument(
         "--offline", action="store_true", help="page from the record alone: no MLflow store or data folder read"
@@ -390,13 +393,16 @@ def _study(args: argparse.Namespace) -> int:
     from horizonrl.tracking.mlflow_runs import tracking_uri
 
     spec, cells = _loaded_sweep(args.sweep_file)
-    record, out = Path(args.record), Path(args.out)
+    record = Path(args.record) if args.record else spec.record_folder(args.sweep_file)
+    if record is None:
+        raise Refused(f"sweep file {args.sweep_file!r} names no record: give --record <folder>")
+    out = Path(args.out)
     if not args.offline:
         counts = study_record.export(cells, tracking_uri(cells[0].config.tracking_uri), record)
         print(f"record: {record} ({', '.join(f'{name} {n} rows' for name, n in counts.items())})")
     elif not (record / study_record.OUTCOMES).is_file():
         raise Refused(f"no study record in {record} (run without --offline to write it)")
-    study_page.write(record, out, study_page.meta(spec.name, args.sweep_file, args.record, args.out, spec.tuning))
+    study_page.write(record, out, study_page.meta(spec.name, args.sweep_file, str(record), args.out, spec.tuning))
     print(f"page: {out}")
     return 0
 

@@ -4,7 +4,8 @@ as a child ``train`` run, then the comparison report on the sweep's parent MLflo
     load the sweep file -> parent run -> run unfinished cells (in process, or fanned out to a work pool
     through the train deployment) -> link each cell's run under the parent -> report -> register the best
 
-Rerunning a sweep skips finished cells; an unfinished one resumes, as ``train`` resumes per run name.
+Rerunning a sweep skips finished cells (in the MLflow store, or in the study record the file names); an
+unfinished one resumes, as ``train`` resumes per run name.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def sweep(
         instance = scheduled_instance()
     spec, cells = load_sweep(sweep_path, instance)  # 1. every cell's config checked before any work
     name = instance_name(spec.name, instance)
-    todo = unfinished_cells(cells)
+    todo = unfinished_cells(cells, spec.record_folder(sweep_path))  # the store's, and a study record's
     for cell in todo:  # and what each brings (model, environment, engine) before the first starts
         preflight.check_start(cell.config, allow_change or [])
     deployment = None if in_process else spec.deployment

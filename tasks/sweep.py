@@ -40,10 +40,21 @@ UNFINISHED = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING]
 
 
 @task(name="sweep-unfinished", cache_policy=NONE)
-def unfinished_cells(cells: list[Cell]) -> list[Cell]:
-    """The cells whose run has not ended after all its iterations (``sweep_runs.finished``): the ones to run."""
+def unfinished_cells(cells: list[Cell], record: Path | None = None) -> list[Cell]:
+    """The cells whose run has not ended after all its iterations (``sweep_runs.finished``): the ones to run.
+    A study's committed ``record`` counts too: a cell it shows finished is not run again on a machine whose
+    store lacks the run."""
     c = mlflow_runs.client(mlflow_runs.tracking_uri(cells[0].config.tracking_uri))
-    return [cell for cell in cells if not sweep_runs.finished(c, cell)]
+    recorded = study_record.finished_runs(record) if record is not None else {}
+    todo = []
+    for cell in cells:
+        if sweep_runs.finished(c, cell):
+            continue
+        if cell.run_name in recorded and sweep_runs.ran_all(cell, "FINISHED", recorded[cell.run_name]):
+            get_run_logger().info("cell %s: finished in the record %s, not run again", cell.run_name, record)
+            continue
+        todo.append(cell)
+    return todo
 
 
 def scheduled_instance() -> str:

@@ -113,3 +113,66 @@ def test_a_study_shares_its_seed_s_start_and_compares_its_methods_task_by_task(p
     assert f"| loop | grpo | {diff:+.1f} [" in text
     (record / "outcomes.csv").unlink()
     assert main(["study", str(path), "--record", str(record), "--out", str(page), "--offline"]) == 2
+
+
+def test_a_study_record_keeps_what_a_new_machine_s_store_lacks(prefect_harness, tmp_path, tracking_uri):
+    """On a new machine the repository holds the study's record but the MLflow store and data folder are
+    gone: refreshing the record keeps every cell it shows finished (rows unchanged), drops the unfinished
+    cell's lost progress, and the sweep runs only the cells the record does not show finished."""
+    import pandas as pd
+    import yaml
+    from prefect import flow
+
+    from horizonrl.config.sweep import load_sweep
+    from horizonrl.tracking import study_record
+    from tasks.sweep import unfinished_cells
+
+    base = _cfg(tmp_path, tracking_uri, iterations=1).model_dump()
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    spec = {"name": "study", "base": "base.yaml", "record": "record", "grid": {"method": ["loop", "grpo", "blpo"]}}
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(spec))
+    spec, cells = load_sweep(tmp_path / "study.yaml")
+    record = spec.record_folder(tmp_path / "study.yaml")
+    assert record == tmp_path / "record"
+    won = {"loop": [0, 1, 1, 1], "grpo": [0, 1]}
+    record.mkdir()
+    pd.DataFrame(
+        [
+            {"seed": 3, "method": m, "iteration": 2 * (i // 2), "task": f"t{i % 2}", "won": w, "turns": 4 - w}
+            for m, ws in won.items()
+            for i, w in enumerate(ws)
+        ]
+    ).to_csv(record / study_record.OUTCOMES, index=False)
+    pd.DataFrame(
+        [
+            {"seed": 3, "method": m, "iteration": i, "env_steps": 10.0 * i}
+            for m, n in (("loop", 2), ("grpo", 1))
+            for i in range(n)
+        ]
+    ).to_csv(record / study_record.PROGRESS, index=False)
+    pd.DataFrame(
+        [
+            {"run_name": "study--method=loop", "seed": 3, "method": "loop", "status": "FINISHED", "iterations": 1},
+            {"run_name": "study--method=grpo", "seed": 3, "method": "grpo", "status": "RUNNING", "iterations": 0},
+            {"run_name": "study--method=blpo", "seed": 3, "method": "blpo", "status": "NOT STARTED"},
+            {"run_name": "study-ws-seed3", "seed": 3, "method": "warmstart", "status": "FINISHED", "wall_s": 7.5},
+        ]
+    ).to_csv(record / study_record.CELLS, index=False)
+    before = study_record.load(record)
+
+    @flow
+    def to_run(with_record: bool) -> list[str]:
+        return [c.run_name for c in unfinished_cells(cells, record if with_record else None)]
+
+    assert study_record.finished_runs(record) == {"study--method=loop": 1}
+    assert to_run(True) == ["study--method=grpo", "study--method=blpo"]
+    assert len(to_run(False)) == 3, "without the record, the store alone decides"
+
+    study_record.export(cells, tracking_uri, record)  # the new machine's store: empty
+    outcomes, progress, status = study_record.load(record)
+    assert list(status["run_name"]) == ["study--method=loop", "study--method=grpo", "study--method=blpo",
+                                        "study-ws-seed3"]  # fmt: skip
+    assert list(status["status"]) == ["FINISHED", "NOT STARTED", "NOT STARTED", "FINISHED"]
+    for new, old in ((outcomes, before[0]), (progress, before[1])):
+        pd.testing.assert_frame_equal(new, old[old["method"] == "loop"].reset_index(drop=True), check_dtype=False)
+    assert status.iloc[[0, 3]].equals(before[2].iloc[[0, 3]])

@@ -136,3 +136,25 @@ def test_a_cell_started_but_before_its_first_iteration_shows_no_number_it_lacks(
     )
     [line] = _cost_lines(cost(progress, cells), cells)[2:]
     assert line == "| 0 | grpo | to run | 0 |  | 0 | 0 | 0 |", line
+
+
+def test_a_cell_whose_start_differs_from_its_seed_s_is_named_on_the_page():
+    """Cells of one seed share a warm start, so their starting evaluations are the same episodes; a warm start
+    trained again (a new machine) that came out different shows as tasks that differ, and the page says so."""
+    from horizonrl.tracking.study_page import _start_line
+
+    rows = [(m, t, w, n) for m in ("loop", "grpo") for t, w, n in (("t0", 1, 3), ("t1", 0, 6))]
+    rows += [("blpo", "t0", 1, 3), ("blpo", "t1", 0, 5), ("loop", "t0", 0, 6)]
+    outcomes = pd.DataFrame(
+        [
+            {"seed": 0, "method": m, "iteration": 40 if i == 6 else 0, "task": t, "won": w, "turns": n}
+            for i, (m, t, w, n) in enumerate(rows)
+        ]
+    )
+    cells = pd.DataFrame({"seed": [0] * 4, "method": ["loop", "grpo", "blpo", "warmstart"]})
+    found = sc.starts(outcomes, cells)
+    assert [(s.method, s.first, s.tasks, s.differ) for s in found] == [("grpo", "loop", 2, 0), ("blpo", "loop", 2, 1)]
+    line = _start_line(found)
+    assert "seed 0, grpo as loop on 2 tasks" in line
+    assert "**seed 0: blpo started from other weights than loop** (their starting evaluations differ on 1 of 2" in line
+    assert _start_line([]).startswith("Starting evaluations: no seed")

@@ -11,12 +11,14 @@ A sweep file (``configs/sweeps/``)::
     concurrency: 2              # cells in flight at once when fanned out
     register_best: horizonrl-household   # registered model name for the best cell's policy (optional)
     baselines: baselines-household       # MLflow experiment of `horizonrl evaluate --model` runs (optional)
+    record: ../../docs/study-x  # a study's committed record (`horizonrl study`): its finished cells never rerun
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +56,15 @@ class SweepConfig(BaseModel):
     baselines: str | None = None
     """MLflow experiment (same store) of the prompted baselines: its finished ``horizonrl evaluate --model
     ... --config ...`` runs are listed on the results page beside the trained cells."""
+
+    record: str | None = None
+    """A study's committed record folder (``horizonrl study --record``), relative to the sweep file. A cell it
+    shows finished is not run again even where the MLflow store and the data folder are gone (a new machine
+    has the repository, not the store), and ``horizonrl study`` refreshes it there by default."""
+
+    def record_folder(self, sweep_file: str | Path) -> Path | None:
+        """The record's folder, ``record`` read from the sweep file's folder; None without one."""
+        return None if self.record is None else Path(os.path.normpath(Path(sweep_file).parent / self.record))
 
     @field_validator("grid")
     @classmethod

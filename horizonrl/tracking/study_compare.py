@@ -90,6 +90,37 @@ def finished_finals(outcomes: pd.DataFrame, cells: pd.DataFrame) -> pd.DataFrame
     return o[o["iteration"] == last].groupby(["seed", "method", "task"], as_index=False)["won"].mean()
 
 
+@dataclass(frozen=True)
+class Start:
+    """A cell's starting evaluation against its seed's first: the tasks both played and how many differ (in
+    outcome or number of turns). Cells of one seed start from one warm start, so none should."""
+
+    seed: int
+    method: str
+    first: str
+    tasks: int
+    differ: int
+
+
+def starts(outcomes: pd.DataFrame, cells: pd.DataFrame) -> list[Start]:
+    """Every cell's iteration-0 outcomes against those of its seed's first cell (in ``cells`` order) that has
+    them. Equal outcomes are what a shared start plays; a cell that differs started from other weights (a warm
+    start trained again elsewhere that came out different), and its pairs compare different starts."""
+    zero = outcomes[outcomes["iteration"] == 0].set_index("task")
+    out = []
+    for seed in sorted(int(s) for s in cells["seed"].unique()):
+        methods = [m for m in cells[cells["seed"] == seed]["method"] if m != "warmstart"]
+        played = {m: t for m in methods if not (t := zero[(zero["seed"] == seed) & (zero["method"] == m)]).empty}
+        if not played:
+            continue
+        first, *rest = played
+        for m in rest:
+            shared = played[first].index.intersection(played[m].index)
+            a, b = (played[x].loc[shared, ["won", "turns"]].sort_index() for x in (first, m))
+            out.append(Start(seed, m, first, len(shared), int((a != b).any(axis=1).sum())))
+    return out
+
+
 def mcnemar_p(a_only: int, b_only: int) -> float:
     """Two-sided exact McNemar p-value: the discordant tasks split as a binomial(a_only + b_only, 1/2)."""
     n, k = a_only + b_only, min(a_only, b_only)

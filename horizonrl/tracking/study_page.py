@@ -182,6 +182,21 @@ def _state(status: str, iterations: int) -> str:
     return "to run (its start failed: the sweep starts it afresh)" if status in ("FAILED", "KILLED") else "to run"
 
 
+def _start_line(start_list: list[sc.Start]) -> str:
+    """Whether each seed's cells started from the same policy: their starting evaluations compared."""
+    if not start_list:
+        return "Starting evaluations: no seed has two cells started yet, so none are compared."
+    same = "; ".join(f"seed {s.seed}, {s.method} as {s.first} on {s.tasks} tasks" for s in start_list if not s.differ)
+    differ = [
+        f"**seed {s.seed}: {s.method} started from other weights than {s.first}** (their starting evaluations differ "
+        f"on {s.differ} of {s.tasks} tasks, so their pairs compare different starts)"
+        for s in start_list
+        if s.differ
+    ]
+    parts = ([f"identical, so these cells share their start ({same})"] if same else []) + differ
+    return f"Starting evaluations (iteration 0) compared within each seed: {'; '.join(parts)}."
+
+
 def page(outcomes: pd.DataFrame, progress: pd.DataFrame, cells: pd.DataFrame, meta: dict, figures: dict) -> str:
     """The study's page. ``meta``: title, sweep (path), command, record (folder), tuning (text);
     ``figures``: x axis -> file name beside the page."""
@@ -202,6 +217,8 @@ def page(outcomes: pd.DataFrame, progress: pd.DataFrame, cells: pd.DataFrame, me
         "## Final held-out success",
         "",
         *_finals_lines(outcomes, finals, methods, seeds),
+        "",
+        _start_line(sc.starts(outcomes, cells)),
         "",
         "## Methods compared task by task",
         "",

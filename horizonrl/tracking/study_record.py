@@ -11,6 +11,9 @@ the study's page (``study_page``) is generated from them alone, so anyone can re
 - ``cells.csv``: one row per cell of the sweep file, finished or not: run name, status, iterations done,
   the warm start it started from and who played its starting evaluation; and one row per shared warm start
   (``method`` = ``warmstart``) with its wall seconds, from its run's start to its last epoch's logged loss.
+
+A record only grows: a cell it shows finished keeps its rows when the store no longer has the run (a new
+machine has the repository, not the store), and the sweep does not run that cell again (``finished_runs``).
 """
 
 from __future__ import annotations
@@ -101,9 +104,44 @@ def export(cells: list[Cell], tracking_uri: str, out: Path) -> dict[str, int]:
         PROGRESS: pd.concat(progress, ignore_index=True) if progress else pd.DataFrame(),
         CELLS: pd.DataFrame(status),
     }
+    if (out / CELLS).is_file():
+        tables = _kept(dict(zip((OUTCOMES, PROGRESS, CELLS), load(out))), tables)
     for name, table in tables.items():
         table.to_csv(out / name, index=False, float_format="%.6g")
     return {name: len(table) for name, table in tables.items()}
+
+
+def _kept(recorded: dict[str, pd.DataFrame], exported: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+    """``exported`` with every cell (and warm start) that ``recorded`` shows finished and ``exported`` does
+    not: its recorded rows replace what the store holds of it (nothing, or a run begun again elsewhere)."""
+    old, new = recorded[CELLS], exported[CELLS]
+    kept = old[(old["status"] == "FINISHED") & ~old["run_name"].isin(new.loc[new["status"] == "FINISHED", "run_name"])]
+    if kept.empty:
+        return exported
+    order = {name: i for i, name in enumerate(dict.fromkeys([*new["run_name"], *old["run_name"]]))}
+    cells = pd.concat([new[~new["run_name"].isin(kept["run_name"])], kept], ignore_index=True)
+    out = {CELLS: cells.sort_values("run_name", key=lambda names: names.map(order), ignore_index=True)}
+    keys = {(int(r.seed), r.method) for r in kept.itertuples() if r.method != "warmstart"}
+    for name in (OUTCOMES, PROGRESS):
+        fresh, before = exported[name], recorded[name]
+        parts = [t for t in (fresh[~_of_cells(fresh, keys)], before[_of_cells(before, keys)]) if not t.empty]
+        out[name] = pd.concat(parts, ignore_index=True) if parts else fresh
+    return out
+
+
+def _of_cells(table: pd.DataFrame, keys: set[tuple[int, str]]) -> pd.Series:
+    """Which rows of ``table`` (outcomes or progress) belong to the cells ``keys`` ((seed, method) each)."""
+    return pd.Series([(int(s), m) in keys for s, m in zip(table.get("seed", []), table.get("method", []))],
+                     index=table.index, dtype=bool)  # fmt: skip
+
+
+def finished_runs(folder: Path) -> dict[str, int]:
+    """{run name: iterations} of the cells the record in ``folder`` shows finished; empty before it is written."""
+    if not (Path(folder) / CELLS).is_file():
+        return {}
+    cells = pd.read_csv(Path(folder) / CELLS)
+    done = cells[(cells["status"] == "FINISHED") & (cells["method"] != "warmstart")]
+    return {str(r.run_name): int(r.iterations) for r in done.itertuples()}
 
 
 def load(folder: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:

@@ -38,10 +38,14 @@ PREVIOUS_TAG = "horizonrl.previous_instance"
 def finished(c: MlflowClient, cell: Cell) -> bool:
     """The cell's run ended (FINISHED) after all its iterations (or its time or environment-step budget)."""
     run = mlflow_runs.find_run(c, cell.config.experiment, cell.run_name)
-    if run is None or run.info.status != "FINISHED":
-        return False
+    return run is not None and ran_all(cell, run.info.status, run.data.metrics.get("summary/iterations", 0))
+
+
+def ran_all(cell: Cell, status: str, iterations: float) -> bool:
+    """A run of ``cell`` that ended with ``status`` after ``iterations`` needs no more: it finished all the
+    cell's iterations, or stopped at its time or environment-step budget."""
     budgeted = cell.config.time_budget_s is not None or cell.config.env_step_budget is not None
-    return budgeted or run.data.metrics.get("summary/iterations", 0) >= cell.config.iterations
+    return status == "FINISHED" and (budgeted or iterations >= cell.config.iterations)
 
 
 def link(c: MlflowClient, parent_id: str, sweep_name: str, cell: Cell, create: bool) -> None:
