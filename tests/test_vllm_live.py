@@ -493,6 +493,7 @@ def test_a_corrupted_in_place_reload_is_caught_and_the_owned_server_restarts_on_
         live.untie_head = True
     s = live.last_sync
     assert s.path == "restart" and live.alive() and live.server.proc.pid != pid
+    assert not tmp.exists() and live.server.tmp.is_dir(), "the killed server's temporary files went with it"
     assert s.reason.startswith("probe log-probs off by") and s.reason.endswith("after the in-place reload")
     assert float(s.reason.split()[4]) > TOL and s.probe_max_diff <= TOL
     prompts, commands = _prompts(fmt, household_suite)
@@ -515,7 +516,9 @@ def test_a_dead_server_ends_its_episodes_as_errors_and_the_next_sync_restarts_it
     the Qwen3 tests after this one run on the restarted server instead of paying a start of their own."""
     _, _, fmt, _ = tiny_policy
     path, model, tokenizer, _, _ = qwen3_policy
-    pid = live.server.proc.pid
+    pid, tmp = live.server.proc.pid, live.server.tmp
+    files = list(tmp.iterdir())  # what vLLM leaves in a temporary folder when it is killed
+    assert any(f.is_socket() for f in files) and any(f.name.startswith("vllm_dist_") for f in files)
     os.killpg(pid, signal.SIGKILL)
     live.server.proc.wait()
     assert not live.alive()
@@ -529,6 +532,7 @@ def test_a_dead_server_ends_its_episodes_as_errors_and_the_next_sync_restarts_it
     live.sync(str(path), probe_of(model, len(tokenizer)))
     s = live.last_sync
     assert s.path == "restart" and live.alive() and live.server.proc.pid != pid
+    assert not tmp.exists() and live.server.tmp.is_dir(), "the killed server's temporary files went with it"
     assert s.reason.startswith("in-place reload failed") and "cannot reach" in s.reason
     assert s.probe_max_diff <= TOL and s.seconds <= time.perf_counter() - t0
 

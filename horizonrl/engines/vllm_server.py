@@ -12,12 +12,14 @@ every start.
 from __future__ import annotations
 
 import atexit
+import getpass
 import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,6 +194,17 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
     return env
 
 
+def own_tmp_env(tmp: Path) -> dict[str, str]:
+    """Environment that puts a server's temporary files in ``tmp``: vLLM names a socket file per process link
+    and a distributed-init file per start in the temporary folder and leaves them when it is killed, so over a
+    run's restarts they would pile up in /tmp. torch's compiled kernels stay in their machine-wide cache (the
+    default, under the usual temporary folder), where the next start finds them."""
+    inductor = os.environ.get(
+        "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    )
+    return {"TMPDIR": str(tmp), "VLLM_RPC_BASE_PATH": str(tmp), "TORCHINDUCTOR_CACHE_DIR": inductor}
+
+
 def check_head_dim(spec: ServerSpec) -> None:
     """Refuse, before a start-up that would cost a minute, a model the CPU build cannot serve: it starts,
     reports healthy, then dies at the first request on a head size its attention kernel lacks."""
@@ -232,6 +245,7 @@ class VLLMServer:
         self.log_path = log_path
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
+        self.tmp: Path | None = None  # its temporary folder (IPC sockets, distributed-init file), removed at stop
         self.url = f"http://127.0.0.1:{spec.port}"
 
     def start(self) -> None:
@@ -246,15 +260,16 @@ class VLLMServer:
                 "run would take for its own server and reload its weights into: set engine.vllm.port to a free port"
             )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        atexit.register(self.stop)
+        self.tmp = Path(tempfile.mkdtemp(prefix="horizonrl-vllm-"))
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 server_command(self.spec),
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=server_env(self.spec),
+                env=server_env(self.spec) | own_tmp_env(self.tmp),
                 start_new_session=True,
             )
-        atexit.register(self.stop)
         client, deadline = VLLMClient(self.url), time.monotonic() + self.startup_timeout_s
         while not client.healthy():
             if self.proc.poll() is not None:
@@ -265,9 +280,7 @@ class VLLMServer:
             time.sleep(0.1)  # a refused connection costs nothing; a (re)start's first answer is used at once
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)  # the group this server leads (start_new_session)
             try:
                 self.proc.wait(timeout=30)
@@ -275,4 +288,7 @@ class VLLMServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.proc = None
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
         atexit.unregister(self.stop)
