@@ -493,7 +493,6 @@ def test_a_corrupted_in_place_reload_is_caught_and_the_owned_server_restarts_on_
         live.untie_head = True
     s = live.last_sync
     assert s.path == "restart" and live.alive() and live.server.proc.pid != pid
-    assert not tmp.exists() and live.server.tmp.is_dir(), "the killed server's temporary files went with it"
     assert s.reason.startswith("probe log-probs off by") and s.reason.endswith("after the in-place reload")
     assert float(s.reason.split()[4]) > TOL and s.probe_max_diff <= TOL
     prompts, commands = _prompts(fmt, household_suite)
