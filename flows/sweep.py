@@ -19,6 +19,7 @@ from horizonrl.config.sweep import Cell, instance_name, load_sweep
 from horizonrl.run import preflight
 from tasks.sweep import (
     Link,
+    NothingToReport,
     close_sweep,
     link_cell,
     open_sweep,
@@ -68,7 +69,15 @@ def sweep(
         else:
             states = _run_here(todo, link, allow_change or [])
         failed = {name: state for name, state in states.items() if state != "Completed"}
-        rows = sweep_report(name, cells[0].config.experiment, link.tracking_uri, sweep_path, out)  # 4. the report
+        try:  # 4. the report
+            rows = sweep_report(name, cells[0].config.experiment, link.tracking_uri, sweep_path, out)
+        except NothingToReport:
+            if spec.record is None:
+                raise
+            log.info(
+                "no cell finished in this store; the study's page comes from its record: horizonrl study %s", sweep_path
+            )
+            rows = []
         if spec.register_best:  # 5. the best cell's policy
             version = register_best(link, spec.register_best)
             log.info("best policy registered as %s version %s", spec.register_best, version)

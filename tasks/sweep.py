@@ -39,6 +39,10 @@ from horizonrl.tracking import (
 UNFINISHED = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING]
 
 
+class NothingToReport(ValueError):
+    """No cell of the sweep has finished in this MLflow store (a study's may all be in its record)."""
+
+
 @task(name="sweep-unfinished", cache_policy=NONE)
 def unfinished_cells(cells: list[Cell], record: Path | None = None) -> list[Cell]:
     """The cells whose run has not ended after all its iterations (``sweep_runs.finished``): the ones to run.
@@ -127,7 +131,7 @@ def report_inputs(
         raise ValueError(f"no sweep run named {sweep_name!r} in experiment {experiment!r}")
     found = sweep_runs.histories(c, parent.info.run_id)
     if not found:
-        raise ValueError(f"sweep {sweep_name!r} has no finished cell runs under it yet")
+        raise NothingToReport(f"sweep {sweep_name!r} has no finished cell runs under it yet")
     previous = sweep_runs.previous_instance(c, parent)
     return uri, parent, list(found.values()), sweep_runs.page_context(c, parent, found, sweep_path, out, previous)
 

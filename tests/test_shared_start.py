@@ -123,6 +123,7 @@ def test_a_study_record_keeps_what_a_new_machine_s_store_lacks(prefect_harness, 
     import yaml
     from prefect import flow
 
+    from flows.sweep import sweep
     from horizonrl.config.sweep import load_sweep
     from horizonrl.tracking import study_record
     from tasks.sweep import unfinished_cells
@@ -176,3 +177,9 @@ def test_a_study_record_keeps_what_a_new_machine_s_store_lacks(prefect_harness, 
     for new, old in ((outcomes, before[0]), (progress, before[1])):
         pd.testing.assert_frame_equal(new, old[old["method"] == "loop"].reset_index(drop=True), check_dtype=False)
     assert status.iloc[[0, 3]].equals(before[2].iloc[[0, 3]])
+
+    status.loc[[1, 2], ["status", "iterations"]] = ["FINISHED", 1]  # every cell done, in the record only
+    status.to_csv(record / study_record.CELLS, index=False)
+    assert sweep(str(tmp_path / "study.yaml"), in_process=True) == [], "nothing to run, and no store report"
+    c = MlflowClient(tracking_uri)
+    assert [r.info.run_name for r in c.search_runs(c.get_experiment_by_name("test").experiment_id)] == ["study"]
