@@ -122,10 +122,18 @@ def _kept(recorded: dict[str, pd.DataFrame], exported: dict[str, pd.DataFrame]) 
     cells = pd.concat([new[~new["run_name"].isin(kept["run_name"])], kept], ignore_index=True)
     out = {CELLS: cells.sort_values("run_name", key=lambda names: names.map(order), ignore_index=True)}
     keys = {(int(r.seed), r.method) for r in kept.itertuples() if r.method != "warmstart"}
+    rank = {(int(r.seed), r.method): i for i, r in enumerate(out[CELLS].itertuples())}
     for name in (OUTCOMES, PROGRESS):
         fresh, before = exported[name], recorded[name]
         parts = [t for t in (fresh[~_of_cells(fresh, keys)], before[_of_cells(before, keys)]) if not t.empty]
-        out[name] = pd.concat(parts, ignore_index=True) if parts else fresh
+        if not parts:
+            out[name] = fresh
+            continue
+        t = pd.concat(parts, ignore_index=True)  # in the cells' order, as an export from one store writes it
+        order = t.assign(cell=[rank[(int(s), m)] for s, m in zip(t["seed"], t["method"])]).sort_values(
+            "cell", kind="stable"
+        )
+        out[name] = t.loc[order.index].reset_index(drop=True)
     return out
 
 
