@@ -113,28 +113,32 @@ def export(cells: list[Cell], tracking_uri: str, out: Path) -> dict[str, int]:
 
 def _kept(recorded: dict[str, pd.DataFrame], exported: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
     """``exported`` with every cell (and warm start) that ``recorded`` shows finished and ``exported`` does
-    not: its recorded rows replace what the store holds of it (nothing, or a run begun again elsewhere)."""
+    not: its recorded rows replace what the store holds of it (nothing, or a run begun again elsewhere). Rows
+    stay in the cells' order, as an export from one store writes them."""
     old, new = recorded[CELLS], exported[CELLS]
     kept = old[(old["status"] == "FINISHED") & ~old["run_name"].isin(new.loc[new["status"] == "FINISHED", "run_name"])]
     if kept.empty:
         return exported
-    order = {name: i for i, name in enumerate(dict.fromkeys([*new["run_name"], *old["run_name"]]))}
+    position = {name: i for i, name in enumerate(dict.fromkeys([*new["run_name"], *old["run_name"]]))}
     cells = pd.concat([new[~new["run_name"].isin(kept["run_name"])], kept], ignore_index=True)
-    out = {CELLS: cells.sort_values("run_name", key=lambda names: names.map(order), ignore_index=True)}
+    cells = _ordered(cells, [position[name] for name in cells["run_name"]])
+    rank = {(int(s), m): i for i, (s, m) in enumerate(zip(cells["seed"], cells["method"]))}
     keys = {(int(r.seed), r.method) for r in kept.itertuples() if r.method != "warmstart"}
-    rank = {(int(r.seed), r.method): i for i, r in enumerate(out[CELLS].itertuples())}
+    out = {CELLS: cells}
     for name in (OUTCOMES, PROGRESS):
         fresh, before = exported[name], recorded[name]
         parts = [t for t in (fresh[~_of_cells(fresh, keys)], before[_of_cells(before, keys)]) if not t.empty]
-        if not parts:
+        if parts:
+            t = pd.concat(parts, ignore_index=True)
+            out[name] = _ordered(t, [rank[(int(s), m)] for s, m in zip(t["seed"], t["method"])])
+        else:
             out[name] = fresh
-            continue
-        t = pd.concat(parts, ignore_index=True)  # in the cells' order, as an export from one store writes it
-        order = t.assign(cell=[rank[(int(s), m)] for s, m in zip(t["seed"], t["method"])]).sort_values(
-            "cell", kind="stable"
-        )
-        out[name] = t.loc[order.index].reset_index(drop=True)
     return out
+
+
+def _ordered(table: pd.DataFrame, rank: list[int]) -> pd.DataFrame:
+    """``table``'s rows sorted by ``rank`` (one per row), ties in their order."""
+    return table.iloc[pd.Series(rank).argsort(kind="stable").to_numpy()].reset_index(drop=True)
 
 
 def _of_cells(table: pd.DataFrame, keys: set[tuple[int, str]]) -> pd.Series:
